@@ -1,0 +1,26 @@
+"""User-facing errors.
+
+Every problem a user can cause (a missing corpus, a bad config value, a corrupt checkpoint) is raised
+as a :class:`GatedformerError` whose message is one line naming the problem and the fix. The CLI
+prints that line and exits non-zero; everything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class GatedformerError(Exception):
+    """A problem with the user's input; ``str(err)`` names the problem and how to fix it."""
+
+    exit_code = 2
+
+
+class ConfigError(GatedformerError):
+    """A recipe, override or placement spec that does not describe a valid run."""
+
+
+class DataError(GatedformerError):
+    """A corpus that is missing, corrupt, empty or unreadable."""
+
+
+class CheckpointError(GatedformerError):
+    """A checkpoint that is truncated, corrupt, unsafe or built for another model."""
