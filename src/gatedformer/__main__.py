@@ -1,0 +1,5 @@
+"""``python -m gatedformer`` (also what ``torchrun -m gatedformer`` runs)."""
+
+from gatedformer.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""Figures: a run's loss curve and the convergence of several variants. Needs matplotlib."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from gatedformer.analysis.runlog import read_log, series
+from gatedformer.io import atomic_write
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    plt = _pyplot()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png"))
+    plt.close(fig)
+    return path
+
+
+def plot_run(run_dir: Path, metric: str | None = None) -> Path:
+    """``run_dir/loss.png``: train loss and validation metric against step."""
+    plt = _pyplot()
+    records = read_log(run_dir)
+    metric = metric or _metric_of(records)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    steps, losses = series(records, "train", "train_loss")
+    left.plot(steps, losses, label="train")
+    vsteps, vlosses = series(records, "eval", "valid_loss")
+    left.plot(vsteps, vlosses, marker="o", label="valid")
+    left.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
+    left.legend()
+    msteps, values = series(records, "eval", f"valid_{metric}")
+    right.plot(msteps, values, marker="o", color="tab:orange")
+    right.set(xlabel="step", ylabel=f"valid {metric}", title=f"valid {metric}")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+    fig.suptitle(Path(run_dir).name)
+    return _save(fig, Path(run_dir) / "loss.png")
+
+
+def _metric_of(records: list[dict]) -> str:
+    for record in records:
+        for key in record:
+            if key.startswith("valid_") and key != "valid_loss":
+                return key[len("valid_"):]
+    return "loss"
+
+
+def _band(axis, runs: list[tuple[list[float], list[float]]], label: str, color) -> None:
+    """Mean line with the seeds' min-max spread shaded, on the x values all seeds share."""
+    runs = [r for r in runs if r[0]]
+    if not runs:
+        return
+    length = min(len(xs) for xs, _ in runs)
+    xs = np.mean([np.asarray(r[0][:length], dtype=float) for r in runs], axis=0)
+    ys = np.asarray([r[1][:length] for r in runs], dtype=float)
+    axis.plot(xs, ys.mean(axis=0), label=label, color=color)
+    if len(runs) > 1:
+        axis.fill_between(xs, ys.min(axis=0), ys.max(axis=0), alpha=0.2, color=color)
+
+
+def plot_convergence(runs: dict[str, list[Path]], metric: str, out_path: Path) -> Path:
+    """Valid metric against step and wall-clock time, and train loss against step, for every
+    variant in one figure; the spread over seeds is shaded."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, run_dirs) in enumerate(runs.items()):
+        logs = [read_log(d) for d in run_dirs]
+        color = colors[i % len(colors)]
+        _band(axes[0], [series(r, "eval", f"valid_{metric}") for r in logs], name, color)
+        _band(axes[1], [series(r, "eval", f"valid_{metric}", x="time") for r in logs], name, color)
+        _band(axes[2], [series(r, "train", "train_loss") for r in logs], name, color)
+    axes[0].set(xlabel="step", ylabel=f"valid {metric}", title=f"valid {metric} vs step")
+    axes[1].set(xlabel="training time (s)", ylabel=f"valid {metric}", title=f"valid {metric} vs time")
+    axes[2].set(xlabel="step", ylabel="train loss (nats/token)", title="train loss vs step")
+    for axis in axes:
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    return _save(fig, Path(out_path))

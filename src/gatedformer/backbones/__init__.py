@@ -1,0 +1,41 @@
+"""The models. Each backbone is built from a :class:`~gatedformer.config.ModelConfig` by name.
+
+Every language model here has the same interface, ``forward(tokens (B, L), state) -> (logits, state)``,
+where ``state`` is whatever the model carries from one window to the next (``None`` for most; the
+Transformer-XL memory; the SRU cell states). Models know nothing about how they are trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from gatedformer.backbones.placement import parse_gate_spec, resolve_placement
+from gatedformer.backbones.transformer import TransformerLM
+from gatedformer.config import ModelConfig
+from gatedformer.errors import ConfigError
+
+
+def _transformer(cfg: ModelConfig, vocab_size: int) -> nn.Module:
+    return TransformerLM(
+        vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ffn=cfg.d_ffn,
+        dropout=cfg.dropout, emb_dropout=cfg.emb_dropout, attn_dropout=cfg.attn_dropout, norm=cfg.norm,
+        ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, gates=cfg.gates,
+    )
+
+
+BUILDERS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {"transformer": _transformer}
+
+
+def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
+    """Instantiate the language model ``cfg.backbone`` for a vocabulary of ``vocab_size``."""
+    builder = BUILDERS.get(cfg.backbone)
+    if builder is None:
+        raise ConfigError(
+            f"model.backbone={cfg.backbone!r} is not available; choose one of {', '.join(sorted(BUILDERS))}"
+        )
+    return builder(cfg, vocab_size)
+
+
+__all__ = ["BUILDERS", "TransformerLM", "build_model", "parse_gate_spec", "resolve_placement"]

@@ -1,0 +1,215 @@
+"""Gate placement specs: which unit goes on which layer and sublayer.
+
+A spec is a ``+``-separated list of items, so that the papers' own names parse as written::
+
+    ""  or "baseline"        no gates
+    "+σ SDU"                 sigmoid SDU beside every attention and FFN sublayer
+    "+tanh L1-3"             tanh SDU on layers 1 to 3 (1-based, as the paper counts)
+    "+σ L1-6\\FFN"           sigmoid SDU on layers 1-6, but not on the FFN sublayers
+    "+highway gate"          highway gate on every sublayer
+    "+gated MHDPA"           gated MHDPA on every sublayer
+    "+EAU+GRC"               EAU after every attention, GRC in place of every residual
+    "sdu tanh L1,3 /attn"    tanh SDU on layers 1 and 3, attention sublayers only
+
+Words inside an item: a unit (``sdu``, ``highway [gate]``, ``gated mhdpa``, ``eau``, ``grc``); a gate
+function (``σ``/``sigmoid``, ``tanh``; alone it implies ``sdu``); layers (``L1-2``, ``L1,3,5``,
+``Lall``); sublayers kept (``/attn``, ``/ffn``) or dropped (``\\FFN``, ``\\attn``, ``no FFN``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from gatedformer.errors import ConfigError
+
+SUBLAYERS = ("attn", "ffn")
+# Units that reshape the sublayer's output or its residual; at most one of them per sublayer.
+EXCLUSIVE_UNITS = ("sdu", "highway", "gated_mhdpa")
+UNITS = (*EXCLUSIVE_UNITS, "eau", "grc")
+GATE_FNS = ("sigmoid", "tanh")
+
+_UNIT_WORDS = {
+    "sdu": "sdu",
+    "highway": "highway",
+    "highway-gate": "highway",
+    "highway_gate": "highway",
+    "gated-mhdpa": "gated_mhdpa",
+    "gated_mhdpa": "gated_mhdpa",
+    "gmhdpa": "gated_mhdpa",
+    "eau": "eau",
+    "grc": "grc",
+}
+_FN_WORDS = {"σ": "sigmoid", "sigma": "sigmoid", "sigmoid": "sigmoid", "sig": "sigmoid", "tanh": "tanh"}
+_SUBLAYER_WORDS = {"attn": "attn", "att": "attn", "attention": "attn", "mhdpa": "attn", "ffn": "ffn"}
+_HELP = "write e.g. '+σ SDU', '+tanh L1-3', '+σ L1-6\\FFN', '+highway gate', '+gated MHDPA' or '+EAU+GRC'"
+
+
+@dataclass(frozen=True)
+class GateItem:
+    """One parsed item of a spec: a unit with its function, layers (1-based) and sublayers."""
+
+    unit: str
+    fn: str = "sigmoid"
+    layers: tuple[int, ...] | None = None
+    """``None`` means every layer."""
+    sublayers: tuple[str, ...] = SUBLAYERS
+
+
+@dataclass
+class SublayerGates:
+    """What gates one sublayer carries once a spec is resolved."""
+
+    unit: str | None = None
+    """One of :data:`EXCLUSIVE_UNITS`, or ``None``."""
+    fn: str = "sigmoid"
+    eau: bool = False
+    grc: bool = False
+
+    @property
+    def empty(self) -> bool:
+        return self.unit is None and not self.eau and not self.grc
+
+
+@dataclass
+class Placement:
+    """A resolved spec: the gates of every (layer, sublayer), 0-based layers."""
+
+    n_layers: int
+    sites: dict[tuple[int, str], SublayerGates] = field(default_factory=dict)
+
+    def at(self, layer: int, sublayer: str) -> SublayerGates:
+        return self.sites.get((layer, sublayer), SublayerGates())
+
+    def is_empty(self) -> bool:
+        return all(s.empty for s in self.sites.values())
+
+
+def _parse_layers(text: str, spec: str) -> tuple[int, ...] | None:
+    if text.lower() == "all":
+        return None
+    layers: list[int] = []
+    for part in text.split(","):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        if not match:
+            raise ConfigError(f"bad layer set {text!r} in gate spec {spec!r}; write L1-2, L1,3,5 or Lall")
+        lo = int(match.group(1))
+        hi = int(match.group(2) or lo)
+        if lo < 1 or hi < lo:
+            raise ConfigError(f"bad layer range {part!r} in gate spec {spec!r}; layers count from 1, low to high")
+        layers.extend(range(lo, hi + 1))
+    return tuple(sorted(set(layers)))
+
+
+def _tokenise(item: str) -> list[str]:
+    item = item.strip().lower()
+    item = re.sub(r"\bhighway\s+gate\b", "highway-gate", item)
+    item = re.sub(r"\bgated\s+mhdpa\b", "gated-mhdpa", item)
+    item = re.sub(r"\bno\s+(ffn|attn|att|attention)\b", r"\\\1", item)
+    # "\FFN" and "/attn" may be glued to a layer word: split them off.
+    item = re.sub(r"([\\/])", r" \1", item)
+    item = re.sub(r"([\\/])\s+", r"\1", item)
+    return item.split()
+
+
+def _parse_item(item: str, spec: str) -> GateItem:
+    unit: str | None = None
+    fn: str | None = None
+    layers: tuple[int, ...] | None = None
+    keep: list[str] = []
+    drop: list[str] = []
+    for word in _tokenise(item):
+        if word in _UNIT_WORDS:
+            unit = _UNIT_WORDS[word]
+        elif word in _FN_WORDS:
+            fn = _FN_WORDS[word]
+        elif word[0] in "\\/" and word[1:] in _SUBLAYER_WORDS:
+            (drop if word[0] == "\\" else keep).append(_SUBLAYER_WORDS[word[1:]])
+        elif re.fullmatch(r"l(all|[\d,\-]+)", word):
+            layers = _parse_layers(word[1:], spec)
+        else:
+            raise ConfigError(f"unknown word {word!r} in gate spec {spec!r}; {_HELP}")
+    if unit is None:
+        if fn is None:
+            raise ConfigError(f"gate spec item {item.strip()!r} names no unit; {_HELP}")
+        unit = "sdu"
+    if fn is not None and unit != "sdu":
+        raise ConfigError(f"a gate function ({fn}) applies to SDU only, not {unit}; drop it from {spec!r}")
+    default = ("attn",) if unit == "eau" else SUBLAYERS
+    sublayers = tuple(s for s in (keep or default) if s not in drop)
+    if not sublayers:
+        raise ConfigError(f"gate spec item {item.strip()!r} leaves no sublayer to gate; {_HELP}")
+    if unit == "eau" and "ffn" in sublayers:
+        raise ConfigError("EAU goes after multi-head attention only; drop /ffn from the EAU item")
+    return GateItem(unit, fn or "sigmoid", layers, sublayers)
+
+
+def parse_gate_spec(spec: str) -> list[GateItem]:
+    """Parse a spec into its items; the empty spec and ``baseline`` mean no gates."""
+    if not isinstance(spec, str):
+        raise ConfigError(f"gate spec must be a string, got {type(spec).__name__}; {_HELP}")
+    text = spec.strip()
+    if text.lower() in ("", "baseline", "none"):
+        return []
+    parts = [p for p in re.split(r"[+;]", text) if p.strip()]
+    if not parts:
+        raise ConfigError(f"empty gate spec {spec!r}; {_HELP}")
+    return [_parse_item(p, spec) for p in parts]
+
+
+def resolve_placement(spec: str, n_layers: int, backbone: str = "transformer") -> Placement:
+    """Resolve ``spec`` against a model of ``n_layers`` layers, rejecting conflicting gates."""
+    placement = Placement(n_layers)
+    items = parse_gate_spec(spec)
+    if items and backbone in ("gcnn", "sru"):
+        raise ConfigError(
+            f"model.backbone={backbone} has no attention/FFN sublayers to gate; "
+            "use a Transformer backbone or clear model.gates"
+        )
+    for item in items:
+        layers = item.layers if item.layers is not None else tuple(range(1, n_layers + 1))
+        if layers and layers[-1] > n_layers:
+            raise ConfigError(
+                f"gate spec {spec!r} names layer {layers[-1]} but the model has {n_layers} layers; "
+                "lower the layer numbers or raise model.n_layers"
+            )
+        for layer in layers:
+            for sublayer in item.sublayers:
+                site = placement.sites.setdefault((layer - 1, sublayer), SublayerGates())
+                _add(site, item, layer, sublayer, spec)
+    return placement
+
+
+def _add(site: SublayerGates, item: GateItem, layer: int, sublayer: str, spec: str) -> None:
+    where = f"layer {layer} {sublayer}"
+    if item.unit in EXCLUSIVE_UNITS:
+        if site.unit is not None:
+            raise ConfigError(
+                f"gate spec {spec!r} puts both {site.unit} and {item.unit} on {where}; "
+                "choose one of sdu, highway, gated mhdpa per sublayer"
+            )
+        site.unit, site.fn = item.unit, item.fn
+    elif item.unit == "eau":
+        if site.eau:
+            raise ConfigError(f"gate spec {spec!r} puts EAU twice on {where}; name it once")
+        site.eau = True
+    else:
+        if site.grc:
+            raise ConfigError(f"gate spec {spec!r} puts GRC twice on {where}; name it once")
+        site.grc = True
+    if site.grc and site.unit in ("highway", "gated_mhdpa"):
+        raise ConfigError(
+            f"gate spec {spec!r} combines GRC with {site.unit} on {where}: both replace the residual "
+            "connection; use one of them there"
+        )
+
+
+def describe_placement(placement: Placement) -> str:
+    """A short human-readable summary, e.g. for logs."""
+    parts = []
+    for (layer, sublayer), site in sorted(placement.sites.items()):
+        names = [f"{site.unit}({site.fn})" if site.unit == "sdu" else site.unit] if site.unit else []
+        names += ["eau"] * site.eau + ["grc"] * site.grc
+        if names:
+            parts.append(f"L{layer + 1}.{sublayer}:{'+'.join(names)}")
+    return ", ".join(parts) or "no gates"

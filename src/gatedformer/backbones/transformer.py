@@ -1,0 +1,62 @@
+"""The Transformer language model of the Highway Transformer paper, with gates placed by spec."""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor, nn
+
+from gatedformer.backbones.attention import CausalSelfAttention, sinusoidal_positions
+from gatedformer.backbones.blocks import Sublayer, make_ffn
+from gatedformer.backbones.placement import resolve_placement
+
+
+class TransformerLayer(nn.Module):
+    """Attention sublayer then feed-forward sublayer: ``U = LN(X + Att(X))``, ``O = LN(U + FFN(U))``."""
+
+    def __init__(self, d_model: int, n_heads: int, d_ffn: int, dropout: float, attn_dropout: float,
+                 norm: str, ffn: str, attn_gates, ffn_gates) -> None:
+        super().__init__()
+        self.attn = Sublayer(CausalSelfAttention(d_model, n_heads, attn_dropout), d_model, attn_gates,
+                             dropout, norm)
+        self.ffn = Sublayer(make_ffn(ffn, d_model, d_ffn, dropout), d_model, ffn_gates, dropout, norm)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ffn(self.attn(x))
+
+
+class TransformerLM(nn.Module):
+    """Token embedding + sinusoidal positions, ``n_layers`` causal Transformer layers, softmax output.
+
+    ``forward(tokens (B, L)) -> (logits (B, L, V), None)``; the second value is the recurrent
+    state every language model returns (this one has none).
+    """
+
+    def __init__(self, vocab_size: int, d_model: int = 128, n_layers: int = 3, n_heads: int = 4,
+                 d_ffn: int = 512, dropout: float = 0.1, emb_dropout: float | None = None,
+                 attn_dropout: float = 0.0, norm: str = "post", ffn: str = "relu",
+                 tie_embeddings: bool = False, gates: str = "") -> None:
+        super().__init__()
+        placement = resolve_placement(gates, n_layers)
+        self.d_model = d_model
+        self.embedding = nn.Embedding(vocab_size, d_model)
+        self.emb_dropout = nn.Dropout(dropout if emb_dropout is None else emb_dropout)
+        self.layers = nn.ModuleList(
+            TransformerLayer(d_model, n_heads, d_ffn, dropout, attn_dropout, norm, ffn,
+                             placement.at(i, "attn"), placement.at(i, "ffn"))
+            for i in range(n_layers)
+        )
+        self.final_norm = nn.LayerNorm(d_model) if norm == "pre" else None
+        self.output = nn.Linear(d_model, vocab_size)
+        if tie_embeddings:
+            self.output.weight = self.embedding.weight
+
+    def forward(self, tokens: Tensor, state: object = None) -> tuple[Tensor, None]:
+        x = self.embedding(tokens) * math.sqrt(self.d_model)
+        x = x + sinusoidal_positions(tokens.shape[1], self.d_model, x.device, x.dtype)
+        x = self.emb_dropout(x)
+        for layer in self.layers:
+            x = layer(x)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.output(x), None

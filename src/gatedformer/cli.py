@@ -1,0 +1,192 @@
+"""The ``gatedformer`` command line: parses, dispatches, prints. The work lives in the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from gatedformer.errors import GatedformerError
+
+
+def _add_config_args(parser: argparse.ArgumentParser, data: bool = True) -> None:
+    parser.add_argument("--recipe", required=True, help="a shipped recipe name or a path to a .toml recipe")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set model.d_model=256 (repeatable)")
+    if data:
+        parser.add_argument("--data", help="corpus to use, e.g. ptb-char, wikitext2, text:notes.txt")
+        parser.add_argument("--data-dir", help="folder holding the corpora (default: $GATEDFORMER_DATA, "
+                                               "then ../shared/data, then the user cache)")
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    extra = [f"data.corpus={args.data}"] if getattr(args, "data", None) else []
+    return list(args.overrides) + extra
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from gatedformer.config import build_config, load_recipe
+    from gatedformer.train.loop import train
+
+    config = build_config(load_recipe(args.recipe), _overrides(args))
+    result = train(config, args.out, data_dir=args.data_dir, resume=args.resume, progress=not args.quiet)
+    _print_result(result.__dict__)
+    try:
+        from gatedformer.analysis.plots import plot_run
+
+        path = plot_run(Path(args.out))
+        print(f"loss curve: {path}")
+    except ImportError:
+        print("loss curve skipped: install the 'plot' extra (pip install 'gatedformer[plot]')")
+    return 0
+
+
+def _print_result(result: dict) -> None:
+    metric = result["metric"]
+    print(f"valid loss {result['valid_loss']:.4f}  valid {metric} {result['valid_metric']:.4f}")
+    print(f"test  loss {result['test_loss']:.4f}  test  {metric} {result['test_metric']:.4f}")
+    print(f"params {result['params']:,}  {result['seconds_per_step'] * 1000:.1f} ms/step  "
+          f"{result['tokens_per_second']:,.0f} tokens/s  results: {result['run_dir']}/results.json")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from gatedformer.data import LMStream
+    from gatedformer.train.loop import evaluate, load_trained, metric_value, resolve_device
+
+    config, model, corpus = load_trained(args.run, args.data_dir, args.device)
+    tokens = corpus.valid if args.split == "valid" else corpus.test
+    stream = LMStream(tokens, config.data.eval_batch_size, config.data.eval_seq_len or config.data.seq_len)
+    loss = evaluate(model, stream, resolve_device(args.device), config.train.precision)
+    print(json.dumps({"run": str(args.run), "split": args.split, "loss": loss,
+                      corpus.metric: metric_value(corpus.metric, loss)}))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from gatedformer.generate import generate
+    from gatedformer.train.loop import load_trained
+
+    _, model, corpus = load_trained(args.run, args.data_dir, args.device)
+    text = generate(model, corpus.vocab, args.prompt, max_tokens=args.tokens, temperature=args.temperature,
+                    top_k=args.top_k, seed=args.seed)
+    print(text)
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from gatedformer import data
+
+    if args.action == "list":
+        for entry in data.list_corpora():
+            print(f"{entry['name']:<16} {entry['level']:<5} {entry['metric']:<4} {entry['description']}")
+        return 0
+    if args.action == "check":
+        results = data.check_corpora(args.data_dir)
+        for entry in results:
+            print(f"{entry['name']:<16} {entry['status']:<8} {entry.get('path') or ''} {entry.get('detail') or ''}")
+        return 0 if all(e["status"] in ("ok", "missing") for e in results) else 1
+    if not args.name:
+        raise GatedformerError("data fetch needs a corpus name, e.g. gatedformer data fetch enwik8")
+    path = data.fetch_corpus(args.name, args.data_dir, base_url=args.mirror, progress=not args.quiet)
+    print(f"{args.name}: ready at {path}")
+    return 0
+
+
+def cmd_params(args: argparse.Namespace) -> int:
+    from gatedformer.analysis.params import parameter_report
+
+    report = parameter_report(args.recipe, list(args.overrides), data_dir=args.data_dir)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(report["text"])
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from gatedformer.analysis.compare import run_comparison
+    from gatedformer.config import load_recipe
+
+    report = run_comparison(load_recipe(args.recipe), Path(args.out), seeds=args.seeds,
+                            overrides=_overrides(args), data_dir=args.data_dir, progress=not args.quiet,
+                            only=args.variants)
+    print(report.table)
+    print(f"\nreport: {report.report_path}")
+    for figure in report.figures:
+        print(f"figure: {figure}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gatedformer import __version__
+
+    parser = argparse.ArgumentParser(prog="gatedformer", description="Gated sequence models: train, compare, "
+                                     "evaluate and generate.")
+    parser.add_argument("--version", action="version", version=f"gatedformer {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = commands.add_parser("train", help="train a recipe into a run directory")
+    _add_config_args(train)
+    train.add_argument("--out", required=True, help="run directory to create (or continue with --resume)")
+    train.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.set_defaults(handler=cmd_train)
+
+    evaluate = commands.add_parser("eval", help="score a trained run on valid or test; prints one JSON line")
+    evaluate.add_argument("--run", required=True, help="a run directory written by train")
+    evaluate.add_argument("--split", choices=("valid", "test"), default="valid")
+    evaluate.add_argument("--data-dir")
+    evaluate.add_argument("--device", default="auto")
+    evaluate.set_defaults(handler=cmd_eval)
+
+    generate = commands.add_parser("generate", help="sample text from a trained run")
+    generate.add_argument("--run", required=True)
+    generate.add_argument("--prompt", default="")
+    generate.add_argument("--tokens", type=int, default=200, help="how many tokens to sample")
+    generate.add_argument("--temperature", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--data-dir")
+    generate.add_argument("--device", default="auto")
+    generate.set_defaults(handler=cmd_generate)
+
+    data = commands.add_parser("data", help="list, check or fetch corpora")
+    data.add_argument("action", choices=("list", "check", "fetch"))
+    data.add_argument("name", nargs="?", help="corpus to fetch")
+    data.add_argument("--data-dir")
+    data.add_argument("--mirror", help="fetch from this base URL instead of the canonical address")
+    data.add_argument("--quiet", action="store_true")
+    data.set_defaults(handler=cmd_data)
+
+    params = commands.add_parser("params", help="parameter counts, total and per component")
+    _add_config_args(params)
+    params.add_argument("--json", action="store_true")
+    params.set_defaults(handler=cmd_params)
+
+    compare = commands.add_parser("compare", help="train every variant of a recipe and report them side by side")
+    _add_config_args(compare)
+    compare.add_argument("--out", required=True, help="folder for the runs, report.md and figures")
+    compare.add_argument("--seeds", type=int, default=1, help="seeds per variant")
+    compare.add_argument("--variants", nargs="+", help="train only these variants (by name)")
+    compare.add_argument("--quiet", action="store_true")
+    compare.set_defaults(handler=cmd_compare)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except GatedformerError as err:
+        print(f"gatedformer: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("gatedformer: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

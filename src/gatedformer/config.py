@@ -1,0 +1,416 @@
+"""Run configuration: dataclasses, recipe files and ``--set`` overrides.
+
+A run is described by one :class:`RunConfig`. Recipes are TOML files shipped in
+``gatedformer/recipes`` (or any path a user gives); every field can be overridden on the command
+line with ``--set section.field=value``. Anything that does not describe a valid run raises a
+:class:`~gatedformer.errors.ConfigError` with one line naming the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from gatedformer.errors import ConfigError
+
+BACKBONES = ("transformer", "rtransformer", "transformer-xl", "gcnn", "sru", "sru-transformer")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "linear", "cosine", "noam")
+INIT_SCHEMES = ("default", "uniform", "normal", "xavier")
+
+
+@dataclass
+class DataConfig:
+    """Which corpus, and how it is cut into training and evaluation windows."""
+
+    corpus: str = "ptb-char"
+    batch_size: int = 16
+    seq_len: int = 128
+    eval_batch_size: int = 16
+    eval_seq_len: int = 0
+    """0 means: the same as ``seq_len``."""
+
+
+@dataclass
+class ModelConfig:
+    """The network. Every variant is a keyword; backbone-specific fields are ignored elsewhere."""
+
+    backbone: str = "transformer"
+    d_model: int = 128
+    n_layers: int = 3
+    n_heads: int = 4
+    d_ffn: int = 512
+    dropout: float = 0.1
+    emb_dropout: float | None = None
+    """Dropout on the embeddings; ``None`` means the same as ``dropout``."""
+    attn_dropout: float = 0.0
+    norm: str = "post"
+    """``post`` (the papers' ``LN(X + Sublayer(X))``) or ``pre``."""
+    ffn: str = "relu"
+    """``relu`` or ``glu`` (the gated linear unit feed-forward)."""
+    tie_embeddings: bool = False
+    gates: str = ""
+    """Gate placement spec, e.g. ``"+σ SDU"``, ``"+tanh L1-3"``, ``"+σ L1-6\\FFN"``, ``"+EAU+GRC"``."""
+    # R-Transformer
+    rnn_type: str = "gru"
+    rnn_window: int = 7
+    # Transformer-XL
+    mem_len: int = 0
+    # gated convolutional LM
+    kernel_size: int = 4
+    bottleneck: int = 0
+    weight_norm: bool = False
+    # SRU
+    highway_bias: float = 0.0
+    rescale: bool = True
+    projection_size: int = 0
+    sru_layer_norm: bool = False
+
+
+@dataclass
+class OptimConfig:
+    """Optimiser, learning-rate schedule and gradient clipping."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    momentum: float = 0.0
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    """Linear and cosine schedules end at ``lr * min_lr_ratio``."""
+    clip: float = 0.0
+    """Clip gradients to this global L2 norm; 0 turns clipping off."""
+
+
+@dataclass
+class InitConfig:
+    """Weight initialisation applied by the trainer; biases always start at zero."""
+
+    scheme: str = "default"
+    scale: float = 0.1
+    """Half-width ``a`` of uniform(±a), or the std of normal(0, std)."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    steps: int = 1000
+    eval_every: int = 200
+    eval_windows: int = 0
+    """Cap on validation windows at intermediate evaluations (0: the whole split). Final numbers
+    always use the whole valid and test splits."""
+    log_every: int = 50
+    seed: int = 0
+    device: str = "auto"
+    precision: str = "fp32"
+    compile: bool = False
+    threads: int = 0
+    """CPU threads for torch (0: torch's default)."""
+    nonfinite: str = "stop"
+    """What to do with a non-finite loss or gradient: ``stop`` or ``skip`` the step."""
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines one training run."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    init: InitConfig = field(default_factory=InitConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Variant:
+    """One arm of a comparison: a name, its overrides, and the published number if any."""
+
+    name: str
+    overrides: list[str] = field(default_factory=list)
+    published: float | None = None
+
+
+@dataclass
+class Recipe:
+    """A named run configuration, plus the variants ``compare`` trains side by side."""
+
+    name: str
+    description: str
+    config: RunConfig
+    variants: list[Variant]
+    published_source: str = ""
+    published_metric: str = ""
+
+
+# --------------------------------------------------------------------------------------------
+# Typed coercion of strings and TOML values into dataclass fields
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Convert ``value`` (a string from the command line or a TOML value) to ``annotation``."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
+            return None
+        return _coerce(value, options[0], key)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key} must be true or false, got {value!r}; write {key}=true or {key}=false")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be a whole number, got {value!r}; write e.g. {key}=3")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(str(value).strip().replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{key} must be a whole number, got {value!r}; write e.g. {key}=3") from None
+    if annotation is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be a number, got {value!r}; write e.g. {key}=0.1")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be a number, got {value!r}; write e.g. {key}=0.1") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+        return number
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config field type {annotation!r} for {key}")  # a bug, not user input
+
+
+def _unknown_key(key: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean {close[0]}?" if close else f"known keys: {', '.join(known)}"
+    return ConfigError(f"unknown config key {key!r}; {hint}")
+
+
+def _all_keys(config: RunConfig) -> list[str]:
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(config) for f in dataclasses.fields(s.type)]
+
+
+def set_value(config: RunConfig, key: str, value: Any) -> None:
+    """Set ``section.field`` on ``config`` to ``value``, coerced to the field's type."""
+    section_name, _, field_name = key.partition(".")
+    section = getattr(config, section_name, None) if section_name in _sections() else None
+    if section is None or not field_name or field_name not in _field_types(type(section)):
+        raise _unknown_key(key, _all_keys(config))
+    annotation = _field_types(type(section))[field_name]
+    setattr(section, field_name, _coerce(value, annotation, key))
+
+
+def _sections() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(RunConfig))
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    """Split ``key=value`` from ``--set``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects key=value, got {text!r}; write e.g. --set model.d_model=256")
+    return key.strip(), value.strip()
+
+
+def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
+    """Apply ``--set key=value`` strings in order (later ones win) and return ``config``."""
+    for text in overrides:
+        key, value = parse_override(text)
+        set_value(config, key, value)
+    return config
+
+
+def config_from_dict(data: dict[str, Any], *, where: str = "config") -> RunConfig:
+    """Build a :class:`RunConfig` from nested dicts (a recipe's TOML or a saved ``config.json``)."""
+    config = RunConfig()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a table of sections, got {type(data).__name__}")
+    for section_name, values in data.items():
+        if section_name not in _sections():
+            raise _unknown_key(section_name, list(_sections()))
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: [{section_name}] must be a table of key = value lines")
+        for field_name, value in values.items():
+            set_value(config, f"{section_name}.{field_name}", value)
+    return config
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    _check(value in allowed, f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of them")
+
+
+def _positive(key: str, value: int | float) -> None:
+    _check(value > 0, f"{key} must be positive, got {value}; set {key} to a value above 0")
+
+
+def _dropout(key: str, value: float | None) -> None:
+    if value is not None:
+        _check(0.0 <= value < 1.0, f"{key} must be in [0, 1), got {value}; e.g. {key}=0.1")
+
+
+def validate(config: RunConfig) -> RunConfig:
+    """Check every value for range and consistency; return ``config`` unchanged if valid."""
+    data, model, optim, init, train = config.data, config.model, config.optim, config.init, config.train
+    _check(bool(data.corpus.strip()), "data.corpus is empty; name a corpus, e.g. --data ptb-char")
+    for key in ("batch_size", "seq_len", "eval_batch_size"):
+        _positive(f"data.{key}", getattr(data, key))
+    _check(data.eval_seq_len >= 0, "data.eval_seq_len must be 0 (same as seq_len) or positive")
+
+    _one_of("model.backbone", model.backbone, BACKBONES)
+    for key in ("d_model", "n_layers", "n_heads", "d_ffn"):
+        _positive(f"model.{key}", getattr(model, key))
+    _check(
+        model.d_model % model.n_heads == 0,
+        f"model.d_model={model.d_model} is not divisible by model.n_heads={model.n_heads}; "
+        "pick a head count that divides d_model",
+    )
+    for key in ("dropout", "emb_dropout", "attn_dropout"):
+        _dropout(f"model.{key}", getattr(model, key))
+    _one_of("model.norm", model.norm, ("post", "pre"))
+    _one_of("model.ffn", model.ffn, ("relu", "glu"))
+    _one_of("model.rnn_type", model.rnn_type, ("gru", "lstm", "rnn"))
+    _positive("model.rnn_window", model.rnn_window)
+    _check(model.mem_len >= 0, "model.mem_len must be 0 (no memory) or positive")
+    _positive("model.kernel_size", model.kernel_size)
+    _check(model.bottleneck >= 0, "model.bottleneck must be 0 (off) or positive")
+    _check(model.projection_size >= 0, "model.projection_size must be 0 (off) or positive")
+
+    _one_of("optim.name", optim.name, OPTIMIZERS)
+    _positive("optim.lr", optim.lr)
+    _check(optim.weight_decay >= 0, "optim.weight_decay must be >= 0")
+    for key in ("beta1", "beta2"):
+        _check(0.0 <= getattr(optim, key) < 1.0, f"optim.{key} must be in [0, 1)")
+    _check(optim.momentum >= 0, "optim.momentum must be >= 0")
+    _one_of("optim.schedule", optim.schedule, SCHEDULES)
+    _check(optim.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+    _check(
+        optim.schedule != "noam" or optim.warmup_steps > 0,
+        "optim.schedule=noam needs optim.warmup_steps > 0; set e.g. optim.warmup_steps=400",
+    )
+    _check(0.0 <= optim.min_lr_ratio <= 1.0, "optim.min_lr_ratio must be in [0, 1]")
+    _check(optim.clip >= 0, "optim.clip must be >= 0 (0 turns clipping off)")
+
+    _one_of("init.scheme", init.scheme, INIT_SCHEMES)
+    _positive("init.scale", init.scale)
+
+    _positive("train.steps", train.steps)
+    _positive("train.eval_every", train.eval_every)
+    _check(train.eval_windows >= 0, "train.eval_windows must be 0 (whole split) or positive")
+    _positive("train.log_every", train.log_every)
+    _check(train.threads >= 0, "train.threads must be 0 (default) or positive")
+    _check(
+        train.device == "auto" or train.device == "cpu" or train.device.startswith("cuda"),
+        f"train.device={train.device!r} is not auto, cpu or cuda[:N]",
+    )
+    _one_of("train.precision", train.precision, ("fp32", "bf16"))
+    _one_of("train.nonfinite", train.nonfinite, ("stop", "skip"))
+
+    # The gate spec is checked against the model here so a bad one fails before any data loads.
+    from gatedformer.backbones.placement import resolve_placement
+
+    resolve_placement(model.gates, model.n_layers, backbone=model.backbone)
+    return config
+
+
+# --------------------------------------------------------------------------------------------
+# Recipes
+
+
+def recipe_names() -> list[str]:
+    """The recipes shipped with the package."""
+    folder = resources.files("gatedformer") / "recipes"
+    return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def _read_recipe_text(name: str) -> tuple[str, str]:
+    path = Path(name)
+    if name.endswith(".toml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"recipe file {name} does not exist; give a path to a .toml recipe")
+        return path.stem, path.read_text(encoding="utf-8")
+    folder = resources.files("gatedformer") / "recipes"
+    candidate = folder / f"{name}.toml"
+    if not candidate.is_file():
+        close = difflib.get_close_matches(name, recipe_names(), n=1)
+        hint = f"did you mean {close[0]}?" if close else f"known recipes: {', '.join(recipe_names())}"
+        raise ConfigError(f"unknown recipe {name!r}; {hint}")
+    return name, candidate.read_text(encoding="utf-8")
+
+
+def load_recipe(name: str) -> Recipe:
+    """Load a recipe by name (shipped) or path (a user's own TOML file)."""
+    recipe_name, text = _read_recipe_text(name)
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"recipe {recipe_name} is not valid TOML ({err}); fix the file") from None
+    description = str(raw.pop("description", ""))
+    published_source = str(raw.pop("published_source", ""))
+    published_metric = str(raw.pop("published_metric", ""))
+    raw_variants = raw.pop("variants", [])
+    config = config_from_dict(raw, where=f"recipe {recipe_name}")
+    variants = []
+    for i, entry in enumerate(raw_variants):
+        if not isinstance(entry, dict) or "name" not in entry:
+            raise ConfigError(f"recipe {recipe_name}: variant {i + 1} needs a name")
+        unknown = set(entry) - {"name", "set", "published"}
+        if unknown:
+            raise ConfigError(f"recipe {recipe_name}: variant {entry['name']!r} has unknown keys {sorted(unknown)}")
+        overrides = entry.get("set", [])
+        if isinstance(overrides, str):
+            overrides = [overrides]
+        published = entry.get("published")
+        variants.append(
+            Variant(str(entry["name"]), [str(o) for o in overrides], None if published is None else float(published))
+        )
+    if not variants:
+        variants = [Variant("baseline")]
+    return Recipe(recipe_name, description, config, variants, published_source, published_metric)
+
+
+def build_config(recipe: Recipe, overrides: list[str] | None = None, variant: Variant | None = None) -> RunConfig:
+    """The validated config of ``recipe``, with a variant's overrides and then the user's applied."""
+    config = config_from_dict(recipe.config.to_dict())
+    if variant is not None:
+        apply_overrides(config, variant.overrides)
+    apply_overrides(config, overrides or [])
+    return validate(config)

@@ -1,0 +1,233 @@
+"""Checkpoints that survive a crash at any moment and never execute code when loaded.
+
+Layout inside a run directory::
+
+    ckpt/step-00001200/model.safetensors   weights (safetensors: tensors only, no code)
+    ckpt/step-00001200/carry.safetensors   the state a recurrent model carries between windows
+    ckpt/step-00001200/trainer.pt          optimiser, scheduler, RNG states (loaded weights_only)
+    ckpt/step-00001200/meta.json           step, counters, config, package version
+    ckpt/LATEST                            name of the newest complete checkpoint
+
+A checkpoint folder is complete before ``LATEST`` is atomically switched to it, so a process killed
+mid-write leaves the previous checkpoint in charge.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from gatedformer import __version__
+from gatedformer.errors import CheckpointError
+from gatedformer.io import atomic_write_text
+
+CHECKPOINT_DIR = "ckpt"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Checkpoint:
+    """What a loaded checkpoint gives back."""
+
+    path: Path
+    meta: dict[str, Any]
+    model_state: dict[str, torch.Tensor]
+    trainer_state: dict[str, Any] | None
+    carry: Any
+
+
+# ---------------------------------------------------------------------------------------------
+# The recurrent state is a nest of tensors (None, a tensor, or lists/tuples of them).
+
+
+def _flatten(carry: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if carry is None:
+        return None
+    if isinstance(carry, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = carry.detach().contiguous().cpu()
+        return key
+    if isinstance(carry, list | tuple):
+        return {"seq": [_flatten(item, tensors) for item in carry], "tuple": isinstance(carry, tuple)}
+    raise TypeError(f"cannot checkpoint a recurrent state of type {type(carry).__name__}")
+
+
+def _unflatten(layout: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if layout is None:
+        return None
+    if isinstance(layout, str):
+        return tensors[layout]
+    items = [_unflatten(item, tensors) for item in layout["seq"]]
+    return tuple(items) if layout["tuple"] else items
+
+
+def model_state_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Weights with tied parameters stored once (safetensors refuses shared storage)."""
+    state: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        ident = tensor.untyped_storage().data_ptr() if tensor.numel() else id(tensor)
+        if ident in seen and tensor.numel():
+            continue
+        seen.add(ident)
+        state[name] = tensor.detach().contiguous().cpu()
+    return state
+
+
+def save_model_weights(model: nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
+    from gatedformer.io import atomic_write
+
+    state = model_state_for_saving(model)
+    atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata=metadata))
+
+
+def load_model_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Load ``state`` into ``model``, naming what does not fit."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state and not _is_tied_copy(model, k, state)]
+    unexpected = [k for k in state if k not in expected]
+    wrong_shape = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(expected[k].shape)}"
+        for k in state if k in expected and state[k].shape != expected[k].shape
+    ]
+    if missing or unexpected or wrong_shape:
+        detail = "; ".join(
+            part for part in (
+                f"missing {', '.join(missing[:4])}{' …' if len(missing) > 4 else ''}" if missing else "",
+                f"unexpected {', '.join(unexpected[:4])}{' …' if len(unexpected) > 4 else ''}" if unexpected else "",
+                f"shape {', '.join(wrong_shape[:3])}" if wrong_shape else "",
+            ) if part
+        )
+        raise CheckpointError(
+            f"checkpoint {where} does not fit this model ({detail}); load it with the config it was trained with"
+        )
+    model.load_state_dict(state, strict=False)
+
+
+def _is_tied_copy(model: nn.Module, key: str, state: dict[str, torch.Tensor]) -> bool:
+    # A tied output weight is stored once under the embedding's name.
+    target = model.state_dict()[key]
+    for other, tensor in model.state_dict().items():
+        if other != key and other in state and tensor.data_ptr() == target.data_ptr():
+            return True
+    return False
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: dict[str, Any],
+                    meta: dict[str, Any], carry: Any = None, keep: int = 1) -> Path:
+    """Write a complete checkpoint for ``step`` and make it the latest, atomically."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:08d}"
+    final = root / name
+    staging = root / f".{name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    save_file(model_state_for_saving(model), str(staging / "model.safetensors"),
+              metadata={"gatedformer": __version__})
+    carried: dict[str, torch.Tensor] = {}
+    layout = _flatten(carry, carried)
+    save_file(carried, str(staging / "carry.safetensors"))
+    torch.save(trainer_state, staging / "trainer.pt")
+    full_meta = {**meta, "step": step, "format": FORMAT_VERSION, "version": __version__, "carry": layout}
+    (staging / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True), encoding="utf-8")
+    for file in staging.iterdir():
+        with open(file, "rb") as handle:
+            os.fsync(handle.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    atomic_write_text(root / "LATEST", name + "\n")
+    _prune(root, keep_names={name}, keep=keep)
+    return final
+
+
+def _prune(root: Path, keep_names: set[str], keep: int) -> None:
+    complete = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in complete[:-keep] if keep > 0 else complete:
+        if old.name not in keep_names:
+            shutil.rmtree(old, ignore_errors=True)
+    for partial in root.glob(".step-*.partial"):
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint folder of a run, or ``None`` if it has none."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    pointer = root / "LATEST"
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text(encoding="utf-8").strip()
+    path = root / name
+    if not name or not path.is_dir():
+        raise CheckpointError(
+            f"{pointer} names a checkpoint {name!r} that does not exist; the run directory is damaged — "
+            "start a new run with another --out"
+        )
+    return path
+
+
+def _safe_torch_load(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"refused to load {path}: it holds objects other than tensors and plain data, which could "
+            f"run code ({str(err).splitlines()[0][:120]}); only load checkpoints gatedformer wrote"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise CheckpointError(
+            f"{path} is truncated or corrupt ({str(err).splitlines()[0][:120]}); "
+            "delete the run's ckpt folder or resume from another run"
+        ) from None
+
+
+def _safe_load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete — start a new run")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(
+            f"{path} is truncated or corrupt ({str(err).splitlines()[0][:120]}); "
+            "delete the run's ckpt folder or resume from another run"
+        ) from None
+
+
+def load_checkpoint(path: Path, with_trainer: bool = True) -> Checkpoint:
+    """Read a checkpoint folder, refusing anything truncated, corrupt or code-carrying."""
+    path = Path(path)
+    meta_file = path / "meta.json"
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(
+            f"{meta_file} is missing or corrupt ({err}); delete the run's ckpt folder or start a new run"
+        ) from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{meta_file} is not a gatedformer checkpoint of format {FORMAT_VERSION}")
+    model_state = _safe_load_tensors(path / "model.safetensors")
+    carry = _unflatten(meta.get("carry"), _safe_load_tensors(path / "carry.safetensors"))
+    trainer_state = _safe_torch_load(path / "trainer.pt") if with_trainer else None
+    return Checkpoint(path, meta, model_state, trainer_state, carry)
+
+
+def config_mismatch(saved: dict[str, Any], current: dict[str, Any], ignore: set[str]) -> list[str]:
+    """``section.field`` names whose values differ between two config dicts."""
+    fields = []
+    for section in sorted(set(saved) | set(current)):
+        a, b = saved.get(section, {}), current.get(section, {})
+        for key in sorted(set(a) | set(b)):
+            name = f"{section}.{key}"
+            if name not in ignore and a.get(key) != b.get(key):
+                fields.append(f"{name} ({a.get(key)!r} saved, {b.get(key)!r} now)")
+    return fields

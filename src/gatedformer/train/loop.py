@@ -1,0 +1,411 @@
+"""The training loop: one readable function from config to results.
+
+``train(config, out_dir)`` reads the corpus, builds the model, trains for ``train.steps`` steps with
+evaluation and checkpoints every ``train.eval_every`` steps, and finally scores the whole valid and
+test splits. Everything it writes into ``out_dir`` is written atomically, and ``resume=True``
+continues bit for bit where a stopped run left off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from gatedformer.backbones import build_model
+from gatedformer.config import RunConfig, config_from_dict, validate
+from gatedformer.data import Corpus, LMStream, load_corpus
+from gatedformer.errors import CheckpointError, ConfigError, GatedformerError
+from gatedformer.io import atomic_write_json, atomic_write_text
+from gatedformer.train.checkpoint import (
+    config_mismatch,
+    latest_checkpoint,
+    load_checkpoint,
+    load_model_weights,
+    save_checkpoint,
+    save_model_weights,
+)
+from gatedformer.train.gate_stats import GateStatistics, gate_biases
+from gatedformer.train.init import initialise
+from gatedformer.train.optim import build_optimizer, build_scheduler
+
+# Fields that may change between a run and its resumption without changing what is computed.
+RESUMABLE_CHANGES = {"train.steps", "train.eval_every", "train.log_every", "train.device", "train.threads",
+                     "train.eval_windows", "data.eval_batch_size", "data.eval_seq_len"}
+
+
+@dataclass
+class RunResult:
+    """Final numbers of a finished run (also written to ``results.json``)."""
+
+    run_dir: str
+    corpus: str
+    metric: str
+    valid_loss: float
+    valid_metric: float
+    test_loss: float
+    test_metric: float
+    params: int
+    steps: int
+    seconds_per_step: float
+    train_seconds: float
+    tokens_per_second: float
+
+    @classmethod
+    def load(cls, run_dir: Path) -> RunResult:
+        data = json.loads((Path(run_dir) / "results.json").read_text(encoding="utf-8"))
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+
+def metric_value(metric: str, loss: float) -> float:
+    """Perplexity ``exp(loss)`` or bits per character ``loss / ln 2``, from a loss in nats."""
+    if metric == "ppl":
+        return math.exp(min(loss, 700.0))
+    return loss / math.log(2.0)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name} but no CUDA device is available; use train.device=cpu or auto")
+    return torch.device(name)
+
+
+def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def detach_state(state: Any) -> Any:
+    """Stop gradients at the window boundary for whatever a model carries between windows."""
+    if state is None:
+        return None
+    if isinstance(state, torch.Tensor):
+        return state.detach()
+    return type(state)(detach_state(item) for item in state)
+
+
+def _state_to(state: Any, device: torch.device) -> Any:
+    if state is None:
+        return None
+    if isinstance(state, torch.Tensor):
+        return state.to(device)
+    return type(state)(_state_to(item, device) for item in state)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, stream: LMStream, device: torch.device, precision: str = "fp32",
+             max_windows: int = 0) -> float:
+    """Mean negative log-likelihood (nats per token) over the stream's windows, in order."""
+    was_training = model.training
+    model.eval()
+    total, count, state = 0.0, 0, None
+    windows = len(stream) if max_windows <= 0 else min(max_windows, len(stream))
+    for k in range(windows):
+        x, y = stream.window(k)
+        x, y = x.to(device), y.to(device)
+        with _autocast(device, precision):
+            logits, state = model(x, state)
+        total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                 reduction="sum").item()
+        count += y.numel()
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+class _StopSignal:
+    """Turns SIGINT/SIGTERM into a flag the loop checks, so it can checkpoint before leaving."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignal:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            # Outside the main thread signals cannot be caught; leave them alone there.
+            with contextlib.suppress(ValueError):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class TrainingInterrupted(GatedformerError):
+    """Raised after a SIGINT/SIGTERM once the checkpoint is written."""
+
+    exit_code = 130
+
+
+class NonFiniteLoss(GatedformerError):
+    """The loss or the gradients stopped being finite."""
+
+    exit_code = 3
+
+
+def prepare_run_dir(out_dir: Path, config: RunConfig, resume: bool) -> Path | None:
+    """Check that ``out_dir`` may receive this run; return the checkpoint to resume from, if any."""
+    out_dir = Path(out_dir)
+    if (out_dir / "results.json").is_file():
+        raise ConfigError(f"{out_dir} already holds a finished run; choose another --out or delete it")
+    checkpoint = latest_checkpoint(out_dir) if out_dir.exists() else None
+    saved_config = out_dir / "config.json"
+    if checkpoint is not None and not resume:
+        raise ConfigError(f"{out_dir} holds an unfinished run; pass --resume to continue it or choose another --out")
+    if checkpoint is not None and saved_config.is_file():
+        saved = json.loads(saved_config.read_text(encoding="utf-8"))
+        differences = config_mismatch(saved, config.to_dict(), RESUMABLE_CHANGES)
+        if differences:
+            raise CheckpointError(
+                f"cannot resume {out_dir}: the config differs from the saved one in "
+                f"{'; '.join(differences[:5])}; resume with the same recipe and --set values"
+            )
+    return checkpoint
+
+
+def _cycle_windows(stream: LMStream, start_step: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Training windows in order, epoch after epoch; the position follows from the step alone."""
+    step = start_step
+    while True:
+        k = step % len(stream)
+        x, y = stream.window(k)
+        yield k, x, y
+        step += 1
+
+
+def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = None, resume: bool = False,
+          progress: bool = True, stop_after: int | None = None, corpus: Corpus | None = None) -> RunResult | None:
+    """Train ``config`` into ``out_dir``; return the final results, or ``None`` if ``stop_after``
+    ended the run early (it can then be resumed)."""
+    validate(config)
+    out_dir = Path(out_dir)
+    checkpoint_path = prepare_run_dir(out_dir, config, resume)
+    tcfg = config.train
+    if tcfg.threads:
+        torch.set_num_threads(tcfg.threads)
+    device = resolve_device(tcfg.device)
+
+    corpus = corpus or load_corpus(config.data.corpus, data_dir)
+    eval_len = config.data.eval_seq_len or config.data.seq_len
+    train_stream = LMStream(corpus.train, config.data.batch_size, config.data.seq_len)
+    valid_stream = LMStream(corpus.valid, config.data.eval_batch_size, eval_len)
+    test_stream = LMStream(corpus.test, config.data.eval_batch_size, eval_len)
+    _check_split_fits(train_stream, "train", config)
+
+    torch.manual_seed(tcfg.seed)
+    model = build_model(config.model, len(corpus.vocab))
+    initialise(model, config.init)
+    model.to(device)
+    params = count_parameters(model)
+    optimizer = build_optimizer(model, config.optim)
+    scheduler = build_scheduler(optimizer, config.optim, tcfg.steps, config.model.d_model)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out_dir / "config.json", config.to_dict())
+    log_path = out_dir / "log.jsonl"
+    step, tokens_seen, train_seconds, carry = 0, 0, 0.0, None
+    loss_sum, loss_count, skipped = 0.0, 0, 0
+    if checkpoint_path is not None:
+        ckpt = load_checkpoint(checkpoint_path)
+        load_model_weights(model, ckpt.model_state, str(checkpoint_path))
+        optimizer.load_state_dict(ckpt.trainer_state["optimizer"])
+        scheduler.load_state_dict(ckpt.trainer_state["scheduler"])
+        torch.set_rng_state(ckpt.trainer_state["rng_cpu"])
+        if device.type == "cuda" and "rng_cuda" in ckpt.trainer_state:
+            torch.cuda.set_rng_state(ckpt.trainer_state["rng_cuda"], device)
+        meta = ckpt.meta
+        step, tokens_seen, train_seconds = meta["step"], meta["tokens_seen"], meta["train_seconds"]
+        loss_sum, loss_count, skipped = meta["loss_sum"], meta["loss_count"], meta.get("skipped", 0)
+        carry = _state_to(ckpt.carry, device)
+        _truncate_log(log_path, step)
+    else:
+        log_path.unlink(missing_ok=True)
+
+    compiled = torch.compile(model) if tcfg.compile else model
+    stats = GateStatistics(model)
+    windows = _cycle_windows(train_stream, step)
+
+    def checkpoint_now() -> None:
+        trainer_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                         "rng_cpu": torch.get_rng_state()}
+        if device.type == "cuda":
+            trainer_state["rng_cuda"] = torch.cuda.get_rng_state(device)
+        meta = {"tokens_seen": tokens_seen, "train_seconds": train_seconds, "loss_sum": loss_sum,
+                "loss_count": loss_count, "skipped": skipped, "config": config.to_dict()}
+        save_checkpoint(out_dir, step, model, trainer_state, meta, carry)
+
+    def log(record: dict[str, Any]) -> None:
+        with open(log_path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+
+    bar = _progress_bar(progress, tcfg.steps, step, out_dir.name)
+    model.train()
+    with _StopSignal() as stop_signal:
+        while step < tcfg.steps:
+            window_index, x, y = next(windows)
+            if window_index == 0:
+                carry = None  # a new epoch starts from a fresh state
+            started = time.perf_counter()
+            x, y = x.to(device), y.to(device)
+            with _autocast(device, tcfg.precision):
+                logits, new_carry = compiled(x, carry)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), config.optim.clip if config.optim.clip > 0 else float("inf")
+            )
+            loss_value = loss.item()
+            if not (math.isfinite(loss_value) and math.isfinite(grad_norm.item())):
+                if tcfg.nonfinite == "stop":
+                    raise NonFiniteLoss(
+                        f"non-finite loss or gradient at step {step + 1} (loss {loss_value}); the last good "
+                        f"checkpoint is kept in {out_dir}; lower optim.lr, set optim.clip, or "
+                        "train.nonfinite=skip"
+                    )
+                skipped += 1
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                optimizer.step()
+            scheduler.step()
+            carry = detach_state(new_carry)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            train_seconds += time.perf_counter() - started
+            step += 1
+            tokens_seen += y.numel()
+            if math.isfinite(loss_value):
+                loss_sum += loss_value
+                loss_count += 1
+            bar.update(1)
+
+            if step % tcfg.log_every == 0 and loss_count:
+                record = {"event": "train", "step": step, "train_loss": loss_sum / loss_count,
+                          "lr": scheduler.get_last_lr()[0], "tokens": tokens_seen,
+                          "time": train_seconds, "tokens_per_s": tokens_seen / max(train_seconds, 1e-9)}
+                if skipped:
+                    record["skipped_steps"] = skipped
+                log(record)
+                bar.set_postfix(loss=f"{loss_sum / loss_count:.3f}")
+                loss_sum, loss_count = 0.0, 0
+
+            final = step == tcfg.steps
+            if step % tcfg.eval_every == 0 or final:
+                with stats.recording():
+                    valid_loss = evaluate(model, valid_stream, device, tcfg.precision,
+                                          0 if final else tcfg.eval_windows)
+                log({"event": "eval", "step": step, "tokens": tokens_seen, "time": train_seconds,
+                     "tokens_per_s": tokens_seen / max(train_seconds, 1e-9), "valid_loss": valid_loss,
+                     f"valid_{corpus.metric}": metric_value(corpus.metric, valid_loss),
+                     "gates": stats.summary()})
+                bar.set_postfix(valid=f"{metric_value(corpus.metric, valid_loss):.3f} {corpus.metric}")
+                checkpoint_now()
+            if stop_signal.received is not None:
+                checkpoint_now()
+                bar.close()
+                raise TrainingInterrupted(
+                    f"stopped by signal {stop_signal.received} at step {step}; checkpoint saved — "
+                    f"continue with --resume --out {out_dir}"
+                )
+            if stop_after is not None and step >= stop_after and not final:
+                checkpoint_now()
+                bar.close()
+                return None
+    bar.close()
+
+    test_loss = evaluate(model, test_stream, device, tcfg.precision)
+    save_model_weights(model, out_dir / "model.safetensors")
+    biases = gate_biases(model)
+    if biases:
+        from safetensors.torch import save_file
+
+        from gatedformer.io import atomic_write
+
+        atomic_write(out_dir / "gate_biases.safetensors", lambda tmp: save_file(biases, str(tmp)))
+    result = RunResult(
+        run_dir=str(out_dir), corpus=config.data.corpus, metric=corpus.metric, valid_loss=valid_loss,
+        valid_metric=metric_value(corpus.metric, valid_loss), test_loss=test_loss,
+        test_metric=metric_value(corpus.metric, test_loss), params=params, steps=step,
+        seconds_per_step=train_seconds / max(step, 1), train_seconds=train_seconds,
+        tokens_per_second=tokens_seen / max(train_seconds, 1e-9),
+    )
+    log({"event": "test", "step": step, "test_loss": test_loss, f"test_{corpus.metric}": result.test_metric})
+    atomic_write_json(out_dir / "results.json", result.__dict__)
+    return result
+
+
+def _check_split_fits(stream: LMStream, split: str, config: RunConfig) -> None:
+    if len(stream) == 0:
+        raise ConfigError(f"the {split} split is too short for data.seq_len={config.data.seq_len}; lower it")
+
+
+def _truncate_log(log_path: Path, step: int) -> None:
+    """Drop log lines written after the checkpoint we resume from (a killed run may have logged on)."""
+    if not log_path.is_file():
+        return
+    kept = []
+    for line in log_path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    atomic_write_text(log_path, "".join(line + "\n" for line in kept))
+
+
+def _progress_bar(enabled: bool, total: int, initial: int, name: str) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=name, disable=not enabled or None, leave=False,
+                dynamic_ncols=True, unit="step")
+
+
+def load_trained(run_dir: str | Path, data_dir: str | Path | None = None,
+                 device: str = "auto") -> tuple[RunConfig, nn.Module, Corpus]:
+    """The config, model (final weights, else the latest checkpoint) and corpus of a run directory."""
+    run_dir = Path(run_dir)
+    config_file = run_dir / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{run_dir} is not a gatedformer run (no config.json); pass the --out of a train run")
+    try:
+        config = config_from_dict(json.loads(config_file.read_text(encoding="utf-8")), where=str(config_file))
+    except ValueError as err:
+        raise CheckpointError(f"{config_file} is corrupt ({err}); the run cannot be loaded") from None
+    corpus = load_corpus(config.data.corpus, data_dir)
+    model = build_model(config.model, len(corpus.vocab))
+    final = run_dir / "model.safetensors"
+    if final.is_file():
+        from gatedformer.train.checkpoint import _safe_load_tensors
+
+        state = _safe_load_tensors(final)
+        where = str(final)
+    else:
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
+            raise CheckpointError(f"{run_dir} has no weights yet (no model.safetensors, no checkpoint)")
+        state = load_checkpoint(checkpoint, with_trainer=False).model_state
+        where = str(checkpoint)
+    load_model_weights(model, state, where)
+    model.to(resolve_device(device)).eval()
+    return config, model, corpus

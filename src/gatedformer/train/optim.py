@@ -1,0 +1,52 @@
+"""Optimisers, learning-rate schedules and gradient clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gatedformer.config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """SGD, Adam or AdamW over the model's trainable parameters.
+
+    Weight decay is not applied to biases, LayerNorm weights and embeddings' biases (1-D tensors),
+    as is usual for Transformers.
+    """
+    decayed, plain = [], []
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            (decayed if parameter.dim() >= 2 else plain).append(parameter)
+    groups = [{"params": decayed, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.name == "adam":
+        return torch.optim.Adam(groups, lr=cfg.lr, betas=betas)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas)
+
+
+def lr_factor(step: int, total_steps: int, cfg: OptimConfig, d_model: int = 512) -> float:
+    """Multiplier of ``cfg.lr`` at optimisation step ``step`` (0-based)."""
+    warmup = cfg.warmup_steps
+    if cfg.schedule == "noam":
+        # Vaswani et al.: d^-0.5 * min(s^-0.5, s * w^-1.5), rescaled so the peak (at s = w) is 1.
+        s = step + 1
+        return min(s ** -0.5, s * warmup ** -1.5) * warmup ** 0.5
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    floor = cfg.min_lr_ratio
+    if cfg.schedule == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int,
+                    d_model: int = 512) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg, d_model))
