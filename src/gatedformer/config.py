@@ -124,6 +124,25 @@ class TrainConfig:
 
 
 @dataclass
+class TranslationConfig:
+    """Sequence-to-sequence settings, used when ``data.corpus`` is a translation corpus (``multi30k``)."""
+
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    min_freq: int = 2
+    max_len: int = 128
+    """n: the longest sentence (in tokens, with <bos>/<eos>) the model accepts."""
+    label_smoothing: float = 0.1
+    max_tokens: int = 0
+    """Batch by length up to this many tokens per batch (0: ``data.batch_size`` sentences per batch)."""
+    decode: str = "beam"
+    beam_size: int = 4
+    length_penalty: float = 0.6
+    bleu_sentences: int = 0
+    """Sentences scored for BLEU at intermediate evaluations (0: the whole valid set)."""
+
+
+@dataclass
 class RunConfig:
     """Everything that defines one training run."""
 
@@ -132,6 +151,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     init: InitConfig = field(default_factory=InitConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    translation: TranslationConfig = field(default_factory=TranslationConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
