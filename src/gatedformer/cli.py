@@ -57,7 +57,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     config, model, corpus = load_trained(args.run, args.data_dir, args.device)
     tokens = corpus.valid if args.split == "valid" else corpus.test
-    stream = LMStream(tokens, config.data.eval_batch_size, config.data.eval_seq_len or config.data.seq_len)
+    stream = LMStream(tokens, config.data.eval_batch_size, config.data.eval_seq_len or config.data.seq_len,
+                      split=args.split)
     loss = evaluate(model, stream, resolve_device(args.device), config.train.precision)
     print(json.dumps({"run": str(args.run), "split": args.split, "loss": loss,
                       corpus.metric: metric_value(corpus.metric, loss)}))

@@ -237,7 +237,7 @@ def _unknown_key(key: str, known: list[str]) -> ConfigError:
 
 
 def _all_keys(config: RunConfig) -> list[str]:
-    return [f"{s.name}.{f.name}" for s in dataclasses.fields(config) for f in dataclasses.fields(s.type)]
+    return [f"{name}.{key}" for name in _sections() for key in _field_types(type(getattr(config, name)))]
 
 
 def set_value(config: RunConfig, key: str, value: Any) -> None:

@@ -207,10 +207,9 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
 
     corpus = corpus or load_corpus(config.data.corpus, data_dir)
     eval_len = config.data.eval_seq_len or config.data.seq_len
-    train_stream = LMStream(corpus.train, config.data.batch_size, config.data.seq_len)
-    valid_stream = LMStream(corpus.valid, config.data.eval_batch_size, eval_len)
-    test_stream = LMStream(corpus.test, config.data.eval_batch_size, eval_len)
-    _check_split_fits(train_stream, "train", config)
+    train_stream = LMStream(corpus.train, config.data.batch_size, config.data.seq_len, split="train")
+    valid_stream = LMStream(corpus.valid, config.data.eval_batch_size, eval_len, split="valid")
+    test_stream = LMStream(corpus.test, config.data.eval_batch_size, eval_len, split="test")
 
     torch.manual_seed(tcfg.seed)
     model = build_model(config.model, len(corpus.vocab))
@@ -352,11 +351,6 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
     log({"event": "test", "step": step, "test_loss": test_loss, f"test_{corpus.metric}": result.test_metric})
     atomic_write_json(out_dir / "results.json", result.__dict__)
     return result
-
-
-def _check_split_fits(stream: LMStream, split: str, config: RunConfig) -> None:
-    if len(stream) == 0:
-        raise ConfigError(f"the {split} split is too short for data.seq_len={config.data.seq_len}; lower it")
 
 
 def _truncate_log(log_path: Path, step: int) -> None:

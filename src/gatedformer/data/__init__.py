@@ -1,0 +1,31 @@
+"""Benchmark corpora: locating, verifying, fetching, tokenizing and batching them."""
+
+from __future__ import annotations
+
+from .batching import LMStream
+from .corpora import Corpus, check_corpora, list_corpora, load_corpus
+from .fetch import fetch_corpus
+from .paths import cache_root, data_dir_candidates, fetch_target_dir, resolve_data_dir, user_data_dir
+from .registry import CORPORA, CorpusSpec, FileSpec, get_spec
+from .tokenize import TOKENIZER_VERSION
+from .vocab import Vocab
+
+__all__ = [
+    "CORPORA",
+    "TOKENIZER_VERSION",
+    "Corpus",
+    "CorpusSpec",
+    "FileSpec",
+    "LMStream",
+    "Vocab",
+    "cache_root",
+    "check_corpora",
+    "data_dir_candidates",
+    "fetch_corpus",
+    "fetch_target_dir",
+    "get_spec",
+    "list_corpora",
+    "load_corpus",
+    "resolve_data_dir",
+    "user_data_dir",
+]

@@ -1,0 +1,218 @@
+"""Loading, listing and checking corpora."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import DataError
+from . import tokenize as tok
+from .paths import (
+    data_dir_candidates,
+    fetch_target_dir,
+    find_file,
+    holds,
+    missing_error,
+)
+from .registry import (
+    CORPORA,
+    SPLITS,
+    TEXT_DESCRIPTION,
+    TEXT_PREFIX,
+    CorpusSpec,
+    get_spec,
+    is_text_corpus,
+)
+from .verify import read_decoded, verify_file
+from .vocab import Vocab
+
+
+@dataclass(frozen=True, eq=False)
+class Corpus:
+    """A tokenized corpus: three 1-D int64 id streams sharing one vocabulary."""
+
+    name: str
+    level: str  # "word" | "char" | "byte"
+    metric: str  # "ppl" | "bpc"
+    vocab: Vocab
+    train: torch.Tensor
+    valid: torch.Tensor
+    test: torch.Tensor
+
+    def split(self, which: str) -> torch.Tensor:
+        if which not in SPLITS:
+            raise DataError(f"unknown split {which!r}; use one of {', '.join(SPLITS)}")
+        return getattr(self, which)
+
+    def __repr__(self) -> str:
+        return (
+            f"Corpus(name={self.name!r}, level={self.level!r}, metric={self.metric!r}, "
+            f"vocab={len(self.vocab)}, train={len(self.train)}, valid={len(self.valid)}, "
+            f"test={len(self.test)})"
+        )
+
+
+def _tokenize(spec: CorpusSpec, paths: dict[str, Path]) -> tuple[Vocab, dict[str, np.ndarray]]:
+    """Read and tokenize the (already verified) files of a registered corpus."""
+    fix = f"re-download with `gatedformer data fetch {spec.name}`"
+    if spec.tokenizer == "bytes":
+        data = {s: read_decoded(p, spec.name) for s, p in paths.items()}
+        vocab, ids = tok.tokenize_bytes(data)
+    else:
+        texts = {s: tok.decode_utf8(read_decoded(p, spec.name), p, fix) for s, p in paths.items()}
+        if spec.tokenizer == "words":
+            vocab, ids = tok.tokenize_lines(texts, kind="word")
+        elif spec.tokenizer == "ptb-char":
+            vocab, ids = tok.tokenize_lines(texts, kind="ptb-char")
+        elif spec.tokenizer == "chars":
+            vocab, ids = tok.tokenize_chars(texts)
+        else:
+            raise ValueError(f"corpus {spec.name!r} names unknown tokenizer {spec.tokenizer!r}")
+    if spec.split_by_position:
+        ids = tok.split_by_position(ids["all"])
+    return vocab, ids
+
+
+def _to_corpus(name: str, level: str, metric: str, vocab: Vocab, ids: dict[str, np.ndarray]) -> Corpus:
+    tensors = {s: torch.from_numpy(ids[s].astype(np.int64)) for s in SPLITS}
+    return Corpus(name, level, metric, vocab, tensors["train"], tensors["valid"], tensors["test"])
+
+
+def _locate(spec: CorpusSpec, data_dir: str | Path | None) -> Path:
+    candidates = data_dir_candidates(data_dir)
+    for root in candidates:
+        if holds(root, spec):
+            return root
+    raise missing_error(spec, candidates)
+
+
+def load_corpus(name: str, data_dir: str | Path | None = None) -> Corpus:
+    """Find, verify (once), tokenize (once, cached on disk) and return the corpus ``name``.
+
+    ``name`` is a registered corpus (see :func:`list_corpora`) or ``text:PATH`` for a UTF-8 file.
+    """
+    try:
+        return _load(name, data_dir)
+    except OSError as err:
+        where = err.filename or "a corpus file"
+        raise DataError(
+            f"cannot read {where} ({err.strerror or err}); check that it exists and is readable"
+        ) from None
+
+
+def _load(name: str, data_dir: str | Path | None) -> Corpus:
+    if is_text_corpus(name):
+        return _load_text(name, data_dir)
+    spec = get_spec(name)
+    root = _locate(spec, data_dir)
+    paths: dict[str, Path] = {}
+    sources: list[dict] = []
+    for f in spec.files:
+        path = find_file(root, f.candidates)
+        assert path is not None  # _locate checked
+        facts = verify_file(path, f, root, spec.name)
+        paths[f.split] = path
+        sources.append({"split": f.split, "file": path.name, "sha256": facts["sha256"]})
+    key = tok.cache_key(spec.name, spec.tokenizer, sources)
+    cached = tok.load_cached(spec.name, key)
+    if cached is None:
+        vocab, ids = _tokenize(spec, paths)
+        tok.save_cached(spec.name, key, vocab, ids)
+    else:
+        vocab, ids = cached
+    return _to_corpus(spec.name, spec.level, spec.metric, vocab, ids)
+
+
+def _find_text_file(raw: str, data_dir: str | Path | None) -> Path:
+    p = Path(raw).expanduser()
+    # Relative paths are tried against the working directory first, then each data root.
+    roots = [] if p.is_absolute() else [Path.cwd(), *data_dir_candidates(data_dir)]
+    looked = [root / p for root in roots] or [p]
+    for cand in looked:
+        if cand.is_file():
+            return cand
+    where = ", ".join(str(c) for c in looked)
+    raise DataError(f"text file {raw!r} not found (looked at: {where}); check the path after 'text:'")
+
+
+def _load_text(name: str, data_dir: str | Path | None) -> Corpus:
+    raw = name[len(TEXT_PREFIX) :]
+    if not raw.strip():
+        raise DataError("corpus 'text:' needs a file path; use e.g. --corpus text:notes.txt")
+    path = _find_text_file(raw, data_dir)
+    st = path.stat()
+    if st.st_size == 0:
+        raise DataError(f"text file {path} is empty; point text: at a file with some text in it")
+    # No checksum to verify: the key tracks the file's identity and modification instead.
+    source = {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    key = tok.cache_key(name, "chars", [source])
+    cached = tok.load_cached(name, key)
+    if cached is None:
+        text = tok.decode_utf8(
+            path.read_bytes(), path, "convert it to UTF-8 (e.g. `iconv -t utf-8`) or use a different file"
+        )
+        if len(text) < 20:
+            raise DataError(
+                f"text file {path} has only {len(text)} characters, too few for a 90/5/5 split; "
+                "use a file with at least a few thousand characters"
+            )
+        vocab, ids = tok.tokenize_chars({"all": text})
+        ids = tok.split_by_position(ids["all"])
+        tok.save_cached(name, key, vocab, ids)
+    else:
+        vocab, ids = cached
+    return _to_corpus(name, "char", "bpc", vocab, ids)
+
+
+def list_corpora() -> list[dict]:
+    """One dict per corpus: name, level, metric, description, files (relative to a data root), urls."""
+    out = [
+        {
+            "name": spec.name,
+            "level": spec.level,
+            "metric": spec.metric,
+            "description": spec.description,
+            "files": [f.path for f in spec.files],
+            "urls": [f.url for f in spec.files if f.url],
+        }
+        for spec in CORPORA.values()
+    ]
+    out.append(
+        {
+            "name": f"{TEXT_PREFIX}PATH",
+            "level": "char",
+            "metric": "bpc",
+            "description": TEXT_DESCRIPTION,
+            "files": [],
+            "urls": [],
+        }
+    )
+    return out
+
+
+def check_corpora(data_dir: str | Path | None = None) -> list[dict]:
+    """Status of every registered corpus: ``name``, ``status`` (ok|missing|corrupt), ``path``, ``detail``."""
+    report = []
+    for spec in CORPORA.values():
+        try:
+            root = _locate(spec, data_dir)
+        except DataError as err:
+            where = fetch_target_dir(data_dir) / Path(spec.files[0].path).parent
+            report.append({"name": spec.name, "status": "missing", "path": str(where), "detail": str(err)})
+            continue
+        where = root / Path(spec.files[0].path).parent
+        try:
+            for f in spec.files:
+                path = find_file(root, f.candidates)
+                assert path is not None
+                verify_file(path, f, root, spec.name)
+        except DataError as err:
+            report.append({"name": spec.name, "status": "corrupt", "path": str(where), "detail": str(err)})
+            continue
+        detail = f"{len(spec.files)} file(s) verified"
+        report.append({"name": spec.name, "status": "ok", "path": str(where), "detail": detail})
+    return report

@@ -1,0 +1,130 @@
+"""Downloading corpora from their public addresses (or a mirror), verified before they land."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tempfile
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from ..errors import DataError
+from .paths import ENV_MIRROR, fetch_target_dir, find_file, publish
+from .registry import FileSpec, get_spec, is_text_corpus
+from .verify import MANIFEST, decoded_size, read_manifest, record_facts, verify_file
+
+_CHUNK = 1 << 16
+TIMEOUT_S = 60
+
+
+def _url_for(f: FileSpec, base_url: str | None) -> str | None:
+    # A mirror has the layout of a data root: <base>/<relative path of the file>.
+    if base_url:
+        return base_url.rstrip("/") + "/" + urllib.parse.quote(f.path)
+    return f.url
+
+
+def _download(url: str, tmp_fd: int, label: str, progress: bool) -> tuple[str, int]:
+    """Stream ``url`` into the open temp file; return (sha256, bytes)."""
+    h = hashlib.sha256()
+    n = 0
+    req = urllib.request.Request(url, headers={"User-Agent": "gatedformer"})
+    with os.fdopen(tmp_fd, "wb") as out, urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
+        length = resp.headers.get("Content-Length")
+        total = int(length) if length and length.isdigit() else None
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=label, leave=False)
+        try:
+            while chunk := resp.read(_CHUNK):
+                out.write(chunk)
+                h.update(chunk)
+                n += len(chunk)
+                if bar is not None:
+                    bar.update(len(chunk))
+        finally:
+            if bar is not None:
+                bar.close()
+        out.flush()
+        os.fsync(out.fileno())
+    if total is not None and n != total:
+        raise DataError(f"download of {url} was cut short ({n} of {total} bytes); run the fetch again")
+    return h.hexdigest(), n
+
+
+def _fetch_file(name: str, f: FileSpec, dest: Path, base_url: str | None, progress: bool) -> None:
+    target = dest / f.path
+    url = _url_for(f, base_url)
+    manual = f"place the file at {target} by hand, or use a mirror (--base-url / {ENV_MIRROR})"
+    if url is None:
+        raise DataError(f"corpus {name!r} has no download address for {f.path}; {manual}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    except OSError as err:
+        raise DataError(
+            f"cannot write to {target.parent} ({err.strerror or err}); pass a writable --data-dir "
+            "or set GATEDFORMER_DATA"
+        ) from None
+    try:
+        try:
+            sha, _ = _download(url, fd, f.path, progress)
+        except OSError as err:  # URLError, HTTPError, timeouts and disk errors are all OSErrors
+            reason = getattr(err, "reason", None) or err.strerror or err
+            raise DataError(f"could not download {url} ({reason}); {manual}") from None
+        wants = [(f.sha256, "known hash")] if f.sha256 else []
+        listed = read_manifest(dest).get(f.path)
+        if listed:
+            wants.append((listed, str(dest / MANIFEST)))
+        for want, source in wants:
+            if sha != want:
+                raise DataError(
+                    f"checksum mismatch for download {url}: sha256 {sha[:16]}..., expected {want[:16]}... "
+                    f"({source}); nothing was saved; retry, or {manual}"
+                )
+        decoded = None
+        if f.decoded_size is not None:
+            try:
+                decoded = decoded_size(Path(tmp), name, as_name=target.name)
+            except DataError:
+                decoded = None
+            if decoded != f.decoded_size:
+                got = "is not a readable archive" if decoded is None else f"decompresses to {decoded} bytes"
+                raise DataError(
+                    f"download of {url} is corrupt: it {got}, expected exactly {f.decoded_size} bytes; "
+                    f"nothing was saved; retry, or {manual}"
+                )
+        publish(tmp, target)
+        record_facts(target, sha, decoded)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def fetch_corpus(
+    name: str, data_dir: str | Path | None = None, base_url: str | None = None, progress: bool = True
+) -> Path:
+    """Download the files of ``name`` that are missing or corrupt; return the data root holding them.
+
+    Files go to ``data_dir``, else ``$GATEDFORMER_DATA``, else the user cache data dir. ``base_url`` (or
+    ``$GATEDFORMER_MIRROR``) replaces the public addresses with ``<base_url>/<relative path>``.
+    """
+    if is_text_corpus(name):
+        raise DataError(f"{name!r} is a local file, so there is nothing to fetch; load it directly")
+    spec = get_spec(name)
+    dest = fetch_target_dir(data_dir)
+    base = base_url or os.environ.get(ENV_MIRROR) or None
+    for f in spec.files:
+        existing = find_file(dest, f.candidates)
+        if existing is not None:
+            try:
+                verify_file(existing, f, dest, spec.name)
+                continue
+            except DataError:
+                pass  # corrupt or truncated: download a fresh copy over it
+        _fetch_file(spec.name, f, dest, base, progress)
+    return dest

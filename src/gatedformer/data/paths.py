@@ -1,0 +1,159 @@
+"""Where corpora and caches live, and atomic file writes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import DataError
+from .registry import CorpusSpec, get_spec
+
+ENV_DATA = "GATEDFORMER_DATA"
+ENV_CACHE = "GATEDFORMER_CACHE"
+ENV_MIRROR = "GATEDFORMER_MIRROR"
+
+FIX_HINT = "pass --data-dir, set GATEDFORMER_DATA, or run `gatedformer data fetch {name}`"
+
+
+def cache_root() -> Path:
+    """``$GATEDFORMER_CACHE`` or ``~/.cache/gatedformer``."""
+    env = os.environ.get(ENV_CACHE)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "gatedformer"
+
+
+def user_data_dir() -> Path:
+    return cache_root() / "data"
+
+
+def _checkout_default() -> Path | None:
+    # Only meaningful for a source checkout / editable install: <root>/src/gatedformer/data/paths.py.
+    here = Path(__file__).resolve()
+    if len(here.parents) > 3 and here.parents[2].name == "src":
+        return here.parents[3].parent / "shared" / "data"
+    return None
+
+
+def project_default_dirs() -> list[Path]:
+    """The built-in fallbacks, in search order (after ``--data-dir`` and ``$GATEDFORMER_DATA``)."""
+    dirs = [Path.cwd().parent / "shared" / "data"]
+    checkout = _checkout_default()
+    if checkout is not None:
+        dirs.append(checkout)
+    dirs.append(user_data_dir())
+    return dirs
+
+
+def data_dir_candidates(explicit: str | Path | None = None) -> list[Path]:
+    """Data roots in search order, whether or not they exist.
+
+    A root the user named (``--data-dir``, else ``$GATEDFORMER_DATA``) is the only one searched, so a
+    run never silently reads a different copy than the one asked for; otherwise the project defaults.
+    """
+    if explicit is not None and str(explicit) != "":
+        return [Path(os.path.abspath(Path(explicit).expanduser()))]
+    env = os.environ.get(ENV_DATA)
+    if env:
+        return [Path(os.path.abspath(Path(env).expanduser()))]
+    out: list[Path] = []
+    seen: set[str] = set()
+    for p in project_default_dirs():
+        key = os.path.realpath(p)
+        if key not in seen:
+            seen.add(key)
+            out.append(Path(os.path.abspath(p)))
+    return out
+
+
+def find_file(root: Path, candidates: tuple[str, ...]) -> Path | None:
+    for rel in candidates:
+        p = root / rel
+        if p.is_file():
+            return p
+    return None
+
+
+def holds(root: Path, spec: CorpusSpec) -> bool:
+    return all(find_file(root, f.candidates) is not None for f in spec.files)
+
+
+def missing_error(spec: CorpusSpec, searched: list[Path]) -> DataError:
+    """The one-line error for a corpus found in none of ``searched``."""
+    # Name the exact missing file in the most promising root: the first one holding part of the corpus.
+    partial = next((r for r in searched if any(find_file(r, f.candidates) for f in spec.files)), None)
+    if partial is not None:
+        absent = next(f for f in spec.files if find_file(partial, f.candidates) is None)
+        where = str(partial / absent.path)
+    else:
+        where = " / ".join(f.path for f in spec.files)
+    dirs = ", ".join(str(p) for p in searched) or "(none)"
+    return DataError(
+        f"corpus {spec.name!r} not found: missing {where} (data dirs searched: {dirs}); "
+        + FIX_HINT.format(name=spec.name)
+    )
+
+
+def resolve_data_dir(explicit: str | Path | None = None, corpus: str | None = None) -> Path:
+    """The data root to read from.
+
+    With ``corpus``: the first candidate holding all of its files. Without: the first existing candidate.
+    """
+    candidates = data_dir_candidates(explicit)
+    if corpus is not None:
+        spec = get_spec(corpus)
+        for root in candidates:
+            if holds(root, spec):
+                return root
+        raise missing_error(spec, candidates)
+    for root in candidates:
+        if root.is_dir():
+            return root
+    dirs = ", ".join(str(p) for p in candidates)
+    raise DataError(
+        f"no data directory exists (searched: {dirs}); pass --data-dir, set GATEDFORMER_DATA, "
+        "or run `gatedformer data fetch NAME`"
+    )
+
+
+def fetch_target_dir(explicit: str | Path | None = None) -> Path:
+    """Where ``fetch`` writes: ``--data-dir``, else ``$GATEDFORMER_DATA``, else the user cache."""
+    if explicit is not None and str(explicit) != "":
+        return Path(explicit).expanduser().absolute()
+    env = os.environ.get(ENV_DATA)
+    if env:
+        return Path(env).expanduser().absolute()
+    return user_data_dir().absolute()
+
+
+def _umask() -> int:
+    # os.umask can only be read by setting it; restore it at once.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def publish(tmp: str | Path, path: Path) -> None:
+    """Give a finished temp file normal permissions (mkstemp makes it 0600) and rename it into place."""
+    with contextlib.suppress(OSError):
+        os.chmod(tmp, 0o666 & ~_umask())
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def atomic_write(path: Path, mode: str = "wb", durable: bool = False) -> Iterator:
+    """Write to a temp file beside ``path``, then rename over it; readers never see a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, mode) as fh:
+            yield fh
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
+        publish(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

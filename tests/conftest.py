@@ -1,0 +1,47 @@
+"""Shared fixtures: small corpora written on the fly, and the shared real-data folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("GATEDFORMER_DATA", REPO.parent / "shared" / "data"))
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Token caches and verification stamps go to a per-session folder, never the user's home.
+    monkeypatch.setenv("GATEDFORMER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture
+def text_corpus(tmp_path: Path) -> str:
+    """A ``text:`` corpus of a few thousand characters with learnable structure."""
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "park", "in", "sun"]
+    generator = torch.Generator().manual_seed(0)
+    picks = torch.randint(0, len(words), (3000,), generator=generator).tolist()
+    lines = [" ".join(words[i] for i in picks[j : j + 8]) + "." for j in range(0, len(picks), 8)]
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return f"text:{path}"
+
+
+def tiny_overrides(corpus: str, steps: int = 12) -> list[str]:
+    """A model and loop small enough that a run takes a second or two."""
+    return [
+        f"data.corpus={corpus}", "data.batch_size=4", "data.seq_len=16", "data.eval_batch_size=4",
+        "data.eval_seq_len=16", "model.d_model=16", "model.n_layers=2", "model.n_heads=2", "model.d_ffn=32",
+        f"train.steps={steps}", "train.eval_every=4", "train.log_every=1", "train.eval_windows=3",
+        "optim.lr=0.01", "optim.schedule=linear",
+    ]
+
+
+def needs_shared(*relative: str) -> pytest.MarkDecorator:
+    missing = [r for r in relative if not (SHARED_DATA / r).is_file()]
+    return pytest.mark.skipif(bool(missing), reason=f"real corpus files not found under {SHARED_DATA}: {missing}")
