@@ -197,6 +197,9 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
           progress: bool = True, stop_after: int | None = None, corpus: Corpus | None = None) -> RunResult | None:
     """Train ``config`` into ``out_dir``; return the final results, or ``None`` if ``stop_after``
     ended the run early (it can then be resumed)."""
+    if config.data.corpus == "multi30k":  # translation: the encoder-decoder trainer
+        from gatedformer.train.translation import train_translation
+        return train_translation(config, out_dir, data_dir, resume, progress, stop_after)
     validate(config)
     out_dir = Path(out_dir)
     checkpoint_path = prepare_run_dir(out_dir, config, resume)
@@ -298,14 +301,15 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
                 loss_count += 1
             bar.update(1)
 
-            if step % tcfg.log_every == 0 and loss_count:
-                record = {"event": "train", "step": step, "train_loss": loss_sum / loss_count,
-                          "lr": scheduler.get_last_lr()[0], "tokens": tokens_seen,
+            if step % tcfg.log_every == 0:
+                record = {"event": "train", "step": step, "lr": scheduler.get_last_lr()[0], "tokens": tokens_seen,
                           "time": train_seconds, "tokens_per_s": tokens_seen / max(train_seconds, 1e-9)}
+                if loss_count:
+                    record["train_loss"] = loss_sum / loss_count
+                    bar.set_postfix(loss=f"{loss_sum / loss_count:.3f}")
                 if skipped:
                     record["skipped_steps"] = skipped
                 log(record)
-                bar.set_postfix(loss=f"{loss_sum / loss_count:.3f}")
                 loss_sum, loss_count = 0.0, 0
 
             final = step == tcfg.steps

@@ -1,0 +1,150 @@
+"""The command line as a user runs it: one clear error line and a non-zero exit for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import needs_shared, tiny_overrides
+
+from gatedformer.cli import main
+
+
+def sets(overrides: list[str]) -> list[str]:
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The installed entry point in a fresh process, as a user would call it."""
+    return subprocess.run([sys.executable, "-m", "gatedformer", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("gatedformer: error: ") and fragment in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_train_eval_generate_params(text_corpus: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "run"
+    overrides = tiny_overrides(text_corpus) + ["model.gates=+σ SDU"]
+    assert main(["train", "--recipe", "ptb-char-tiny", "--out", str(out), "--quiet", *sets(overrides)]) == 0
+    printed = capsys.readouterr().out
+    assert "valid bpc" in printed and "test  bpc" in printed
+    assert (out / "results.json").is_file() and (out / "loss.png").stat().st_size > 1000
+
+    assert main(["eval", "--run", str(out), "--split", "test"]) == 0
+    line = json.loads(capsys.readouterr().out.strip())
+    saved = json.loads((out / "results.json").read_text())
+    assert line["split"] == "test" and line["bpc"] == pytest.approx(saved["test_metric"], rel=1e-6)
+
+    assert main(["generate", "--run", str(out), "--prompt", "the cat", "--tokens", "20"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("the cat") and len(text.strip()) > len("the cat")
+
+    assert main(["params", "--recipe", "ptb-char-tiny", "--json", *sets(tiny_overrides(text_corpus))]) == 0
+    report = json.loads(capsys.readouterr().out)
+    names = [v["variant"] for v in report["variants"]]
+    assert names == ["baseline", "+σ SDU", "+tanh SDU"]
+    base, sdu = report["variants"][0], report["variants"][1]
+    assert sdu["total"] - base["total"] == 2 * 2 * 2 * 16 * 17  # 2 layers x 2 sublayers x 2d(d+1)
+    assert sdu["components"]["gate: SDU"] == 2 * 2 * 2 * 16 * 17
+    assert "gate: SDU" not in base["components"]
+
+
+def test_resume_from_the_command_line(text_corpus: str, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["train", "--recipe", "ptb-char-tiny", "--out", str(out), "--quiet", *sets(tiny_overrides(text_corpus))]
+    assert main(args) == 0
+    assert_one_line_error(run_cli(*args), "already holds a finished run")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["train", "--recipe", "no-such-recipe", "--out", "x"], "unknown recipe 'no-such-recipe'"),
+        (["train", "--recipe", "ptb-char-tiny", "--out", "x", "--set", "model.widht=3"], "unknown config key"),
+        (["train", "--recipe", "ptb-char-tiny", "--out", "x", "--set", "model.d_model=big"], "whole number"),
+        (["train", "--recipe", "ptb-char-tiny", "--out", "x", "--set", "model.d_model=0"], "must be positive"),
+        (["train", "--recipe", "ptb-char-tiny", "--out", "x", "--set", "model.dropout=1"], "in [0, 1)"),
+        (["train", "--recipe", "ptb-char-tiny", "--out", "x", "--set", "model.n_heads=5"], "not divisible"),
+        (["train", "--recipe", "ptb-char-tiny", "--out", "x", "--set", "model.gates=+sdu L9"], "names layer 9"),
+        (["train", "--recipe", "ptb-char-tiny", "--out", "x", "--data", "nonsense"], "unknown corpus"),
+        (["eval", "--run", "does-not-exist"], "not a gatedformer run"),
+    ],
+)
+def test_bad_input_is_one_line(args: list[str], fragment: str, tmp_path: Path) -> None:
+    assert_one_line_error(run_cli(*args), fragment)
+
+
+def test_missing_corpus(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run_cli("train", "--recipe", "ptb-char-tiny", "--out", str(tmp_path / "r"), "--data-dir", str(empty))
+    assert_one_line_error(result, "corpus 'ptb-char' not found")
+    assert "gatedformer data fetch ptb-char" in result.stderr
+
+
+def test_corrupt_and_empty_corpora(tmp_path: Path) -> None:
+    folder = tmp_path / "data" / "ptb"
+    folder.mkdir(parents=True)
+    for split in ("train", "valid", "test"):
+        (folder / f"ptb.char.{split}.txt").write_text("a b c _ d \n")
+    result = run_cli("train", "--recipe", "ptb-char-tiny", "--out", str(tmp_path / "r"),
+                     "--data-dir", str(tmp_path / "data"))
+    assert_one_line_error(result, "checksum mismatch")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert_one_line_error(run_cli("train", "--recipe", "ptb-char-tiny", "--out", str(tmp_path / "e"),
+                                  "--data", f"text:{empty}"), "empty")
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"hello \xff world" * 10)
+    assert_one_line_error(run_cli("train", "--recipe", "ptb-char-tiny", "--out", str(tmp_path / "b"),
+                                  "--data", f"text:{bad}"), "UTF-8")
+
+
+def test_seq_len_longer_than_a_split(text_corpus: str, tmp_path: Path) -> None:
+    result = run_cli("train", "--recipe", "ptb-char-tiny", "--out", str(tmp_path / "r"), "--data", text_corpus,
+                     "--set", "data.seq_len=100000")
+    assert_one_line_error(result, "seq_len")
+
+
+def test_truncated_checkpoint_and_mismatched_config(text_corpus: str, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    base = ["train", "--recipe", "ptb-char-tiny", "--out", str(out), "--quiet", *sets(tiny_overrides(text_corpus))]
+    assert main([*base, "--set", "train.steps=4"]) == 0
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:64])
+    assert_one_line_error(run_cli("eval", "--run", str(out)), "truncated or corrupt")
+
+    half = tmp_path / "half"
+    from gatedformer.config import apply_overrides, load_recipe
+    from gatedformer.train.loop import train
+
+    config = apply_overrides(load_recipe("ptb-char-tiny").config, tiny_overrides(text_corpus))
+    train(config, half, progress=False, stop_after=4)
+    result = run_cli("train", "--recipe", "ptb-char-tiny", "--out", str(half), "--resume",
+                     *sets(tiny_overrides(text_corpus)), "--set", "model.n_layers=3")
+    assert_one_line_error(result, "model.n_layers (2 saved, 3 now)")
+
+
+@needs_shared("ptb/ptb.char.train.txt", "ptb/ptb.char.valid.txt", "ptb/ptb.char.test.txt")
+def test_main_job_on_real_data_in_miniature(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The README's main command (compare on char PTB), cut to a few steps: the table and plot appear."""
+    args = ["compare", "--recipe", "ptb-char-tiny", "--out", str(tmp_path / "cmp"), "--quiet",
+            "--set", "train.steps=6", "--set", "train.eval_every=3", "--set", "train.log_every=1",
+            "--set", "data.seq_len=32", "--set", "model.d_model=32", "--set", "model.d_ffn=64",
+            "--set", "data.eval_seq_len=256", "--set", "data.eval_batch_size=256"]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    for name in ("baseline", "+σ SDU", "+tanh SDU", "valid bpc", "test bpc", "params", "s/step"):
+        assert name in table
+    assert (tmp_path / "cmp" / "report.md").is_file()
+    assert (tmp_path / "cmp" / "convergence.png").stat().st_size > 5000

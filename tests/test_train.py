@@ -1,0 +1,167 @@
+"""The trainer: same seed same numbers, exact resume, safe checkpoints, gates seen while training."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_overrides
+from safetensors.torch import load_file
+
+from gatedformer.analysis.runlog import read_log, series
+from gatedformer.config import RunConfig, apply_overrides, validate
+from gatedformer.errors import CheckpointError, ConfigError
+from gatedformer.train.checkpoint import latest_checkpoint, load_checkpoint
+from gatedformer.train.loop import NonFiniteLoss, load_trained, train
+from gatedformer.train.optim import lr_factor
+
+
+def config_for(corpus: str, *extra: str, steps: int = 12) -> RunConfig:
+    return validate(apply_overrides(RunConfig(), tiny_overrides(corpus, steps) + list(extra)))
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return series(read_log(run_dir), "train", "train_loss")[1]
+
+
+def test_same_seed_same_numbers(text_corpus: str, tmp_path: Path) -> None:
+    a = train(config_for(text_corpus, "model.gates=+σ SDU"), tmp_path / "a", progress=False)
+    b = train(config_for(text_corpus, "model.gates=+σ SDU"), tmp_path / "b", progress=False)
+    assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")
+    assert (a.valid_loss, a.test_loss) == (b.valid_loss, b.test_loss)
+    c = train(config_for(text_corpus, "model.gates=+σ SDU", "train.seed=1"), tmp_path / "c", progress=False)
+    assert c.test_loss != a.test_loss
+
+
+@pytest.mark.parametrize("stop", [3, 4, 9])
+def test_resume_is_bit_exact(text_corpus: str, tmp_path: Path, stop: int) -> None:
+    extra = ("model.gates=+tanh L2", "model.dropout=0.2", "optim.clip=0.5")
+    whole = train(config_for(text_corpus, *extra), tmp_path / "whole", progress=False)
+    assert train(config_for(text_corpus, *extra), tmp_path / "split", progress=False, stop_after=stop) is None
+    assert latest_checkpoint(tmp_path / "split").name == f"step-{stop:08d}"
+    resumed = train(config_for(text_corpus, *extra), tmp_path / "split", progress=False, resume=True)
+    assert train_losses(tmp_path / "split") == train_losses(tmp_path / "whole")
+    assert len(train_losses(tmp_path / "whole")) == 12
+    assert (resumed.valid_loss, resumed.test_loss) == (whole.valid_loss, whole.test_loss)
+    final_a = load_file(str(tmp_path / "whole" / "model.safetensors"))
+    final_b = load_file(str(tmp_path / "split" / "model.safetensors"))
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+
+def test_run_dir_is_never_overwritten(text_corpus: str, tmp_path: Path) -> None:
+    train(config_for(text_corpus), tmp_path / "run", progress=False)
+    with pytest.raises(ConfigError, match="already holds a finished run"):
+        train(config_for(text_corpus), tmp_path / "run", progress=False)
+    train(config_for(text_corpus), tmp_path / "half", progress=False, stop_after=4)
+    with pytest.raises(ConfigError, match="pass --resume"):
+        train(config_for(text_corpus), tmp_path / "half", progress=False)
+
+
+def test_resume_with_another_config_names_the_fields(text_corpus: str, tmp_path: Path) -> None:
+    train(config_for(text_corpus), tmp_path / "run", progress=False, stop_after=4)
+    with pytest.raises(CheckpointError, match=r"model\.d_model \(16 saved, 32 now\)"):
+        train(config_for(text_corpus, "model.d_model=32"), tmp_path / "run", progress=False, resume=True)
+
+
+def test_truncated_checkpoint_is_refused(text_corpus: str, tmp_path: Path) -> None:
+    train(config_for(text_corpus), tmp_path / "run", progress=False, stop_after=4)
+    weights = latest_checkpoint(tmp_path / "run") / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        train(config_for(text_corpus), tmp_path / "run", progress=False, resume=True)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (print, ("this ran code",))
+
+
+def test_pickled_code_in_trainer_state_is_refused(text_corpus: str, tmp_path: Path) -> None:
+    train(config_for(text_corpus), tmp_path / "run", progress=False, stop_after=4)
+    trainer_file = latest_checkpoint(tmp_path / "run") / "trainer.pt"
+    torch.save({"optimizer": _Exploit()}, trainer_file, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    with pytest.raises(CheckpointError, match="refused to load"):
+        load_checkpoint(latest_checkpoint(tmp_path / "run"))
+
+
+def test_a_crash_during_a_checkpoint_write_keeps_the_previous_one(text_corpus: str, tmp_path: Path) -> None:
+    train(config_for(text_corpus), tmp_path / "run", progress=False, stop_after=4)
+    ckpt_root = tmp_path / "run" / "ckpt"
+    # What a process killed mid-write leaves behind: a partial folder the pointer does not name.
+    partial = ckpt_root / ".step-00000008.partial"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"\x00\x01")
+    assert latest_checkpoint(tmp_path / "run").name == "step-00000004"
+    result = train(config_for(text_corpus), tmp_path / "run", progress=False, resume=True)
+    assert result is not None and not partial.exists()
+
+
+def test_gate_statistics_and_biases_are_recorded(text_corpus: str, tmp_path: Path) -> None:
+    train(config_for(text_corpus, "model.gates=+σ SDU + EAU"), tmp_path / "run", progress=False)
+    evals = [r for r in read_log(tmp_path / "run") if r["event"] == "eval"]
+    assert len(evals) == 3
+    gates = evals[-1]["gates"]
+    assert set(gates) == {f"layers.{i}.{s}.sdu" for i in (0, 1) for s in ("attn", "ffn")} | {
+        f"layers.{i}.attn.eau" for i in (0, 1)}
+    for name, stat in gates.items():
+        assert 0.0 < stat["mean"] < 1.0 and stat["std"] >= 0.0, name
+    biases = load_file(str(tmp_path / "run" / "gate_biases.safetensors"))
+    assert set(biases) == set(gates)
+    assert all(b.shape == (16,) for b in biases.values())
+    assert any(b.abs().sum() > 0 for b in biases.values())  # trained away from their zero start
+
+
+def test_log_records_every_evaluation_point(text_corpus: str, tmp_path: Path) -> None:
+    result = train(config_for(text_corpus), tmp_path / "run", progress=False)
+    evals = [r for r in read_log(tmp_path / "run") if r["event"] == "eval"]
+    assert [r["step"] for r in evals] == [4, 8, 12]
+    for record in evals:
+        assert {"tokens", "time", "tokens_per_s", "valid_loss", "valid_bpc"} <= set(record)
+        assert record["valid_bpc"] == pytest.approx(record["valid_loss"] / 0.6931471805599453)
+    saved = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert saved["test_metric"] == pytest.approx(result.test_loss / 0.6931471805599453)
+    assert saved["steps"] == 12 and saved["params"] > 0
+
+
+def test_loss_goes_down(text_corpus: str, tmp_path: Path) -> None:
+    train(config_for(text_corpus, "train.log_every=10", steps=60), tmp_path / "run", progress=False)
+    losses = train_losses(tmp_path / "run")
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_nonfinite_loss_stops_with_the_step_named(text_corpus: str, tmp_path: Path) -> None:
+    with pytest.raises(NonFiniteLoss, match=r"non-finite loss or gradient at step \d+"):
+        train(config_for(text_corpus, "optim.lr=1e30", "optim.name=sgd", steps=40), tmp_path / "run",
+              progress=False)
+
+
+def test_nonfinite_steps_can_be_skipped(text_corpus: str, tmp_path: Path) -> None:
+    result = train(config_for(text_corpus, "optim.lr=1e30", "optim.name=sgd", "train.nonfinite=skip", steps=8),
+                   tmp_path / "run", progress=False)
+    assert result is not None
+    assert any(r.get("skipped_steps") for r in read_log(tmp_path / "run"))
+
+
+def test_load_trained_round_trip(text_corpus: str, tmp_path: Path) -> None:
+    train(config_for(text_corpus, "model.gates=+highway gate"), tmp_path / "run", progress=False)
+    config, model, corpus = load_trained(tmp_path / "run", device="cpu")
+    assert config.model.gates == "+highway gate"
+    assert model.layers[0].attn.highway is not None
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine", "noam"])
+def test_schedules(schedule: str) -> None:
+    cfg = apply_overrides(RunConfig(), [f"optim.schedule={schedule}", "optim.warmup_steps=10",
+                                        "optim.min_lr_ratio=0.1"]).optim
+    factors = [lr_factor(s, 100, cfg) for s in range(100)]
+    assert factors[0] == pytest.approx(0.1)
+    assert max(factors) == pytest.approx(1.0)
+    assert factors[9] == pytest.approx(1.0)
+    if schedule in ("linear", "cosine"):
+        assert factors[-1] == pytest.approx(0.1, abs=0.02)
+        assert all(a >= b for a, b in zip(factors[10:], factors[11:], strict=False))
+    if schedule == "noam":
+        assert factors[-1] == pytest.approx((10 / 100) ** 0.5)
