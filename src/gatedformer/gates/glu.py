@@ -5,11 +5,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-
-def _check_positive_int(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+from ._checks import check_size
 
 
 class GLU(nn.Module):
@@ -60,8 +56,8 @@ class GLUFeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ffn: int, dropout: float = 0.0) -> None:
         super().__init__()
-        self.d_model = _check_positive_int("d_model", d_model)
-        self.d_ffn = _check_positive_int("d_ffn", d_ffn)
+        self.d_model = check_size("d_model", d_model)
+        self.d_ffn = check_size("d_ffn", d_ffn)
         if not 0.0 <= float(dropout) < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         self.w_in = nn.Linear(d_model, 2 * d_ffn)

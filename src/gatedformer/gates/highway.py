@@ -7,11 +7,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-
-def _check_d_model(d_model: int, minimum: int = 1) -> int:
-    if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < minimum:
-        raise ValueError(f"d_model must be an integer >= {minimum}, got {d_model!r}")
-    return d_model
+from ._checks import check_size
 
 
 class HighwayGate(nn.Module):
@@ -36,7 +32,7 @@ class HighwayGate(nn.Module):
 
     def __init__(self, d_model: int) -> None:
         super().__init__()
-        self.d_model = _check_d_model(d_model)
+        self.d_model = check_size("d_model", d_model)
         self.proj = nn.Linear(d_model, 2 * d_model)
         nn.init.zeros_(self.proj.bias)
 

@@ -8,13 +8,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from ._checks import check_size
+
 _GATE_FNS: dict[str, Callable[[Tensor], Tensor]] = {"sigmoid": torch.sigmoid, "tanh": torch.tanh}
 
 
-def _check_d_model(d_model: int, minimum: int = 1) -> int:
-    if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < minimum:
-        raise ValueError(f"d_model must be an integer >= {minimum}, got {d_model!r}")
-    return d_model
 
 
 class SDU(nn.Module):
@@ -40,7 +38,7 @@ class SDU(nn.Module):
 
     def __init__(self, d_model: int, gate: str = "sigmoid") -> None:
         super().__init__()
-        self.d_model = _check_d_model(d_model)
+        self.d_model = check_size("d_model", d_model)
         if gate not in _GATE_FNS:
             allowed = ", ".join(repr(name) for name in _GATE_FNS)
             raise ValueError(f"unknown SDU gate {gate!r}; allowed values are {allowed}")
