@@ -23,15 +23,25 @@ def _add_config_args(parser: argparse.ArgumentParser, data: bool = True) -> None
 
 def _overrides(args: argparse.Namespace) -> list[str]:
     extra = [f"data.corpus={args.data}"] if getattr(args, "data", None) else []
+    if getattr(args, "tensorboard", False):
+        extra.append("train.tensorboard=true")
     return list(args.overrides) + extra
+
+
+def _train_flags(args: argparse.Namespace) -> list[str]:
+    """``--bf16`` and ``--compile``: shorthands for their ``--set`` values."""
+    return (["train.precision=bf16"] if args.bf16 else []) + (["train.compile=true"] if args.compile else [])
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from gatedformer.config import build_config, load_recipe
+    from gatedformer.train.distributed import is_main_process
     from gatedformer.train.loop import train
 
-    config = build_config(load_recipe(args.recipe), _overrides(args))
+    config = build_config(load_recipe(args.recipe), _overrides(args) + _train_flags(args))
     result = train(config, args.out, data_dir=args.data_dir, resume=args.resume, progress=not args.quiet)
+    if not is_main_process():
+        return 0  # under torchrun, rank 0 alone prints and plots
     _print_result(result.__dict__)
     try:
         from gatedformer.analysis.plots import plot_run
@@ -117,6 +127,44 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(f"\nreport: {report.report_path}")
     for figure in report.figures:
         print(f"figure: {figure}")
+    for note in report.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from gatedformer.analysis.gates import analyze_run
+
+    analysis = analyze_run(args.run, args.out)
+    for note in analysis.notes:
+        print(note)
+    for figure in analysis.figures:
+        print(f"figure: {figure}")
+    return 0
+
+
+def cmd_init_check(args: argparse.Namespace) -> int:
+    from gatedformer.analysis.init_check import format_init_check, init_check
+    from gatedformer.config import build_config, load_recipe
+
+    config = build_config(load_recipe(args.recipe), _overrides(args))
+    rows = init_check(config, data_dir=args.data_dir, batches=args.batches)
+    print(json.dumps(rows, indent=2) if args.json else format_init_check(rows))
+    return 0
+
+
+def cmd_translate(args: argparse.Namespace) -> int:
+    from gatedformer.train.translation import translate_lines
+
+    if args.input:
+        try:
+            lines = Path(args.input).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            raise GatedformerError(f"cannot read --input {args.input} ({err}); give a UTF-8 text file") from None
+    else:
+        lines = sys.stdin.read().splitlines()
+    for line in translate_lines(args.run, lines, beam=args.beam, data_dir=args.data_dir, device=args.device):
+        print(line)
     return 0
 
 
@@ -133,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", required=True, help="run directory to create (or continue with --resume)")
     train.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument("--bf16", action="store_true", help="bfloat16 autocast on CPU or CUDA (same as --set "
+                       "train.precision=bf16)")
+    train.add_argument("--compile", action="store_true", help="torch.compile the model (same as --set "
+                       "train.compile=true)")
+    train.add_argument("--tensorboard", action="store_true", help="also log scalars to OUT/tensorboard "
+                       "(same as --set train.tensorboard=true; needs the tensorboard package)")
     train.set_defaults(handler=cmd_train)
 
     evaluate = commands.add_parser("eval", help="score a trained run on valid or test; prints one JSON line")
@@ -172,7 +226,31 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--seeds", type=int, default=1, help="seeds per variant")
     compare.add_argument("--variants", nargs="+", help="train only these variants (by name)")
     compare.add_argument("--quiet", action="store_true")
+    compare.add_argument("--tensorboard", action="store_true", help="also log every run's scalars to "
+                         "OUT/<variant>/seed-<k>/tensorboard (needs the tensorboard package)")
     compare.set_defaults(handler=cmd_compare)
+
+    analyze = commands.add_parser("analyze", help="gate figures of a run: bias heatmap, t-SNE of the biases, "
+                                  "gate activation during training")
+    analyze.add_argument("--run", required=True, help="a run directory written by train (or compare)")
+    analyze.add_argument("--out", help="folder for the figures (default: the run directory)")
+    analyze.set_defaults(handler=cmd_analyze)
+
+    init_check = commands.add_parser("init-check", help="per-layer forward/backward variance ratios at "
+                                     "initialisation, beside what theory predicts")
+    _add_config_args(init_check)
+    init_check.add_argument("--batches", type=int, default=4, help="training windows to measure over")
+    init_check.add_argument("--json", action="store_true")
+    init_check.set_defaults(handler=cmd_init_check)
+
+    translate = commands.add_parser("translate", help="translate sentences (one a line; an empty line gives an "
+                                    "empty line) with a trained translation run")
+    translate.add_argument("--run", required=True, help="a translation run directory written by train")
+    translate.add_argument("--input", help="UTF-8 file of source sentences, one a line (default: stdin)")
+    translate.add_argument("--beam", type=int, help="beam size (1: greedy; default: the run's translation.decode)")
+    translate.add_argument("--data-dir", help="corpus folder, needed only if the run has no vocab.json")
+    translate.add_argument("--device", default="auto")
+    translate.set_defaults(handler=cmd_translate)
     return parser
 
 

@@ -26,6 +26,7 @@ BACKBONES = ("transformer", "rtransformer", "transformer-xl", "gcnn", "sru", "sr
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "linear", "cosine", "noam")
 INIT_SCHEMES = ("default", "uniform", "normal", "xavier")
+TRANSLATION_CORPORA = ("multi30k",)
 
 
 @dataclass
@@ -121,6 +122,8 @@ class TrainConfig:
     """CPU threads for torch (0: torch's default)."""
     nonfinite: str = "stop"
     """What to do with a non-finite loss or gradient: ``stop`` or ``skip`` the step."""
+    tensorboard: bool = False
+    """Also write the log's scalars to ``<run>/tensorboard`` (needs the ``tensorboard`` package)."""
 
 
 @dataclass
@@ -140,6 +143,13 @@ class TranslationConfig:
     length_penalty: float = 0.6
     bleu_sentences: int = 0
     """Sentences scored for BLEU at intermediate evaluations (0: the whole valid set)."""
+    src_vocab: int = 0
+    """Source vocabulary size, specials included: 0 takes every token seen ``min_freq`` times in the training
+    split; N keeps the N - 4 most frequent. ``gatedformer params`` uses it as given, without reading data."""
+    tgt_vocab: int = 0
+    """Target vocabulary size, as ``src_vocab``."""
+    train_sentences: int = 0
+    """Train on the first N sentence pairs only (0: all), e.g. for quick checks."""
 
 
 @dataclass
@@ -218,7 +228,7 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
             raise ConfigError(f"{key} must be a number, got {value!r}; write e.g. {key}=0.1")
         try:
             number = float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # overflow: an integer beyond any float (from JSON)
             raise ConfigError(f"{key} must be a number, got {value!r}; write e.g. {key}=0.1") from None
         if not math.isfinite(number):
             raise ConfigError(f"{key} must be a finite number, got {value!r}")
@@ -367,8 +377,28 @@ def validate(config: RunConfig) -> RunConfig:
     # The gate spec is checked against the model here so a bad one fails before any data loads.
     from gatedformer.backbones.placement import resolve_placement
 
-    resolve_placement(model.gates, model.n_layers, backbone=model.backbone)
+    translation = data.corpus in TRANSLATION_CORPORA
+    resolve_placement(model.gates, model.n_layers, backbone=model.backbone, cross_attention=translation)
+    if translation:
+        _validate_translation(config)
     return config
+
+
+def _validate_translation(config: RunConfig) -> None:
+    tr = config.translation
+    _check(config.model.backbone == "transformer",
+           f"data.corpus={config.data.corpus} trains the encoder-decoder Transformer; set model.backbone=transformer")
+    _check(tr.max_len >= 3, f"translation.max_len={tr.max_len} leaves no room between <bos> and <eos>; raise it")
+    _positive("translation.min_freq", tr.min_freq)
+    _check(0.0 <= tr.label_smoothing < 1.0, "translation.label_smoothing must be in [0, 1)")
+    _one_of("translation.decode", tr.decode, ("greedy", "beam"))
+    _positive("translation.beam_size", tr.beam_size)
+    _check(tr.length_penalty >= 0, "translation.length_penalty must be >= 0 (0: no length normalisation)")
+    for key in ("max_tokens", "bleu_sentences", "train_sentences"):
+        _check(getattr(tr, key) >= 0, f"translation.{key} must be 0 (off / all) or positive")
+    for key in ("src_vocab", "tgt_vocab"):
+        value = getattr(tr, key)
+        _check(value == 0 or value > 4, f"translation.{key} must be 0 (from the data) or above 4 (the specials)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,6 +412,17 @@ def recipe_names() -> list[str]:
 
 
 def _read_recipe_text(name: str) -> tuple[str, str]:
+    try:
+        return _read_recipe_file(name)
+    except OSError as err:  # e.g. a name too long for the file system, or a file we may not read
+        raise ConfigError(f"cannot read recipe {name!r} ({err.strerror or err}); give a recipe name or a path to "
+                          "a readable .toml file") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"recipe file {name!r} is not UTF-8 text (byte offset {err.start}); save it as UTF-8") \
+            from None
+
+
+def _read_recipe_file(name: str) -> tuple[str, str]:
     path = Path(name)
     if name.endswith(".toml") or path.exists():
         if not path.is_file():
@@ -407,6 +448,8 @@ def load_recipe(name: str) -> Recipe:
     published_source = str(raw.pop("published_source", ""))
     published_metric = str(raw.pop("published_metric", ""))
     raw_variants = raw.pop("variants", [])
+    if not isinstance(raw_variants, list):
+        raise ConfigError(f"recipe {recipe_name}: variants must be [[variants]] tables, got {raw_variants!r}")
     config = config_from_dict(raw, where=f"recipe {recipe_name}")
     variants = []
     for i, entry in enumerate(raw_variants):
@@ -418,7 +461,13 @@ def load_recipe(name: str) -> Recipe:
         overrides = entry.get("set", [])
         if isinstance(overrides, str):
             overrides = [overrides]
+        if not isinstance(overrides, list):
+            raise ConfigError(f"recipe {recipe_name}: variant {entry['name']!r} needs set = [\"key=value\", ...], "
+                              f"got {overrides!r}")
         published = entry.get("published")
+        if published is not None and (isinstance(published, bool) or not isinstance(published, int | float)):
+            raise ConfigError(f"recipe {recipe_name}: variant {entry['name']!r} has published = {published!r}; "
+                              "write the published number, e.g. published = 1.37")
         variants.append(
             Variant(str(entry["name"]), [str(o) for o in overrides], None if published is None else float(published))
         )

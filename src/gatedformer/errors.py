@@ -13,6 +13,10 @@ class GatedformerError(Exception):
 
     exit_code = 2
 
+    def __str__(self) -> str:
+        # Always one line, even when the message quotes a path or value with a line break in it.
+        return super().__str__().replace("\r", "\\r").replace("\n", "\\n")
+
 
 class ConfigError(GatedformerError):
     """A recipe, override or placement spec that does not describe a valid run."""

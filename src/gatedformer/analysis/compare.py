@@ -2,46 +2,31 @@
 
 Each run lives in ``OUT/<variant>/seed-<k>``. A finished run (``results.json`` present) is kept and
 skipped, an interrupted one resumes from its checkpoint, so the command can be re-run until done.
+The report (``OUT/report.md``) holds the paper-style table, the training-time and parameter tables,
+the convergence figure and, for gated variants, the gate figures of their first seed.
 """
 
 from __future__ import annotations
 
 import re
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from gatedformer.config import Recipe, Variant, build_config
-from gatedformer.errors import ConfigError
+from gatedformer.analysis.report import (
+    ComparisonReport,
+    VariantSummary,
+    format_table,
+    render_report,
+)
+from gatedformer.config import TRANSLATION_CORPORA, Recipe, RunConfig, Variant, build_config
+from gatedformer.errors import ConfigError, GatedformerError
 from gatedformer.io import atomic_write_text
 from gatedformer.train.checkpoint import latest_checkpoint
 from gatedformer.train.loop import RunResult, train
 
-
-@dataclass
-class VariantSummary:
-    """One row of the table: the mean and spread of a variant's seeds."""
-
-    name: str
-    results: list[RunResult]
-    published: float | None = None
-
-    def mean(self, key: str) -> float:
-        return statistics.fmean(getattr(r, key) for r in self.results)
-
-    def std(self, key: str) -> float:
-        values = [getattr(r, key) for r in self.results]
-        return statistics.stdev(values) if len(values) > 1 else 0.0
-
-
-@dataclass
-class ComparisonReport:
-    table: str
-    report_path: Path
-    figures: list[Path] = field(default_factory=list)
-    summaries: list[VariantSummary] = field(default_factory=list)
+__all__ = ["ComparisonReport", "VariantSummary", "format_table", "run_comparison", "slug"]
 
 
 def slug(name: str) -> str:
@@ -61,16 +46,126 @@ def _select(recipe: Recipe, only: list[str] | None) -> list[Variant]:
     return [v for v in recipe.variants if v.name in only or slug(v.name) in only]
 
 
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _checkpoint_step(run_dir: Path) -> int:
+    checkpoint = latest_checkpoint(run_dir) if run_dir.exists() else None
+    match = re.search(r"(\d+)$", checkpoint.name) if checkpoint is not None else None
+    return int(match.group(1)) if match else 0
+
+
+class _Progress:
+    """Which run, which step, and how long the whole comparison still needs.
+
+    The time left is the steps left in every unfinished run times the wall-clock seconds per step of
+    its variant, measured in this invocation (evaluations included; once a run has finished, its
+    final evaluation on the whole valid and test splits too). Until a variant has been timed, the
+    mean of the variants timed so far stands in, then the ``seconds_per_step`` of runs finished
+    earlier.
+    """
+
+    def __init__(self, enabled: bool, plans: list[tuple[Variant, int, RunConfig, Path]]) -> None:
+        self.enabled = enabled
+        self.plans = plans
+        self.done = [c.train.steps if (d / "results.json").is_file() else _checkpoint_step(d)
+                     for _, _, c, d in plans]
+        self.rates: dict[str, float] = {}
+        self.earlier: dict[str, float] = {}
+        for variant, _, _, run_dir in plans:
+            if (run_dir / "results.json").is_file() and variant.name not in self.earlier:
+                self.earlier[variant.name] = RunResult.load(run_dir).seconds_per_step
+        self.current = -1
+        self.started = time.perf_counter()
+        self.run_started = 0.0
+        self.run_first_step = 0
+
+    def say(self, message: str) -> None:
+        if self.enabled:
+            from tqdm.auto import tqdm
+
+            tqdm.write(message, file=sys.stderr)
+            sys.stderr.flush()
+
+    def _rate(self, name: str) -> float | None:
+        if name in self.rates:
+            return self.rates[name]
+        if self.rates:
+            return sum(self.rates.values()) / len(self.rates)
+        return self.earlier.get(name) or (sum(self.earlier.values()) / len(self.earlier) if self.earlier else None)
+
+    def seconds_left(self) -> float | None:
+        total = 0.0
+        for i, (variant, _, config, _) in enumerate(self.plans):
+            left = config.train.steps - self.done[i]
+            if left <= 0:
+                continue
+            rate = self._rate(variant.name)
+            if rate is None:
+                return None
+            total += left * rate
+        return total
+
+    def eta(self) -> str:
+        left = self.seconds_left()
+        return "" if left is None else f"; about {_duration(left)} left in all"
+
+    def _tag(self, index: int) -> str:
+        variant, seed, _, _ = self.plans[index]
+        return f"[{index + 1}/{len(self.plans)}] {variant.name} seed {seed}"
+
+    def kept(self, index: int) -> None:
+        self.say(f"{self._tag(index)}: finished earlier, kept")
+
+    def start(self, index: int, resuming: bool) -> None:
+        self.current = index
+        self.run_started = time.perf_counter()
+        self.run_first_step = self.done[index]
+        steps = self.plans[index][2].train.steps
+        where = f" (resuming at step {self.done[index]})" if resuming else ""
+        self.say(f"{self._tag(index)}{where}: {steps} steps{self.eta()}")
+
+    def record(self, record: dict[str, Any]) -> None:
+        if self.current < 0 or record.get("event") not in ("train", "eval"):
+            return
+        step = int(record["step"])
+        self.done[self.current] = step
+        if step > self.run_first_step:
+            variant = self.plans[self.current][0].name
+            self.rates[variant] = (time.perf_counter() - self.run_started) / (step - self.run_first_step)
+        if record["event"] == "eval":
+            values = [f"{k[len('valid_'):]} {v:.3f}" for k, v in record.items()
+                      if k.startswith("valid_") and k != "valid_loss" and isinstance(v, int | float)]
+            total = self.plans[self.current][2].train.steps
+            self.say(f"  {self._tag(self.current)}: step {step}/{total}, valid {', '.join(values) or '—'}"
+                     f"{self.eta()}")
+
+    def finish(self, index: int, result: RunResult | None) -> None:
+        variant, _, config, _ = self.plans[index]
+        took = time.perf_counter() - self.run_started
+        if config.train.steps > self.run_first_step:  # the whole run, final evaluation on valid and test included
+            self.rates[variant.name] = took / (config.train.steps - self.run_first_step)
+        self.done[index] = config.train.steps
+        score = f", test {result.metric} {result.test_metric:.3f}" if result is not None else ""
+        self.say(f"{self._tag(index)}: done in {_duration(took)}{score}{self.eta()}")
+
+
 def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: list[str] | None = None,
                    data_dir: str | Path | None = None, progress: bool = True,
-                   only: list[str] | None = None) -> ComparisonReport:
+                   only: list[str] | None = None, tensorboard: bool = False) -> ComparisonReport:
     """Train (or pick up) every variant × seed, then write ``report.md`` and its figures."""
     if seeds < 1:
         raise ConfigError(f"--seeds must be at least 1, got {seeds}")
     variants = _select(recipe, only)
     if len({slug(v.name) for v in variants}) != len(variants):
         raise ConfigError(f"recipe {recipe.name} has two variants with the same folder name; rename one")
-    overrides = list(overrides or [])
+    overrides = list(overrides or []) + (["train.tensorboard=true"] if tensorboard else [])
+    out_dir = Path(out_dir)
     # Build every config before training anything, so a bad variant fails at once.
     plans = []
     for variant in variants:
@@ -78,117 +173,115 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
             config = build_config(recipe, overrides, variant)
             config.train.seed += seed
             plans.append((variant, seed, config, out_dir / slug(variant.name) / f"seed-{seed}"))
+    if any(config.train.tensorboard for _, _, config, _ in plans):
+        from gatedformer.train.tensorboard import require_tensorboard
+
+        require_tensorboard()
 
     from gatedformer.data import load_corpus
 
-    corpus = load_corpus(plans[0][2].data.corpus, data_dir)
+    # A translation run loads its own parallel corpus; only language models share a preloaded one.
+    translation = plans[0][2].data.corpus in TRANSLATION_CORPORA
+    corpus = None if translation else load_corpus(plans[0][2].data.corpus, data_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    done_seconds: list[float] = []
-    for index, (variant, seed, config, run_dir) in enumerate(plans, start=1):
+    tracker = _Progress(progress, plans)
+    trained = 0
+    for index, (_, _, config, run_dir) in enumerate(plans):
         if (run_dir / "results.json").is_file():
-            _say(progress, f"[{index}/{len(plans)}] {variant.name} seed {seed}: finished earlier, kept")
+            tracker.kept(index)
             continue
         resuming = run_dir.exists() and latest_checkpoint(run_dir) is not None
-        eta = ""
-        if done_seconds:
-            eta = f", about {statistics.fmean(done_seconds) * (len(plans) - index + 1) / 60:.1f} min left"
-        _say(progress, f"[{index}/{len(plans)}] {variant.name} seed {seed}"
-                       f"{' (resuming)' if resuming else ''}{eta}")
-        started = time.perf_counter()
-        train(config, run_dir, data_dir=data_dir, resume=resuming, progress=progress, corpus=corpus)
-        done_seconds.append(time.perf_counter() - started)
+        tracker.start(index, resuming)
+        result = train(config, run_dir, data_dir=data_dir, resume=resuming, progress=progress, corpus=corpus,
+                       on_record=tracker.record)
+        tracker.finish(index, result)
+        trained += 1
+    if trained:
+        tracker.say(f"all {len(plans)} runs done; this invocation trained {trained} in "
+                    f"{_duration(time.perf_counter() - tracker.started)}")
 
-    summaries = [
-        VariantSummary(v.name, [RunResult.load(out_dir / slug(v.name) / f"seed-{s}") for s in range(seeds)],
-                       v.published)
-        for v in variants
-    ]
+    summaries = []
+    for variant in variants:
+        _, _, config, first_dir = next(p for p in plans if p[0] is variant)
+        summaries.append(VariantSummary(
+            variant.name, [_load_result(out_dir / slug(variant.name) / f"seed-{s}") for s in range(seeds)],
+            variant.published, _steps_per_epoch(config, corpus), _components(config, first_dir, corpus)))
     metric = summaries[0].results[0].metric
     table = format_table(summaries, metric, recipe)
-    figures = _figures(summaries, seeds, metric, out_dir)
+    notes: list[str] = []
+    convergence = _convergence(summaries, metric, out_dir, notes)
+    gate_figures = _gate_figures(summaries, out_dir, notes)
+    base_config = build_config(recipe, overrides)
+    setup = (f"Corpus `{base_config.data.corpus}`, backbone `{base_config.model.backbone}`, "
+             f"{base_config.model.n_layers} layers, d_model {base_config.model.d_model}, "
+             f"{base_config.train.steps} steps, {seeds} seed(s) per variant"
+             + (f", overrides: `{' '.join(overrides)}`" if overrides else "") + ".")
     report_path = out_dir / "report.md"
-    atomic_write_text(report_path, _report(recipe, summaries, table, figures, seeds, overrides))
-    return ComparisonReport(table, report_path, figures, summaries)
+    text = render_report(recipe, summaries, table, metric=metric, corpus=base_config.data.corpus, setup=setup,
+                         convergence=convergence, gate_figures=gate_figures, notes=notes, out_dir=out_dir)
+    atomic_write_text(report_path, text)
+    figures = convergence + [f for group in gate_figures.values() for f in group]
+    return ComparisonReport(table, report_path, figures, summaries, notes)
 
 
-def _say(enabled: bool, message: str) -> None:
-    if enabled:
-        print(message, file=sys.stderr, flush=True)
+def _load_result(run_dir: Path) -> RunResult:
+    result = RunResult.load(run_dir)
+    result.run_dir = str(run_dir)  # where it is now, should the folder have moved since
+    return result
 
 
-def _pm(summary: VariantSummary, key: str, digits: int = 3) -> str:
-    if len(summary.results) > 1:
-        return f"{summary.mean(key):.{digits}f} ± {summary.std(key):.{digits}f}"
-    return f"{summary.mean(key):.{digits}f}"
+def _steps_per_epoch(config: RunConfig, corpus: Any) -> int | None:
+    if corpus is None:
+        return None
+    from gatedformer.data import LMStream
+
+    return len(LMStream(corpus.train, config.data.batch_size, config.data.seq_len, split="train"))
 
 
-def format_table(summaries: list[VariantSummary], metric: str, recipe: Recipe) -> str:
-    """The paper-style markdown table; the first variant is the baseline for the relative change."""
-    has_published = any(s.published is not None for s in summaries)
-    header = ["variant", "valid loss", f"valid {metric}", "test loss", f"test {metric}", "Δ test vs base"]
-    if has_published:
-        header.append(f"published test {recipe.published_metric or metric}")
-    header += ["params", "s/step", "total time (s)"]
-    base = summaries[0].mean("test_metric")
-    rows = []
-    for s in summaries:
-        change = (s.mean("test_metric") - base) / base * 100 if base else 0.0
-        row = [s.name, _pm(s, "valid_loss"), _pm(s, "valid_metric"), _pm(s, "test_loss"), _pm(s, "test_metric"),
-               "—" if s is summaries[0] else f"{change:+.2f}%"]
-        if has_published:
-            row.append("—" if s.published is None else f"{s.published:g}")
-        row += [f"{s.results[0].params:,}", f"{s.mean('seconds_per_step'):.4f}", f"{s.mean('train_seconds'):.1f}"]
-        rows.append(row)
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+def _components(config: RunConfig, run_dir: Path, corpus: Any) -> dict[str, int] | None:
+    """Parameters per component of the variant's model, rebuilt from its config (weights not needed)."""
+    from gatedformer.analysis.params import count_by_component
+
+    try:
+        if corpus is not None:
+            from gatedformer.backbones import build_model
+
+            return count_by_component(build_model(config.model, len(corpus.vocab)))
+        from gatedformer.analysis.runlog import read_log
+        from gatedformer.train.translation import build_seq2seq
+
+        sizes = next((r for r in read_log(run_dir) if r.get("event") == "data"), None)
+        if sizes is None:
+            return None
+        return count_by_component(build_seq2seq(config, sizes["src_vocab"], sizes["tgt_vocab"]))
+    except (GatedformerError, KeyError, ImportError):
+        return None
 
 
-def _timing_table(summaries: list[VariantSummary]) -> str:
-    base = summaries[0]
-    lines = ["| variant | params | Δ params | s/step | Δ time/step | tokens/s |", "|---|---|---|---|---|---|"]
-    for s in summaries:
-        dp = (s.results[0].params - base.results[0].params) / base.results[0].params * 100
-        dt = (s.mean("seconds_per_step") - base.mean("seconds_per_step")) / base.mean("seconds_per_step") * 100
-        lines.append(f"| {s.name} | {s.results[0].params:,} | {dp:+.2f}% | {s.mean('seconds_per_step'):.4f} | "
-                     f"{dt:+.1f}% | {s.mean('tokens_per_second'):,.0f} |")
-    return "\n".join(lines)
-
-
-def _figures(summaries: list[VariantSummary], seeds: int, metric: str, out_dir: Path) -> list[Path]:
+def _convergence(summaries: list[VariantSummary], metric: str, out_dir: Path, notes: list[str]) -> list[Path]:
     try:
         from gatedformer.analysis.plots import plot_convergence
-    except ImportError:
-        return []
-    try:
+
         runs = {s.name: [Path(r.run_dir) for r in s.results] for s in summaries}
         return [plot_convergence(runs, metric, out_dir / "convergence.png")]
     except ImportError:
+        notes.append("convergence figure skipped: matplotlib is missing (pip install 'gatedformer[plot]')")
         return []
 
 
-def _report(recipe: Recipe, summaries: list[VariantSummary], table: str, figures: list[Path], seeds: int,
-            overrides: list[str]) -> str:
-    config = build_config(recipe, overrides)
-    parts = [
-        f"# {recipe.name}: comparison",
-        "",
-        recipe.description,
-        "",
-        f"Corpus `{config.data.corpus}`, backbone `{config.model.backbone}`, {config.model.n_layers} layers, "
-        f"d_model {config.model.d_model}, {config.train.steps} steps, {seeds} seed(s) per variant"
-        + (f", overrides: `{' '.join(overrides)}`" if overrides else "") + ".",
-        "Mean ± standard deviation over seeds; Δ is the relative change of the test metric against the first "
-        "variant (lower is better).",
-        "",
-        "## Results",
-        "",
-        table,
-        "",
-    ]
-    if recipe.published_source:
-        parts += [f"Published numbers: {recipe.published_source}.", ""]
-    parts += ["## Training-time cost", "", _timing_table(summaries), ""]
-    if figures:
-        parts += ["## Convergence", ""] + [f"![{f.stem}]({f.name})" for f in figures] + [""]
-    return "\n".join(parts)
+def _gate_figures(summaries: list[VariantSummary], out_dir: Path, notes: list[str]) -> dict[str, list[Path]]:
+    """Gate figures of each gated variant's first seed, under ``OUT/gates``."""
+    from gatedformer.analysis.gates import analyze_run, run_has_gates
+
+    gated = [s for s in summaries if run_has_gates(s.results[0].run_dir)]
+    figures: dict[str, list[Path]] = {}
+    for s in gated:
+        try:
+            analysis = analyze_run(s.results[0].run_dir, out_dir / "gates", prefix=f"{slug(s.name)}-",
+                                   title=f"{s.name}, seed 0")
+        except GatedformerError as err:  # the analysis extra is missing: the report still comes out
+            notes.append(f"gate figures skipped: {err}")
+            break
+        figures[s.name] = analysis.figures
+        notes += [f"{s.name}: {note}" for note in analysis.notes]
+    return figures

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from gatedformer.backbones import build_model
-from gatedformer.config import build_config, load_recipe
+from gatedformer.config import TRANSLATION_CORPORA, Recipe, RunConfig, build_config, load_recipe
 
 GATE_KINDS = {"sdu": "SDU", "highway": "highway gate", "gated_mix": "gated MHDPA", "eau": "EAU",
               "residual_gate": "GRC"}
@@ -49,6 +49,8 @@ def parameter_report(recipe_name: str, overrides: list[str], data_dir: str | Non
                      vocab_size: int | None = None) -> dict[str, Any]:
     """Counts for the recipe's config and for each of its variants, with a printable table."""
     recipe = load_recipe(recipe_name)
+    if build_config(recipe, overrides).data.corpus in TRANSLATION_CORPORA:
+        return translation_parameter_report(recipe, overrides, data_dir, vocab_size)
     rows = []
     for variant in recipe.variants:
         config = build_config(recipe, overrides, variant)
@@ -70,3 +72,78 @@ def _vocab_size(corpus: str, data_dir: str | None) -> int:
     from gatedformer.data import load_corpus
 
     return len(load_corpus(corpus, data_dir).vocab)
+
+
+# The three model sizes of the EAU/GRC paper's translation experiments: (l, n, k, f).
+PAPER_TRANSLATION_SIZES = ((3, 128, 256, 1024), (2, 128, 256, 1024), (2, 64, 128, 512))
+
+
+def translation_parameter_report(recipe: Recipe, overrides: list[str], data_dir: str | None = None,
+                                 vocab_size: int | None = None) -> dict[str, Any]:
+    """Counts of a translation recipe's variants, and baseline against +EAU+GRC at the paper's three
+    sizes (l layers, n longest sequence, k width, f feed-forward width; n changes no count).
+
+    Vocabulary sizes come from ``translation.src_vocab`` / ``tgt_vocab`` when set (e.g. with
+    ``--set translation.src_vocab=5921``), else from ``vocab_size``, else from the training data.
+    """
+    from gatedformer.train.translation import build_seq2seq
+
+    config = build_config(recipe, overrides)
+    src_size, tgt_size, source = _translation_vocab_sizes(config, data_dir, vocab_size)
+    rows = []
+    for variant in recipe.variants:
+        variant_config = build_config(recipe, overrides, variant)
+        components = count_by_component(build_seq2seq(variant_config, src_size, tgt_size))
+        rows.append({"variant": variant.name, "total": sum(components.values()), "components": components,
+                     "vocab_size": [src_size, tgt_size]})
+    sizes = []
+    for layers, max_len, width, ffn in PAPER_TRANSLATION_SIZES:
+        counts = {}
+        for name, spec in (("baseline", ""), ("+EAU+GRC", "+EAU+GRC")):
+            sized = build_config(recipe, [*overrides, f"model.n_layers={layers}", f"translation.max_len={max_len}",
+                                          f"model.d_model={width}", f"model.d_ffn={ffn}",
+                                          f"model.n_heads={_heads_for(width, config.model.n_heads)}",
+                                          f"model.gates={spec}"])
+            counts[name] = sum(count_by_component(build_seq2seq(sized, src_size, tgt_size)).values())
+        sizes.append({"l": layers, "n": max_len, "k": width, "f": ffn, **counts})
+
+    tr = config.translation
+    lines = [f"{recipe.name}: {tr.src_lang}→{tr.tgt_lang}, vocabularies: source {src_size:,}, target {tgt_size:,} "
+             f"({source})", "", f"{'variant':<24} {'total':>12} {'vs first':>10}  components"]
+    base = rows[0]["total"]
+    for row in rows:
+        extra = f"{(row['total'] - base) / base * 100:+.2f}%"
+        parts = ", ".join(f"{k} {v:,}" for k, v in row["components"].items())
+        lines.append(f"{row['variant']:<24} {row['total']:>12,} {extra:>10}  {parts}")
+    lines += ["", "paper sizes (l layers, n max length, k width, f feed-forward; n does not change the count):",
+              f"{'l':>2} {'n':>4} {'k':>4} {'f':>5} {'baseline':>12} {'+EAU+GRC':>12} {'added':>10}"]
+    for row in sizes:
+        added = (row["+EAU+GRC"] - row["baseline"]) / row["baseline"] * 100
+        lines.append(f"{row['l']:>2} {row['n']:>4} {row['k']:>4} {row['f']:>5} {row['baseline']:>12,} "
+                     f"{row['+EAU+GRC']:>12,} {added:>+9.2f}%")
+    return {"recipe": recipe.name, "variants": rows, "paper_sizes": sizes, "src_vocab": src_size,
+            "tgt_vocab": tgt_size, "text": "\n".join(lines)}
+
+
+def _heads_for(width: int, heads: int) -> int:
+    # Heads change no parameter count; fall back to one head where the recipe's do not divide k.
+    return heads if width % heads == 0 else 1
+
+
+def _translation_vocab_sizes(config: RunConfig, data_dir: str | None, vocab_size: int | None) -> tuple[int, int, str]:
+    tr = config.translation
+    if tr.src_vocab and tr.tgt_vocab:
+        return tr.src_vocab, tr.tgt_vocab, "translation.src_vocab / tgt_vocab"
+    if vocab_size and not (tr.src_vocab or tr.tgt_vocab):
+        return vocab_size, vocab_size, "given"
+    from gatedformer.errors import DataError
+    from gatedformer.train.translation import load_data
+
+    try:
+        data = load_data(config, data_dir)
+    except DataError as err:
+        raise DataError(
+            f"{err}; or give the sizes with --set translation.src_vocab=N --set translation.tgt_vocab=N"
+        ) from None
+    return (tr.src_vocab or len(data.src_vocab), tr.tgt_vocab or len(data.tgt_vocab),
+            f"from the training data, min_freq {tr.min_freq}")

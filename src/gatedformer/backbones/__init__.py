@@ -11,8 +11,11 @@ from collections.abc import Callable
 
 from torch import nn
 
+from gatedformer.backbones.gcnn import GatedConvLM
 from gatedformer.backbones.placement import parse_gate_spec, resolve_placement
+from gatedformer.backbones.rtransformer import RTransformerLM
 from gatedformer.backbones.transformer import TransformerLM
+from gatedformer.backbones.transformer_xl import TransformerXLLM
 from gatedformer.config import ModelConfig
 from gatedformer.errors import ConfigError
 
@@ -25,7 +28,36 @@ def _transformer(cfg: ModelConfig, vocab_size: int) -> nn.Module:
     )
 
 
-BUILDERS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {"transformer": _transformer}
+def _gcnn(cfg: ModelConfig, vocab_size: int) -> nn.Module:
+    return GatedConvLM(
+        vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, kernel_size=cfg.kernel_size, dropout=cfg.dropout,
+        bottleneck=cfg.bottleneck, weight_norm=cfg.weight_norm, tie_embeddings=cfg.tie_embeddings,
+    )
+
+
+def _rtransformer(cfg: ModelConfig, vocab_size: int) -> nn.Module:
+    return RTransformerLM(
+        vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ffn=cfg.d_ffn,
+        dropout=cfg.dropout, emb_dropout=cfg.emb_dropout, attn_dropout=cfg.attn_dropout, norm=cfg.norm,
+        ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, gates=cfg.gates, rnn_type=cfg.rnn_type,
+        rnn_window=cfg.rnn_window,
+    )
+
+
+def _transformer_xl(cfg: ModelConfig, vocab_size: int) -> nn.Module:
+    return TransformerXLLM(
+        vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ffn=cfg.d_ffn,
+        dropout=cfg.dropout, emb_dropout=cfg.emb_dropout, attn_dropout=cfg.attn_dropout, norm=cfg.norm,
+        ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, gates=cfg.gates, mem_len=cfg.mem_len,
+    )
+
+
+BUILDERS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
+    "transformer": _transformer,
+    "gcnn": _gcnn,
+    "rtransformer": _rtransformer,
+    "transformer-xl": _transformer_xl,
+}
 
 
 def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
@@ -38,4 +70,13 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
     return builder(cfg, vocab_size)
 
 
-__all__ = ["BUILDERS", "TransformerLM", "build_model", "parse_gate_spec", "resolve_placement"]
+__all__ = [
+    "BUILDERS",
+    "GatedConvLM",
+    "RTransformerLM",
+    "TransformerLM",
+    "TransformerXLLM",
+    "build_model",
+    "parse_gate_spec",
+    "resolve_placement",
+]

@@ -26,7 +26,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         batch, length, d_model = x.shape
-        q, k, v = self.qkv(x).view(batch, length, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)
+        # (B, L, 3, H, dh) split on dim 2, heads moved by transposed views: the backward pass then writes the
+        # three gradients straight into the (B, L, 3d) layout of the projection, with no permuted copy.
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(batch, length, 3, self.n_heads, -1).unbind(2))
         attended = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from gatedformer.backbones.dropout import Dropout
 from gatedformer.backbones.placement import SublayerGates
 from gatedformer.gates import EAU, SDU, GatedMHDPA, GatedResidual, GLUFeedForward, HighwayGate
 
@@ -30,10 +31,10 @@ class FeedForward(nn.Module):
         super().__init__()
         self.inner = nn.Linear(d_model, d_ffn)
         self.outer = nn.Linear(d_ffn, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.outer(self.dropout(self.inner(x).relu()))
+        return self.outer(self.dropout.after_relu(self.inner(x)))  # dropout(relu(.)) in one fused mask
 
 
 def make_ffn(kind: str, d_model: int, d_ffn: int, dropout: float) -> nn.Module:
@@ -51,7 +52,7 @@ class Sublayer(nn.Module):
         self.body = body
         self.pre_norm = norm == "pre"
         self.norm = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         # Only the gates the placement names exist, so an ungated sublayer has no gate parameters.
         self.sdu = SDU(d_model, gates.fn) if gates.unit == "sdu" else None
         self.highway = HighwayGate(d_model) if gates.unit == "highway" else None

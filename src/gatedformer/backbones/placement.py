@@ -10,10 +10,18 @@ A spec is a ``+``-separated list of items, so that the papers' own names parse a
     "+gated MHDPA"           gated MHDPA on every sublayer
     "+EAU+GRC"               EAU after every attention, GRC in place of every residual
     "sdu tanh L1,3 /attn"    tanh SDU on layers 1 and 3, attention sublayers only
+    "eau /cross"             EAU after the decoder's cross-attention only (encoder-decoder models)
 
 Words inside an item: a unit (``sdu``, ``highway [gate]``, ``gated mhdpa``, ``eau``, ``grc``); a gate
 function (``σ``/``sigmoid``, ``tanh``; alone it implies ``sdu``); layers (``L1-2``, ``L1,3,5``,
-``Lall``); sublayers kept (``/attn``, ``/ffn``) or dropped (``\\FFN``, ``\\attn``, ``no FFN``).
+``Lall``); sublayers kept (``/attn``, ``/ffn``, ``/cross``) or dropped (``\\FFN``, ``\\attn``, ``\\cross``,
+``no FFN``).
+
+Encoder-decoder models (``resolve_placement(..., cross_attention=True)``) have a third sublayer kind,
+``cross``: the decoder's cross-attention. Layer ``Li`` then means encoder layer i and decoder layer i,
+``attn`` means self-attention in both stacks, and an item that names no sublayers also reaches
+``cross`` (so ``+EAU`` is after every multi-head attention and ``+GRC`` on every residual). Models
+without a decoder ignore that default and reject an explicit ``/cross``.
 """
 
 from __future__ import annotations
@@ -41,7 +49,10 @@ _UNIT_WORDS = {
     "grc": "grc",
 }
 _FN_WORDS = {"σ": "sigmoid", "sigma": "sigmoid", "sigmoid": "sigmoid", "sig": "sigmoid", "tanh": "tanh"}
-_SUBLAYER_WORDS = {"attn": "attn", "att": "attn", "attention": "attn", "mhdpa": "attn", "ffn": "ffn"}
+_SUBLAYER_WORDS = {"attn": "attn", "att": "attn", "attention": "attn", "mhdpa": "attn", "ffn": "ffn",
+                   "cross": "cross", "cross-attn": "cross", "xattn": "cross"}
+# More layers than any model has: a spec or model naming more is refused before anything is materialised.
+MAX_LAYERS = 10_000
 _HELP = "write e.g. '+σ SDU', '+tanh L1-3', '+σ L1-6\\FFN', '+highway gate', '+gated MHDPA' or '+EAU+GRC'"
 
 
@@ -54,6 +65,9 @@ class GateItem:
     layers: tuple[int, ...] | None = None
     """``None`` means every layer."""
     sublayers: tuple[str, ...] = SUBLAYERS
+    """The sublayers named; ``cross`` appears here only when written explicitly (``/cross``)."""
+    reaches_cross: bool = False
+    """Whether the item also gates an encoder-decoder model's cross-attention (explicit or by default)."""
 
 
 @dataclass
@@ -88,17 +102,20 @@ class Placement:
 def _parse_layers(text: str, spec: str) -> tuple[int, ...] | None:
     if text.lower() == "all":
         return None
-    layers: list[int] = []
+    layers: set[int] = set()
     for part in text.split(","):
         match = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
         if not match:
             raise ConfigError(f"bad layer set {text!r} in gate spec {spec!r}; write L1-2, L1,3,5 or Lall")
-        lo = int(match.group(1))
-        hi = int(match.group(2) or lo)
+        numbers = [match.group(1), match.group(2) or match.group(1)]
+        if any(len(n.lstrip("0")) > len(str(MAX_LAYERS)) or int(n) > MAX_LAYERS for n in numbers):
+            raise ConfigError(f"layer set {text!r} in gate spec {spec!r} goes beyond {MAX_LAYERS} layers, more than "
+                              "any model has; name the model's layers, e.g. L1-2")
+        lo, hi = int(numbers[0]), int(numbers[1])
         if lo < 1 or hi < lo:
             raise ConfigError(f"bad layer range {part!r} in gate spec {spec!r}; layers count from 1, low to high")
-        layers.extend(range(lo, hi + 1))
-    return tuple(sorted(set(layers)))
+        layers.update(range(lo, hi + 1))
+    return tuple(sorted(layers))
 
 
 def _tokenise(item: str) -> list[str]:
@@ -137,11 +154,12 @@ def _parse_item(item: str, spec: str) -> GateItem:
         raise ConfigError(f"a gate function ({fn}) applies to SDU only, not {unit}; drop it from {spec!r}")
     default = ("attn",) if unit == "eau" else SUBLAYERS
     sublayers = tuple(s for s in (keep or default) if s not in drop)
-    if not sublayers:
+    reaches_cross = ("cross" in keep if keep else True) and "cross" not in drop
+    if not sublayers and not reaches_cross:
         raise ConfigError(f"gate spec item {item.strip()!r} leaves no sublayer to gate; {_HELP}")
     if unit == "eau" and "ffn" in sublayers:
         raise ConfigError("EAU goes after multi-head attention only; drop /ffn from the EAU item")
-    return GateItem(unit, fn or "sigmoid", layers, sublayers)
+    return GateItem(unit, fn or "sigmoid", layers, sublayers, reaches_cross)
 
 
 def parse_gate_spec(spec: str) -> list[GateItem]:
@@ -157,8 +175,15 @@ def parse_gate_spec(spec: str) -> list[GateItem]:
     return [_parse_item(p, spec) for p in parts]
 
 
-def resolve_placement(spec: str, n_layers: int, backbone: str = "transformer") -> Placement:
-    """Resolve ``spec`` against a model of ``n_layers`` layers, rejecting conflicting gates."""
+def resolve_placement(spec: str, n_layers: int, backbone: str = "transformer",
+                      cross_attention: bool = False) -> Placement:
+    """Resolve ``spec`` against a model of ``n_layers`` layers, rejecting conflicting gates.
+
+    ``cross_attention=True`` is for encoder-decoder models: sites ``(layer, "cross")`` are filled too.
+    """
+    if n_layers > MAX_LAYERS:
+        raise ConfigError(f"model.n_layers={n_layers} is more than the {MAX_LAYERS} layers gatedformer builds; "
+                          "lower model.n_layers")
     placement = Placement(n_layers)
     items = parse_gate_spec(spec)
     if items and backbone in ("gcnn", "sru"):
@@ -173,8 +198,19 @@ def resolve_placement(spec: str, n_layers: int, backbone: str = "transformer") -
                 f"gate spec {spec!r} names layer {layers[-1]} but the model has {n_layers} layers; "
                 "lower the layer numbers or raise model.n_layers"
             )
+        if cross_attention:
+            sublayers = tuple(s for s in item.sublayers if s != "cross") + ("cross",) * item.reaches_cross
+        elif "cross" in item.sublayers:
+            raise ConfigError(
+                f"gate spec {spec!r} names /cross, but only encoder-decoder (translation) models have a "
+                "cross-attention; drop /cross from it"
+            )
+        else:
+            sublayers = item.sublayers
+        if not sublayers:
+            raise ConfigError(f"gate spec {spec!r} has an item that leaves no sublayer to gate; {_HELP}")
         for layer in layers:
-            for sublayer in item.sublayers:
+            for sublayer in sublayers:
                 site = placement.sites.setdefault((layer - 1, sublayer), SublayerGates())
                 _add(site, item, layer, sublayer, spec)
     return placement

@@ -8,7 +8,11 @@ from torch import Tensor, nn
 
 from gatedformer.backbones.attention import CausalSelfAttention, sinusoidal_positions
 from gatedformer.backbones.blocks import Sublayer, make_ffn
+from gatedformer.backbones.dropout import Dropout
 from gatedformer.backbones.placement import resolve_placement
+
+_POSITIONS_CACHED = 1024
+"""Rows of the sinusoidal table built with the model (a longer input extends it)."""
 
 
 class TransformerLayer(nn.Module):
@@ -40,7 +44,9 @@ class TransformerLM(nn.Module):
         placement = resolve_placement(gates, n_layers)
         self.d_model = d_model
         self.embedding = nn.Embedding(vocab_size, d_model)
-        self.emb_dropout = nn.Dropout(dropout if emb_dropout is None else emb_dropout)
+        self.emb_dropout = Dropout(dropout if emb_dropout is None else emb_dropout)
+        # The sinusoidal table, computed once (not saved in checkpoints); grown on demand for longer inputs.
+        self.register_buffer("positions", sinusoidal_positions(_POSITIONS_CACHED, d_model), persistent=False)
         self.layers = nn.ModuleList(
             TransformerLayer(d_model, n_heads, d_ffn, dropout, attn_dropout, norm, ffn,
                              placement.at(i, "attn"), placement.at(i, "ffn"))
@@ -51,9 +57,15 @@ class TransformerLM(nn.Module):
         if tie_embeddings:
             self.output.weight = self.embedding.weight
 
+    def _positions(self, length: int) -> Tensor:
+        if length > self.positions.shape[0]:
+            self.positions = sinusoidal_positions(max(length, 2 * self.positions.shape[0]), self.d_model,
+                                                  self.positions.device)
+        return self.positions[:length]
+
     def forward(self, tokens: Tensor, state: object = None) -> tuple[Tensor, None]:
         x = self.embedding(tokens) * math.sqrt(self.d_model)
-        x = x + sinusoidal_positions(tokens.shape[1], self.d_model, x.device, x.dtype)
+        x = x + self._positions(tokens.shape[1]).to(x.dtype)
         x = self.emb_dropout(x)
         for layer in self.layers:
             x = layer(x)

@@ -128,7 +128,10 @@ def _load(name: str, data_dir: str | Path | None) -> Corpus:
 
 
 def _find_text_file(raw: str, data_dir: str | Path | None) -> Path:
-    p = Path(raw).expanduser()
+    try:
+        p = Path(raw).expanduser()
+    except RuntimeError:  # "~name/..." for a user this system does not know
+        raise DataError(f"cannot expand {raw!r}: no home folder for that user; check the path after 'text:'") from None
     # Relative paths are tried against the working directory first, then each data root.
     roots = [] if p.is_absolute() else [Path.cwd(), *data_dir_candidates(data_dir)]
     looked = [root / p for root in roots] or [p]

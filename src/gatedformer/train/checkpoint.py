@@ -9,7 +9,11 @@ Layout inside a run directory::
     ckpt/LATEST                            name of the newest complete checkpoint
 
 A checkpoint folder is complete before ``LATEST`` is atomically switched to it, so a process killed
-mid-write leaves the previous checkpoint in charge.
+mid-write leaves the previous checkpoint in charge. The folder ``LATEST`` names is never rewritten in place.
+
+Every weights file records the run's config (safetensors metadata ``config``, and ``meta.json``), so
+weights are never loaded into a model built from another architecture: :func:`check_architecture`
+names the fields that differ.
 """
 
 from __future__ import annotations
@@ -24,15 +28,17 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
 from gatedformer import __version__
 from gatedformer.errors import CheckpointError
-from gatedformer.io import atomic_write_text
+from gatedformer.io import _fsync_dir, atomic_write_text
 
 CHECKPOINT_DIR = "ckpt"
 FORMAT_VERSION = 1
+# Config fields that change what is computed while training but not the shape of the weights.
+NOT_ARCHITECTURE = {"model.dropout", "model.emb_dropout", "model.attn_dropout"}
 
 
 @dataclass
@@ -91,6 +97,38 @@ def save_model_weights(model: nn.Module, path: Path, metadata: dict[str, str] | 
     atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata=metadata))
 
 
+def weights_metadata(config: dict[str, Any] | None) -> dict[str, str]:
+    """Safetensors metadata for a weights file: the package version and the run's config."""
+    metadata = {"gatedformer": __version__}
+    if config is not None:
+        metadata["config"] = json.dumps(config, sort_keys=True)
+    return metadata
+
+
+def recorded_config(path: Path) -> dict[str, Any] | None:
+    """The config a weights file was saved with (``None`` if it records none or cannot be read)."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            text = (handle.metadata() or {}).get("config")
+        config = json.loads(text) if text else None
+    except (SafetensorError, OSError, ValueError, RuntimeError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def check_architecture(saved: dict[str, Any] | None, current: dict[str, Any], where: str) -> None:
+    """Refuse weights recorded with another model config than ``current``, naming the differing fields."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        return  # written before configs were recorded: the key and shape check still applies
+    differences = config_mismatch({"model": saved["model"]}, {"model": current.get("model", {})}, NOT_ARCHITECTURE)
+    if differences:
+        shown = "; ".join(differences[:5]) + (f"; and {len(differences) - 5} more" if len(differences) > 5 else "")
+        raise CheckpointError(
+            f"{where} was trained as another architecture than the config asks for: {shown}; "
+            "load it with the config it was trained with (restore the run's config.json)"
+        )
+
+
 def load_model_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
     """Load ``state`` into ``model``, naming what does not fit."""
     expected = model.state_dict()
@@ -130,11 +168,15 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: d
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:08d}"
     final = root / name
+    if final.is_dir() and _pointer_name(root) == name:
+        # Already the latest checkpoint (same step, same state). Rewriting it in place would leave LATEST
+        # naming a deleted folder for a moment, and a crash then would lose the run.
+        return final
     staging = root / f".{name}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     save_file(model_state_for_saving(model), str(staging / "model.safetensors"),
-              metadata={"gatedformer": __version__})
+              metadata=weights_metadata(meta.get("config")))
     carried: dict[str, torch.Tensor] = {}
     layout = _flatten(carry, carried)
     save_file(carried, str(staging / "carry.safetensors"))
@@ -144,8 +186,10 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: d
     for file in staging.iterdir():
         with open(file, "rb") as handle:
             os.fsync(handle.fileno())
-    shutil.rmtree(final, ignore_errors=True)
+    _fsync_dir(staging)
+    shutil.rmtree(final, ignore_errors=True)  # a stale folder of this step that LATEST does not name
     os.replace(staging, final)
+    _fsync_dir(root)
     atomic_write_text(root / "LATEST", name + "\n")
     _prune(root, keep_names={name}, keep=keep)
     return final
@@ -158,6 +202,13 @@ def _prune(root: Path, keep_names: set[str], keep: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
     for partial in root.glob(".step-*.partial"):
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def _pointer_name(root: Path) -> str | None:
+    try:
+        return (root / "LATEST").read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from gatedformer.config import InitConfig
 
@@ -23,10 +24,15 @@ def initialise(model: nn.Module, cfg: InitConfig) -> None:
             continue
         if getattr(module, "bias", None) is not None:
             module.bias.zero_()
-        weight = module.weight
+        # A parametrised weight (e.g. weight norm) is computed on access: fill a copy, then assign it
+        # through the parametrisation (weight norm's right inverse sets g = ||v||, v = the new weight).
+        parametrised = parametrize.is_parametrized(module, "weight")
+        weight = module.weight.detach().clone() if parametrised else module.weight
         if cfg.scheme == "uniform":
             weight.uniform_(-cfg.scale, cfg.scale)
         elif cfg.scheme == "normal":
             weight.normal_(0.0, cfg.scale)
         elif cfg.scheme == "xavier":
             nn.init.xavier_uniform_(weight)
+        if parametrised and cfg.scheme != "default":
+            module.weight = weight

@@ -13,7 +13,7 @@ import json
 import math
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,13 +27,17 @@ from gatedformer.config import RunConfig, config_from_dict, validate
 from gatedformer.data import Corpus, LMStream, load_corpus
 from gatedformer.errors import CheckpointError, ConfigError, GatedformerError
 from gatedformer.io import atomic_write_json, atomic_write_text
+from gatedformer.train import distributed
 from gatedformer.train.checkpoint import (
+    check_architecture,
     config_mismatch,
     latest_checkpoint,
     load_checkpoint,
     load_model_weights,
+    recorded_config,
     save_checkpoint,
     save_model_weights,
+    weights_metadata,
 )
 from gatedformer.train.gate_stats import GateStatistics, gate_biases
 from gatedformer.train.init import initialise
@@ -41,7 +45,7 @@ from gatedformer.train.optim import build_optimizer, build_scheduler
 
 # Fields that may change between a run and its resumption without changing what is computed.
 RESUMABLE_CHANGES = {"train.steps", "train.eval_every", "train.log_every", "train.device", "train.threads",
-                     "train.eval_windows", "data.eval_batch_size", "data.eval_seq_len"}
+                     "train.eval_windows", "data.eval_batch_size", "data.eval_seq_len", "train.tensorboard"}
 
 
 @dataclass
@@ -194,73 +198,102 @@ def _cycle_windows(stream: LMStream, start_step: int) -> Iterator[tuple[int, tor
 
 
 def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = None, resume: bool = False,
-          progress: bool = True, stop_after: int | None = None, corpus: Corpus | None = None) -> RunResult | None:
+          progress: bool = True, stop_after: int | None = None, corpus: Corpus | None = None,
+          on_record: Callable[[dict[str, Any]], None] | None = None) -> RunResult | None:
     """Train ``config`` into ``out_dir``; return the final results, or ``None`` if ``stop_after``
-    ended the run early (it can then be resumed)."""
+    ended the run early (it can then be resumed). ``on_record`` sees every log record as it is
+    written (language models only)."""
+    if config.train.tensorboard:
+        from gatedformer.train.tensorboard import replay_log, require_tensorboard
+
+        require_tensorboard()  # fail before any work, not after it
     if config.data.corpus == "multi30k":  # translation: the encoder-decoder trainer
         from gatedformer.train.translation import train_translation
-        return train_translation(config, out_dir, data_dir, resume, progress, stop_after)
+        result = train_translation(config, out_dir, data_dir, resume, progress, stop_after)
+        if config.train.tensorboard:  # that loop has no record hook: its log goes to TensorBoard at the end
+            replay_log(out_dir)
+        return result
     validate(config)
     out_dir = Path(out_dir)
     checkpoint_path = prepare_run_dir(out_dir, config, resume)
     tcfg = config.train
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
-    device = resolve_device(tcfg.device)
+    # Under torchrun: join the process group; each rank trains on its share of the batch columns.
+    ddp = distributed.setup(config.data.batch_size, resolve_device(tcfg.device))
+    device = ddp.device
 
     corpus = corpus or load_corpus(config.data.corpus, data_dir)
     eval_len = config.data.eval_seq_len or config.data.seq_len
-    train_stream = LMStream(corpus.train, config.data.batch_size, config.data.seq_len, split="train")
+    train_stream = LMStream(corpus.train, config.data.batch_size, config.data.seq_len, shard=(ddp.rank, ddp.world),
+                            split="train")
     valid_stream = LMStream(corpus.valid, config.data.eval_batch_size, eval_len, split="valid")
     test_stream = LMStream(corpus.test, config.data.eval_batch_size, eval_len, split="test")
 
     torch.manual_seed(tcfg.seed)
     model = build_model(config.model, len(corpus.vocab))
     initialise(model, config.init)
+    distributed.seed_rank(ddp, tcfg.seed)  # every rank starts equal; dropout masks then differ per rank
     model.to(device)
     params = count_parameters(model)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, tcfg.steps, config.model.d_model)
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_dir / "config.json", config.to_dict())
+    if ddp.is_main:
+        atomic_write_json(out_dir / "config.json", config.to_dict())
     log_path = out_dir / "log.jsonl"
     step, tokens_seen, train_seconds, carry = 0, 0, 0.0, None
     loss_sum, loss_count, skipped = 0.0, 0, 0
+    valid_loss: float | None = None
     if checkpoint_path is not None:
         ckpt = load_checkpoint(checkpoint_path)
+        check_architecture(ckpt.meta.get("config"), config.to_dict(), str(checkpoint_path))
         load_model_weights(model, ckpt.model_state, str(checkpoint_path))
         optimizer.load_state_dict(ckpt.trainer_state["optimizer"])
         scheduler.load_state_dict(ckpt.trainer_state["scheduler"])
-        torch.set_rng_state(ckpt.trainer_state["rng_cpu"])
-        if device.type == "cuda" and "rng_cuda" in ckpt.trainer_state:
-            torch.cuda.set_rng_state(ckpt.trainer_state["rng_cuda"], device)
         meta = ckpt.meta
         step, tokens_seen, train_seconds = meta["step"], meta["tokens_seen"], meta["train_seconds"]
         loss_sum, loss_count, skipped = meta["loss_sum"], meta["loss_count"], meta.get("skipped", 0)
-        carry = _state_to(ckpt.carry, device)
-        _truncate_log(log_path, step)
-    else:
+        # This rank's RNG states and carried state (each rank saved its own).
+        carry = _state_to(distributed.restore_rank_state(ddp, ckpt.trainer_state, meta, ckpt.carry, tcfg.seed), device)
+        if ddp.is_main:
+            _truncate_log(log_path, step)
+    elif ddp.is_main:
         log_path.unlink(missing_ok=True)
 
-    compiled = torch.compile(model) if tcfg.compile else model
+    net = distributed.wrap(model, ddp)  # DistributedDataParallel when torchrun started several processes
+    compiled = torch.compile(net) if tcfg.compile else net
     stats = GateStatistics(model)
     windows = _cycle_windows(train_stream, step)
 
-    def checkpoint_now() -> None:
-        trainer_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                         "rng_cpu": torch.get_rng_state()}
-        if device.type == "cuda":
-            trainer_state["rng_cuda"] = torch.cuda.get_rng_state(device)
-        meta = {"tokens_seen": tokens_seen, "train_seconds": train_seconds, "loss_sum": loss_sum,
-                "loss_count": loss_count, "skipped": skipped, "config": config.to_dict()}
-        save_checkpoint(out_dir, step, model, trainer_state, meta, carry)
+    def checkpoint_now() -> None:  # every rank calls it; rank 0 writes
+        ranks = distributed.gather_rank_states(ddp, carry)
+        if ddp.is_main:
+            trainer_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                             **distributed.rng_state(device)}
+            meta = {"tokens_seen": tokens_seen, "train_seconds": train_seconds, "loss_sum": loss_sum,
+                    "loss_count": loss_count, "skipped": skipped, "config": config.to_dict()}
+            trainer_state, saved_carry, extra = distributed.checkpoint_parts(ddp, trainer_state, carry, ranks)
+            save_checkpoint(out_dir, step, model, trainer_state, {**meta, **extra}, saved_carry)
+        distributed.barrier(ddp)  # no rank leaves before the checkpoint is complete
+
+    board = None
+    if tcfg.tensorboard and ddp.is_main:
+        from gatedformer.train.tensorboard import TensorBoardLog
+
+        board = TensorBoardLog(out_dir, replay=True)  # starts from the records kept in the log
 
     def log(record: dict[str, Any]) -> None:
+        if not ddp.is_main:
+            return
         with open(log_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record, sort_keys=True) + "\n")
+        for listener in (board.record if board else None, on_record):
+            if listener is not None:
+                listener(record)
 
-    bar = _progress_bar(progress, tcfg.steps, step, out_dir.name)
+    bar = _progress_bar(progress and ddp.is_main, tcfg.steps, step, out_dir.name)
     model.train()
     with _StopSignal() as stop_signal:
         while step < tcfg.steps:
@@ -277,7 +310,7 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 model.parameters(), config.optim.clip if config.optim.clip > 0 else float("inf")
             )
-            loss_value = loss.item()
+            loss_value = distributed.mean_over_ranks(ddp, loss)  # the loss of the global batch
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm.item())):
                 if tcfg.nonfinite == "stop":
                     raise NonFiniteLoss(
@@ -295,7 +328,7 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
                 torch.cuda.synchronize(device)
             train_seconds += time.perf_counter() - started
             step += 1
-            tokens_seen += y.numel()
+            tokens_seen += y.numel() * ddp.world
             if math.isfinite(loss_value):
                 loss_sum += loss_value
                 loss_count += 1
@@ -314,20 +347,21 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
 
             final = step == tcfg.steps
             if step % tcfg.eval_every == 0 or final:
-                with stats.recording():
-                    valid_loss = evaluate(model, valid_stream, device, tcfg.precision,
-                                          0 if final else tcfg.eval_windows)
-                log({"event": "eval", "step": step, "tokens": tokens_seen, "time": train_seconds,
-                     "tokens_per_s": tokens_seen / max(train_seconds, 1e-9), "valid_loss": valid_loss,
-                     f"valid_{corpus.metric}": metric_value(corpus.metric, valid_loss),
-                     "gates": stats.summary()})
-                bar.set_postfix(valid=f"{metric_value(corpus.metric, valid_loss):.3f} {corpus.metric}")
+                if ddp.is_main:  # rank 0 evaluates the whole split; the others wait in checkpoint_now
+                    with stats.recording():
+                        valid_loss = evaluate(model, valid_stream, device, tcfg.precision,
+                                              0 if final else tcfg.eval_windows)
+                    log({"event": "eval", "step": step, "tokens": tokens_seen, "time": train_seconds,
+                         "tokens_per_s": tokens_seen / max(train_seconds, 1e-9), "valid_loss": valid_loss,
+                         f"valid_{corpus.metric}": metric_value(corpus.metric, valid_loss),
+                         "gates": stats.summary()})
+                    bar.set_postfix(valid=f"{metric_value(corpus.metric, valid_loss):.3f} {corpus.metric}")
                 checkpoint_now()
-            if stop_signal.received is not None:
+            if distributed.any_rank(ddp, stop_signal.received is not None):
                 checkpoint_now()
                 bar.close()
                 raise TrainingInterrupted(
-                    f"stopped by signal {stop_signal.received} at step {step}; checkpoint saved — "
+                    f"stopped by signal {stop_signal.received or 'on another rank'} at step {step}; checkpoint saved — "
                     f"continue with --resume --out {out_dir}"
                 )
             if stop_after is not None and step >= stop_after and not final:
@@ -336,15 +370,21 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
                 return None
     bar.close()
 
-    test_loss = evaluate(model, test_stream, device, tcfg.precision)
-    save_model_weights(model, out_dir / "model.safetensors")
-    biases = gate_biases(model)
-    if biases:
-        from safetensors.torch import save_file
+    if ddp.is_main:
+        if valid_loss is None:  # resumed from the final checkpoint of a run stopped before writing its results
+            valid_loss = evaluate(model, valid_stream, device, tcfg.precision)
+        test_loss = evaluate(model, test_stream, device, tcfg.precision)
+        save_model_weights(model, out_dir / "model.safetensors", weights_metadata(config.to_dict()))
+        biases = gate_biases(model)
+        if biases:
+            from safetensors.torch import save_file
 
-        from gatedformer.io import atomic_write
+            from gatedformer.io import atomic_write
 
-        atomic_write(out_dir / "gate_biases.safetensors", lambda tmp: save_file(biases, str(tmp)))
+            atomic_write(out_dir / "gate_biases.safetensors", lambda tmp: save_file(biases, str(tmp)))
+    else:
+        valid_loss = test_loss = math.nan
+    valid_loss, test_loss = distributed.broadcast_floats(ddp, [valid_loss, test_loss])
     result = RunResult(
         run_dir=str(out_dir), corpus=config.data.corpus, metric=corpus.metric, valid_loss=valid_loss,
         valid_metric=metric_value(corpus.metric, valid_loss), test_loss=test_loss,
@@ -353,7 +393,11 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
         tokens_per_second=tokens_seen / max(train_seconds, 1e-9),
     )
     log({"event": "test", "step": step, "test_loss": test_loss, f"test_{corpus.metric}": result.test_metric})
-    atomic_write_json(out_dir / "results.json", result.__dict__)
+    if ddp.is_main:
+        atomic_write_json(out_dir / "results.json", result.__dict__)
+    distributed.barrier(ddp)  # every rank returns once the results are written
+    if board:
+        board.close()
     return result
 
 
@@ -367,7 +411,7 @@ def _truncate_log(log_path: Path, step: int) -> None:
             record = json.loads(line)
         except ValueError:
             continue  # a line cut short by a crash
-        if record.get("step", 0) <= step:
+        if record.get("step", 0) <= step and record.get("event") != "test":  # test: written after the loop
             kept.append(line)
     atomic_write_text(log_path, "".join(line + "\n" for line in kept))
 
@@ -397,13 +441,14 @@ def load_trained(run_dir: str | Path, data_dir: str | Path | None = None,
         from gatedformer.train.checkpoint import _safe_load_tensors
 
         state = _safe_load_tensors(final)
-        where = str(final)
+        where, recorded = str(final), recorded_config(final)
     else:
         checkpoint = latest_checkpoint(run_dir)
         if checkpoint is None:
             raise CheckpointError(f"{run_dir} has no weights yet (no model.safetensors, no checkpoint)")
-        state = load_checkpoint(checkpoint, with_trainer=False).model_state
-        where = str(checkpoint)
+        loaded = load_checkpoint(checkpoint, with_trainer=False)
+        state, where, recorded = loaded.model_state, str(checkpoint), loaded.meta.get("config")
+    check_architecture(recorded, config.to_dict(), where)
     load_model_weights(model, state, where)
     model.to(resolve_device(device)).eval()
     return config, model, corpus

@@ -1,0 +1,169 @@
+"""The tables and the markdown report of a comparison (see :mod:`gatedformer.analysis.compare`).
+
+Everything here formats numbers that are already known: the finished runs' ``results.json``, the
+recipe's published numbers and the per-component parameter counts. Nothing trains or plots.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gatedformer.config import Recipe
+from gatedformer.train.loop import RunResult
+
+
+@dataclass
+class VariantSummary:
+    """One row of the table: the mean and spread of a variant's seeds."""
+
+    name: str
+    results: list[RunResult]
+    published: float | None = None
+    steps_per_epoch: int | None = None
+    """Training windows in one pass over the training split (language models), for the time per epoch."""
+    components: dict[str, int] | None = None
+    """Parameters per component (:func:`gatedformer.analysis.params.count_by_component`)."""
+
+    def mean(self, key: str) -> float:
+        return statistics.fmean(getattr(r, key) for r in self.results)
+
+    def std(self, key: str) -> float:
+        values = [getattr(r, key) for r in self.results]
+        return statistics.stdev(values) if len(values) > 1 else 0.0
+
+    @property
+    def seconds_per_epoch(self) -> float | None:
+        return None if self.steps_per_epoch is None else self.mean("seconds_per_step") * self.steps_per_epoch
+
+
+@dataclass
+class ComparisonReport:
+    table: str
+    report_path: Path
+    figures: list[Path] = field(default_factory=list)
+    summaries: list[VariantSummary] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _pm(summary: VariantSummary, key: str, digits: int = 3) -> str:
+    if len(summary.results) > 1:
+        return f"{summary.mean(key):.{digits}f} ± {summary.std(key):.{digits}f}"
+    return f"{summary.mean(key):.{digits}f}"
+
+
+def _change(value: float, base: float) -> str:
+    return f"{(value - base) / base * 100:+.2f}%" if base else "—"
+
+
+def published_header(recipe: Recipe, metric: str) -> str:
+    return f"published test {recipe.published_metric or metric}"
+
+
+def format_table(summaries: list[VariantSummary], metric: str, recipe: Recipe) -> str:
+    """The paper-style markdown table; the first variant is the baseline for the relative changes.
+
+    With published numbers in the recipe there are two more columns: each variant's published number
+    (from its own ``[[variants]]`` entry) and the relative change the paper reports against its baseline.
+    """
+    has_published = any(s.published is not None for s in summaries)
+    header = ["variant", "valid loss", f"valid {metric}", "test loss", f"test {metric}",
+              f"Δ test {metric} vs base"]
+    if has_published:
+        header += [published_header(recipe, metric), "published Δ"]
+    header += ["params", "s/step", "total time (s)"]
+    base = summaries[0]
+    rows = []
+    for s in summaries:
+        row = [s.name, _pm(s, "valid_loss"), _pm(s, "valid_metric"), _pm(s, "test_loss"), _pm(s, "test_metric"),
+               "—" if s is base else _change(s.mean("test_metric"), base.mean("test_metric"))]
+        if has_published:
+            row.append("—" if s.published is None else f"{s.published:g}")
+            known = s is not base and s.published is not None and base.published is not None
+            row.append(_change(s.published, base.published) if known else "—")
+        row += [f"{s.results[0].params:,}", f"{s.mean('seconds_per_step'):.4f}", _pm(s, "train_seconds", 1)]
+        rows.append(row)
+    return _markdown(header, rows)
+
+
+def timing_table(summaries: list[VariantSummary]) -> str:
+    """Training-time cost of each variant (Highway Transformer, Table 7): time per step and per epoch,
+    relative to the baseline, with throughput and the extra parameters that cost buys."""
+    base = summaries[0]
+    base_step = base.mean("seconds_per_step")
+    base_params = base.results[0].params
+    header = ["variant", "s/step", "s/epoch", "relative time", "Δ time/step", "tokens/s", "params", "Δ params"]
+    rows = []
+    for s in summaries:
+        step = s.mean("seconds_per_step")
+        epoch = s.seconds_per_epoch
+        rows.append([
+            s.name, f"{step:.4f}" + (f" ± {s.std('seconds_per_step'):.4f}" if len(s.results) > 1 else ""),
+            "—" if epoch is None else f"{epoch:,.1f}", f"×{step / base_step:.2f}" if base_step else "—",
+            "—" if s is base else _change(step, base_step), f"{s.mean('tokens_per_second'):,.0f}",
+            f"{s.results[0].params:,}", "—" if s is base else _change(s.results[0].params, base_params),
+        ])
+    return _markdown(header, rows)
+
+
+def parameter_table(summaries: list[VariantSummary]) -> str | None:
+    """Parameters per component and variant, with each variant's total and its change from the baseline."""
+    known = [s for s in summaries if s.components]
+    if not known:
+        return None
+    components = sorted({c for s in known for c in s.components})
+    base_total = sum(known[0].components.values())
+    header = ["variant", *components, "total", "Δ total"]
+    rows = []
+    for s in known:
+        total = sum(s.components.values())
+        rows.append([s.name, *(f"{s.components[c]:,}" if c in s.components else "—" for c in components),
+                     f"{total:,}", "—" if s is known[0] else _change(total, base_total)])
+    return _markdown(header, rows)
+
+
+def render_report(recipe: Recipe, summaries: list[VariantSummary], table: str, *, metric: str, corpus: str,
+                  setup: str, convergence: list[Path], gate_figures: dict[str, list[Path]],
+                  notes: list[str], out_dir: Path) -> str:
+    """The whole ``report.md``: results, published numbers, time, parameters and figures."""
+    better = "higher" if metric == "bleu" else "lower"
+    parts = [f"# {recipe.name}: comparison", "", recipe.description, "", setup,
+             "Mean ± standard deviation over seeds; Δ is the relative change against the first variant "
+             f"({better} is better).", "", "## Results", "", table, ""]
+    if any(s.published is not None for s in summaries):
+        recipe_corpus = recipe.config.data.corpus
+        where = "" if corpus == recipe_corpus else (
+            f" This comparison ran on `{corpus}`, not on the recipe's `{recipe_corpus}`: compare directions of "
+            "change, not values.")
+        parts += [f"Published numbers: {recipe.published_source or 'see the recipe'}.{where}", ""]
+    elif recipe.published_source:
+        parts += [f"Published numbers: {recipe.published_source}.", ""]
+    parts += ["## Training-time cost", "",
+              "Mean training time per step (evaluation excluded) and per epoch (steps per pass over the "
+              "training split × s/step), relative to the first variant.", "", timing_table(summaries), ""]
+    params = parameter_table(summaries)
+    if params:
+        parts += ["## Parameters", "", params, ""]
+    if convergence:
+        parts += ["## Convergence", "",
+                  "Validation metric against step and against training time, and training loss against step; "
+                  "the shaded band is the spread (min to max) over seeds.", ""]
+        parts += [f"![{f.stem}]({f.relative_to(out_dir).as_posix()})" for f in convergence] + [""]
+    if gate_figures:
+        parts += ["## Gates", "",
+                  "For each gated variant's first seed: learned gate biases (rows = layers, columns = bias "
+                  "dimensions), a t-SNE map of the bias vectors of every gated sublayer, and the mean gate "
+                  "activation of each layer at every evaluation.", ""]
+        for name, figures in gate_figures.items():
+            parts += [f"### {name}", ""] + [f"![{f.stem}]({f.relative_to(out_dir).as_posix()})" for f in figures]
+            parts.append("")
+    if notes:
+        parts += ["## Notes", ""] + [f"- {note}" for note in notes] + [""]
+    return "\n".join(parts)
