@@ -3,7 +3,18 @@ with the backbones, data and recipes to reproduce the papers that introduced the
 
 __version__ = "0.1.0"
 
-from gatedformer.backbones import TransformerLM, build_model, parse_gate_spec, resolve_placement  # noqa: E402
+from gatedformer.backbones import (  # noqa: E402
+    SRU,
+    GatedConvLM,
+    RTransformerLM,
+    SRULanguageModel,
+    TransformerLM,
+    TransformerXLLM,
+    build_model,
+    parse_gate_spec,
+    resolve_placement,
+)
+from gatedformer.backbones.seq2seq import Seq2SeqTransformer  # noqa: E402
 from gatedformer.config import RunConfig, apply_overrides, build_config, load_recipe  # noqa: E402
 from gatedformer.errors import CheckpointError, ConfigError, DataError, GatedformerError  # noqa: E402
 from gatedformer.gates import EAU, GLU, SDU, GatedMHDPA, GatedResidual, GLUFeedForward, HighwayGate  # noqa: E402
@@ -12,16 +23,22 @@ __all__ = [
     "EAU",
     "GLU",
     "SDU",
+    "SRU",
     "CheckpointError",
     "ConfigError",
     "DataError",
     "GLUFeedForward",
+    "GatedConvLM",
     "GatedMHDPA",
     "GatedResidual",
     "GatedformerError",
     "HighwayGate",
+    "RTransformerLM",
     "RunConfig",
+    "SRULanguageModel",
+    "Seq2SeqTransformer",
     "TransformerLM",
+    "TransformerXLLM",
     "__version__",
     "apply_overrides",
     "build_config",

@@ -14,6 +14,7 @@ from torch import nn
 from gatedformer.backbones.gcnn import GatedConvLM
 from gatedformer.backbones.placement import parse_gate_spec, resolve_placement
 from gatedformer.backbones.rtransformer import RTransformerLM
+from gatedformer.backbones.sru import SRU, SRULanguageModel
 from gatedformer.backbones.transformer import TransformerLM
 from gatedformer.backbones.transformer_xl import TransformerXLLM
 from gatedformer.config import ModelConfig
@@ -25,6 +26,22 @@ def _transformer(cfg: ModelConfig, vocab_size: int) -> nn.Module:
         vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ffn=cfg.d_ffn,
         dropout=cfg.dropout, emb_dropout=cfg.emb_dropout, attn_dropout=cfg.attn_dropout, norm=cfg.norm,
         ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, gates=cfg.gates,
+    )
+
+
+def _sru_transformer(cfg: ModelConfig, vocab_size: int) -> nn.Module:
+    return TransformerLM(
+        vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ffn=cfg.d_ffn,
+        dropout=cfg.dropout, emb_dropout=cfg.emb_dropout, attn_dropout=cfg.attn_dropout, norm=cfg.norm,
+        ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, gates=cfg.gates, sru_sublayer=True,
+    )
+
+
+def _sru(cfg: ModelConfig, vocab_size: int) -> nn.Module:
+    return SRULanguageModel(
+        vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, dropout=cfg.dropout, highway_bias=cfg.highway_bias,
+        rescale=cfg.rescale, projection_size=cfg.projection_size, layer_norm=cfg.sru_layer_norm,
+        tie_embeddings=cfg.tie_embeddings,
     )
 
 
@@ -57,6 +74,8 @@ BUILDERS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
     "gcnn": _gcnn,
     "rtransformer": _rtransformer,
     "transformer-xl": _transformer_xl,
+    "sru": _sru,
+    "sru-transformer": _sru_transformer,
 }
 
 
@@ -67,13 +86,19 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
         raise ConfigError(
             f"model.backbone={cfg.backbone!r} is not available; choose one of {', '.join(sorted(BUILDERS))}"
         )
-    return builder(cfg, vocab_size)
+    try:
+        return builder(cfg, vocab_size)
+    except ValueError as err:
+        # The modules check their own arguments; a rejected value is the user's config, not a bug.
+        raise ConfigError(f"model config rejected by backbone {cfg.backbone}: {err}; change that model field") from None
 
 
 __all__ = [
     "BUILDERS",
     "GatedConvLM",
     "RTransformerLM",
+    "SRU",
+    "SRULanguageModel",
     "TransformerLM",
     "TransformerXLLM",
     "build_model",

@@ -9,24 +9,44 @@ from torch import Tensor, nn
 from gatedformer.backbones.attention import CausalSelfAttention, sinusoidal_positions
 from gatedformer.backbones.blocks import Sublayer, make_ffn
 from gatedformer.backbones.dropout import Dropout
-from gatedformer.backbones.placement import resolve_placement
+from gatedformer.backbones.placement import SublayerGates, resolve_placement
+from gatedformer.backbones.sru import SRU
 
 _POSITIONS_CACHED = 1024
 """Rows of the sinusoidal table built with the model (a longer input extends it)."""
 
 
+class SRUBody(nn.Module):
+    """A one-layer SRU over the window, batch-first in and out, as a Transformer sublayer body."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.sru = SRU(d_model, d_model, num_layers=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, _ = self.sru(x.transpose(0, 1))
+        return h.transpose(0, 1)
+
+
 class TransformerLayer(nn.Module):
-    """Attention sublayer then feed-forward sublayer: ``U = LN(X + Att(X))``, ``O = LN(U + FFN(U))``."""
+    """Attention sublayer then feed-forward sublayer: ``U = LN(X + Att(X))``, ``O = LN(U + FFN(U))``.
+
+    With ``sru_sublayer`` an SRU sublayer sits between them (the SRU paper's "Transformer w/ SRU").
+    """
 
     def __init__(self, d_model: int, n_heads: int, d_ffn: int, dropout: float, attn_dropout: float,
-                 norm: str, ffn: str, attn_gates, ffn_gates) -> None:
+                 norm: str, ffn: str, attn_gates, ffn_gates, sru_sublayer: bool = False) -> None:
         super().__init__()
         self.attn = Sublayer(CausalSelfAttention(d_model, n_heads, attn_dropout), d_model, attn_gates,
                              dropout, norm)
+        self.recurrent = Sublayer(SRUBody(d_model), d_model, SublayerGates(), dropout, norm) if sru_sublayer else None
         self.ffn = Sublayer(make_ffn(ffn, d_model, d_ffn, dropout), d_model, ffn_gates, dropout, norm)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.ffn(self.attn(x))
+        x = self.attn(x)
+        if self.recurrent is not None:
+            x = self.recurrent(x)
+        return self.ffn(x)
 
 
 class TransformerLM(nn.Module):
@@ -39,7 +59,7 @@ class TransformerLM(nn.Module):
     def __init__(self, vocab_size: int, d_model: int = 128, n_layers: int = 3, n_heads: int = 4,
                  d_ffn: int = 512, dropout: float = 0.1, emb_dropout: float | None = None,
                  attn_dropout: float = 0.0, norm: str = "post", ffn: str = "relu",
-                 tie_embeddings: bool = False, gates: str = "") -> None:
+                 tie_embeddings: bool = False, gates: str = "", sru_sublayer: bool = False) -> None:
         super().__init__()
         placement = resolve_placement(gates, n_layers)
         self.d_model = d_model
@@ -49,7 +69,7 @@ class TransformerLM(nn.Module):
         self.register_buffer("positions", sinusoidal_positions(_POSITIONS_CACHED, d_model), persistent=False)
         self.layers = nn.ModuleList(
             TransformerLayer(d_model, n_heads, d_ffn, dropout, attn_dropout, norm, ffn,
-                             placement.at(i, "attn"), placement.at(i, "ffn"))
+                             placement.at(i, "attn"), placement.at(i, "ffn"), sru_sublayer)
             for i in range(n_layers)
         )
         self.final_norm = nn.LayerNorm(d_model) if norm == "pre" else None

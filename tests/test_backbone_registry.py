@@ -1,0 +1,50 @@
+"""Every backbone builds from a config by name, and its config errors are one ConfigError line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gatedformer import SRU, Seq2SeqTransformer, TransformerLM
+from gatedformer.backbones import BUILDERS, build_model
+from gatedformer.config import BACKBONES, RunConfig, apply_overrides, validate
+from gatedformer.errors import ConfigError
+
+
+def test_every_configurable_backbone_is_registered() -> None:
+    assert set(BACKBONES) == set(BUILDERS)
+
+
+@pytest.mark.parametrize("backbone", sorted(BUILDERS))
+def test_each_backbone_builds_runs_and_is_causal(backbone: str) -> None:
+    config = apply_overrides(RunConfig(), [f"model.backbone={backbone}", "model.d_model=16", "model.n_heads=2",
+                                           "model.d_ffn=32", "model.n_layers=2", "model.dropout=0",
+                                           "model.rnn_window=3", "model.mem_len=4"])
+    torch.manual_seed(0)
+    model = build_model(validate(config).model, 11).eval()
+    tokens = torch.randint(0, 11, (2, 9))
+    changed = tokens.clone()
+    changed[:, 5] = (changed[:, 5] + 1) % 11
+    logits, _ = model(tokens)
+    assert logits.shape == (2, 9, 11)
+    assert torch.allclose(logits[:, :5], model(changed)[0][:, :5], atol=1e-5)
+
+
+def test_sru_transformer_adds_one_sru_sublayer_per_layer() -> None:
+    plain = TransformerLM(11, d_model=16, n_layers=3, n_heads=2, d_ffn=32)
+    with_sru = TransformerLM(11, d_model=16, n_layers=3, n_heads=2, d_ffn=32, sru_sublayer=True)
+    assert all(layer.recurrent is None for layer in plain.layers)
+    assert all(isinstance(layer.recurrent.body.sru, SRU) for layer in with_sru.layers)
+
+
+def test_module_argument_errors_become_config_errors() -> None:
+    config = apply_overrides(RunConfig(), ["model.backbone=sru", "model.d_model=16", "model.n_heads=2",
+                                           "model.projection_size=100"])
+    with pytest.raises(ConfigError, match="model config rejected by backbone sru"):
+        build_model(validate(config).model, 11)
+
+
+def test_top_level_exports() -> None:
+    model = Seq2SeqTransformer(13, 17, layers=1, d_model=16, ffn=32, heads=2, max_len=16, eau=True, grc=True)
+    logits = model(torch.randint(4, 13, (2, 5)), torch.randint(4, 17, (2, 6)))
+    assert logits.shape == (2, 6, 17)
