@@ -282,7 +282,8 @@ def test_check_corpora_reports_ok_missing_corrupt(monkeypatch, tmp_path, no_defa
     assert rows["ptb"]["status"] == "ok" and rows["ptb"]["path"] == str(tmp_path / "ptb")
     assert rows["wikitext2"]["status"] == "corrupt" and "checksum mismatch" in rows["wikitext2"]["detail"]
     assert rows["enwik8"]["status"] == "missing" and "gatedformer data fetch enwik8" in rows["enwik8"]["detail"]
-    assert set(rows) == set(CORPORA)
+    assert set(rows) == set(CORPORA) | {"multi30k"}
+    assert rows["multi30k"]["status"] == "missing"
 
 
 # --- text: corpora -----------------------------------------------------------------------------------------

@@ -355,6 +355,21 @@ def test_translate_cli_prints_one_line_per_input_line(trained_run: Path, tmp_pat
     assert "no config.json" in capsys.readouterr().err
 
 
+def test_eval_and_generate_on_a_translation_run(trained_run: Path, corpus_dir: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from gatedformer.cli import main
+
+    assert main(["eval", "--run", str(trained_run), "--split", "test", "--data-dir", str(corpus_dir)]) == 0
+    scores = json.loads(capsys.readouterr().out)
+    saved = json.loads((trained_run / "results.json").read_text())
+    assert scores["loss"] == pytest.approx(saved["test_loss"], rel=1e-5)
+    assert scores["bleu"] == pytest.approx(saved["test_metric"], abs=1e-6)
+    assert main(["generate", "--run", str(trained_run), "--data-dir", str(corpus_dir)]) == 2
+    assert "is a translation run; use `gatedformer translate" in capsys.readouterr().err
+
+
 def test_config_validation_for_translation() -> None:
     validate(apply_overrides(RunConfig(), ["data.corpus=multi30k", "model.gates=eau /cross"]))
     for override, fragment in (("translation.decode=sample", "translation.decode"),

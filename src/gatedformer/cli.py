@@ -62,16 +62,10 @@ def _print_result(result: dict) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from gatedformer.data import LMStream
-    from gatedformer.train.loop import evaluate, load_trained, metric_value, resolve_device
+    from gatedformer.train.loop import evaluate_run
 
-    config, model, corpus = load_trained(args.run, args.data_dir, args.device)
-    tokens = corpus.valid if args.split == "valid" else corpus.test
-    stream = LMStream(tokens, config.data.eval_batch_size, config.data.eval_seq_len or config.data.seq_len,
-                      split=args.split)
-    loss = evaluate(model, stream, resolve_device(args.device), config.train.precision)
-    print(json.dumps({"run": str(args.run), "split": args.split, "loss": loss,
-                      corpus.metric: metric_value(corpus.metric, loss)}))
+    scores = evaluate_run(args.run, args.split, args.data_dir, args.device)
+    print(json.dumps({"run": str(args.run), "split": args.split, **scores}))
     return 0
 
 
@@ -168,6 +162,12 @@ def cmd_translate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from gatedformer.analysis.bench import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gatedformer import __version__
 
@@ -251,6 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     translate.add_argument("--data-dir", help="corpus folder, needed only if the run has no vocab.json")
     translate.add_argument("--device", default="auto")
     translate.set_defaults(handler=cmd_translate)
+
+    from gatedformer.analysis.bench import add_arguments as add_bench_arguments
+
+    bench = commands.add_parser("bench", help="training/eval throughput, MFU and peak memory of every backbone and "
+                                "gate variant, beside plain-PyTorch, x-transformers, sru, LSTM and GRU peers")
+    add_bench_arguments(bench)
+    bench.set_defaults(handler=cmd_bench)
     return parser
 
 

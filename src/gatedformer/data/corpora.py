@@ -171,6 +171,13 @@ def _load_text(name: str, data_dir: str | Path | None) -> Corpus:
     return _to_corpus(name, "char", "bpc", vocab, ids)
 
 
+def _all_specs() -> list[CorpusSpec]:
+    """The language-model corpora and the translation corpus (Multi30K, en→de as the standard direction)."""
+    from .translation import multi30k_spec
+
+    return [*CORPORA.values(), multi30k_spec("en", "de")]
+
+
 def list_corpora() -> list[dict]:
     """One dict per corpus: name, level, metric, description, files (relative to a data root), urls."""
     out = [
@@ -182,7 +189,7 @@ def list_corpora() -> list[dict]:
             "files": [f.path for f in spec.files],
             "urls": [f.url for f in spec.files if f.url],
         }
-        for spec in CORPORA.values()
+        for spec in _all_specs()
     ]
     out.append(
         {
@@ -200,7 +207,7 @@ def list_corpora() -> list[dict]:
 def check_corpora(data_dir: str | Path | None = None) -> list[dict]:
     """Status of every registered corpus: ``name``, ``status`` (ok|missing|corrupt), ``path``, ``detail``."""
     report = []
-    for spec in CORPORA.values():
+    for spec in _all_specs():
         try:
             root = _locate(spec, data_dir)
         except DataError as err:

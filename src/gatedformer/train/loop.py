@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gatedformer.backbones import build_model
-from gatedformer.config import RunConfig, config_from_dict, validate
+from gatedformer.config import TRANSLATION_CORPORA, RunConfig, config_from_dict, validate
 from gatedformer.data import Corpus, LMStream, load_corpus
 from gatedformer.errors import CheckpointError, ConfigError, GatedformerError
 from gatedformer.io import atomic_write_json, atomic_write_text
@@ -207,7 +207,7 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
         from gatedformer.train.tensorboard import replay_log, require_tensorboard
 
         require_tensorboard()  # fail before any work, not after it
-    if config.data.corpus == "multi30k":  # translation: the encoder-decoder trainer
+    if config.data.corpus in TRANSLATION_CORPORA:  # translation: the encoder-decoder trainer
         from gatedformer.train.translation import train_translation
         result = train_translation(config, out_dir, data_dir, resume, progress, stop_after)
         if config.train.tensorboard:  # that loop has no record hook: its log goes to TensorBoard at the end
@@ -423,6 +423,28 @@ def _progress_bar(enabled: bool, total: int, initial: int, name: str) -> Any:
                 dynamic_ncols=True, unit="step")
 
 
+def evaluate_run(run_dir: str | Path, split: str = "valid", data_dir: str | Path | None = None,
+                 device: str = "auto") -> dict[str, float]:
+    """Loss and metric (bpc, perplexity or BLEU) of a trained run on a whole split."""
+    if _saved_corpus(Path(run_dir)) in TRANSLATION_CORPORA:
+        from gatedformer.train.translation import evaluate_translation_run
+
+        return evaluate_translation_run(run_dir, split, data_dir, device)
+    config, model, corpus = load_trained(run_dir, data_dir, device)
+    tokens = corpus.valid if split == "valid" else corpus.test
+    stream = LMStream(tokens, config.data.eval_batch_size, config.data.eval_seq_len or config.data.seq_len,
+                      split=split)
+    loss = evaluate(model, stream, resolve_device(device), config.train.precision)
+    return {"loss": loss, corpus.metric: metric_value(corpus.metric, loss)}
+
+
+def _saved_corpus(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / "config.json").read_text(encoding="utf-8"))["data"]["corpus"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # load_trained reports what is wrong with the run directory
+
+
 def load_trained(run_dir: str | Path, data_dir: str | Path | None = None,
                  device: str = "auto") -> tuple[RunConfig, nn.Module, Corpus]:
     """The config, model (final weights, else the latest checkpoint) and corpus of a run directory."""
@@ -434,6 +456,9 @@ def load_trained(run_dir: str | Path, data_dir: str | Path | None = None,
         config = config_from_dict(json.loads(config_file.read_text(encoding="utf-8")), where=str(config_file))
     except ValueError as err:
         raise CheckpointError(f"{config_file} is corrupt ({err}); the run cannot be loaded") from None
+    if config.data.corpus in TRANSLATION_CORPORA:
+        raise ConfigError(f"{run_dir} is a translation run; use `gatedformer translate --run {run_dir}` "
+                          "or `gatedformer eval --run` for its loss and BLEU")
     corpus = load_corpus(config.data.corpus, data_dir)
     model = build_model(config.model, len(corpus.vocab))
     final = run_dir / "model.safetensors"

@@ -559,3 +559,16 @@ def translate_lines(run_dir: str | Path, lines: Sequence[str], beam: int | None 
     for index, ids in zip(wanted, decoded, strict=True):
         out[index] = detokenize(decode_ids(ids, tgt_vocab), tr.tgt_lang)
     return out
+
+
+def evaluate_translation_run(run_dir: str | Path, split: str = "valid", data_dir: str | Path | None = None,
+                             device: str = "auto") -> dict[str, Any]:
+    """Loss (nats per target token) and BLEU of a trained translation run on ``split``, whole."""
+    config, model, _, _ = load_translation_run(run_dir, data_dir, device)
+    data = load_data(config, data_dir)
+    part = data.valid if split == "valid" else data.test
+    target = resolve_device(device)
+    loss = evaluate_loss(model, part, config.data.eval_batch_size, target, config.train.precision)
+    bleu, _ = evaluate_bleu(model, part, data.tgt_vocab, config.translation.tgt_lang, _beam_of(config),
+                            config.translation.length_penalty, config.data.eval_batch_size)
+    return {"loss": loss, "bleu": bleu}
