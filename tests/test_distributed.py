@@ -28,16 +28,17 @@ from gatedformer.train.loop import train
 RECIPE = "ptb-char-tiny"
 TIMING = ("run_dir", "seconds_per_step", "train_seconds", "tokens_per_second")
 
-# Runs inside each torchrun worker: a run with dropout off (compared with one process), then an
-# uninterrupted run with dropout and carried memory, and the same run stopped after 6 of 8 steps (the test
+# Runs inside each torchrun worker: ``gatedformer train`` with dropout off (compared with one process), then
+# an uninterrupted run with dropout and carried memory, and the same run stopped after 6 of 8 steps (the test
 # resumes it with ``torchrun -m gatedformer train --resume``).
 WORKER = """
 import json, sys
+from gatedformer.cli import main
 from gatedformer.config import build_config, load_recipe
 from gatedformer.train.loop import train
 
 spec = json.loads(sys.argv[1])
-train(build_config(load_recipe("ptb-char-tiny"), spec["equal_overrides"]), spec["equal"], progress=False)
+assert main(["train", "--recipe", "ptb-char-tiny", "--out", spec["equal"], "--quiet", *spec["equal_args"]]) == 0
 config = build_config(load_recipe("ptb-char-tiny"), spec["dropout_overrides"])
 train(config, spec["whole"], progress=False)
 assert train(config, spec["split"], progress=False, stop_after=6) is None
@@ -74,11 +75,12 @@ def test_two_processes_train_like_one_and_resume_exactly(text_corpus: str, tmp_p
     equal = tiny_overrides(text_corpus, steps=8) + ["model.dropout=0"]
     dropout = tiny_overrides(text_corpus, steps=8) + ["model.dropout=0.1", "model.backbone=transformer-xl",
                                                      "model.mem_len=8"]
-    spec = {"equal": str(tmp_path / "ddp"), "equal_overrides": equal, "dropout_overrides": dropout,
+    spec = {"equal": str(tmp_path / "ddp"), "equal_args": sets(equal), "dropout_overrides": dropout,
             "whole": str(tmp_path / "whole"), "split": str(tmp_path / "split")}
     script = tmp_path / "worker.py"
     script.write_text(WORKER, encoding="utf-8")
-    torchrun(str(script), json.dumps(spec))
+    launched = torchrun(str(script), json.dumps(spec))
+    assert launched.stdout.count("valid loss") == 1  # rank 0 alone prints
 
     # Same global batch in one process: the same losses, within float tolerance.
     single = train(build_config(load_recipe(RECIPE), equal), tmp_path / "single", progress=False)
