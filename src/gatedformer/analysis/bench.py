@@ -25,7 +25,16 @@ What a row measures
   backward, gradients, temporaries; not the parameters, optimiser state or inputs that existed before the
   step, nor scratch memory a kernel frees before it returns. ``"rss"`` runs each model in a fresh
   subprocess and reports the rise of the resident set's high-water mark over one step (after a warm-up
-  step, with the mark reset through ``/proc/self/clear_refs``): allocator slack and library buffers included.
+  step, with the mark reset through ``/proc/self/clear_refs``, and glibc told to map blocks of 64 KiB or more
+  one by one so that freed memory leaves the RSS): page rounding and library buffers included.
+* **initialisation**: every language model, ours and the peers, gets the same weights scheme (``init``, by
+  default the ``xavier`` of the ``-tiny`` recipes, through the trainer's own initialiser). Speed depends on it
+  on the CPU: with PyTorch's default ``N(0, 1)`` embeddings scaled by ``sqrt(d)`` the first attention layer's
+  softmax is so peaked that its backward pass computes on denormal floats, several times slower.
+* **peers**: :class:`TorchReferenceLM` (``torch.nn.TransformerEncoder``, exactly our parameter count),
+  x-transformers' ``TransformerWrapper(Decoder)`` of the same size, the official ``sru`` package,
+  ``torch.nn.LSTM`` and ``torch.nn.GRU``. The optional ones (``pip install 'gatedformer[bench]'``) are reported
+  as skipped when they cannot be imported.
 """
 
 from __future__ import annotations
@@ -58,8 +67,9 @@ from torch.utils._pytree import tree_flatten
 from gatedformer.backbones import BUILDERS, build_model
 from gatedformer.backbones.attention import sinusoidal_positions
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
-from gatedformer.config import ModelConfig
+from gatedformer.config import INIT_SCHEMES, InitConfig, ModelConfig
 from gatedformer.errors import ConfigError
+from gatedformer.train.init import initialise
 
 __all__ = [
     "GATE_VARIANTS",
@@ -161,6 +171,10 @@ class BenchOptions:
     memory: str = "auto"
     threads: int = 0
     seed: int = 0
+    init: str = "xavier"
+    """Weight initialisation of every language model, ours and the peers alike (see :func:`_initialise`)."""
+    flush_denormal: bool = False
+    """Flush denormal floats to zero on the CPU for the run (``torch.set_flush_denormal``)."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -185,6 +199,8 @@ class Timing:
     """Seconds per call of one contender over the measured rounds."""
 
     samples: list[float]
+    first_call: float | None = None
+    """Seconds of the very first (warm-up) call: includes compilation under ``torch.compile``."""
 
     @property
     def median(self) -> float:
@@ -206,7 +222,7 @@ class Timing:
     def as_dict(self, prefix: str) -> dict[str, float]:
         q1, q3 = self.quartiles
         return {f"{prefix}_ms": 1e3 * self.median, f"{prefix}_q1_ms": 1e3 * q1, f"{prefix}_q3_ms": 1e3 * q3,
-                f"{prefix}_spread_pct": self.spread_pct}
+                f"{prefix}_spread_pct": self.spread_pct, f"{prefix}_first_call_s": self.first_call}
 
 
 def time_round_robin(contenders: Mapping[str, Callable[[], object]], repeats: int = 10, warmup: int = 3,
@@ -220,8 +236,10 @@ def time_round_robin(contenders: Mapping[str, Callable[[], object]], repeats: in
     """
     device = torch.device(device)
     live = dict(contenders)
+    first: dict[str, float] = {}
     for _ in range(max(warmup, 1) if failed is not None else warmup):
         for name, fn in list(live.items()):
+            started = time.perf_counter()
             try:
                 fn()
                 _sync(device)
@@ -230,6 +248,8 @@ def time_round_robin(contenders: Mapping[str, Callable[[], object]], repeats: in
                     raise
                 failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
                 del live[name]
+                continue
+            first.setdefault(name, time.perf_counter() - started)
     names = list(live)
     samples: dict[str, list[float]] = {name: [] for name in names}
     gc.collect()
@@ -246,7 +266,7 @@ def time_round_robin(contenders: Mapping[str, Callable[[], object]], repeats: in
     finally:
         if gc_was_enabled:
             gc.enable()
-    return {name: Timing(values) for name, values in samples.items()}
+    return {name: Timing(values, first.get(name)) for name, values in samples.items()}
 
 
 def _matmul_contender(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[Callable[[], None], int]:
@@ -261,6 +281,31 @@ def _matmul_contender(device: torch.device, dtype: torch.dtype = torch.float32) 
         torch.mm(a, b, out=out)
 
     return run, 2 * n ** 3
+
+
+def _peak_contenders(device: torch.device, options: BenchOptions) -> tuple[dict[str, Callable[[], object]],
+                                                                         dict[str, int]]:
+    """The float32 matmul peak (and, under ``bf16``, a bfloat16 one) as contenders of a round-robin loop."""
+    run, flops = _matmul_contender(device)
+    contenders: dict[str, Callable[[], object]] = {"peak": run}
+    counts = {"peak": flops}
+    if options.bf16:
+        contenders["peak-bf16"], counts["peak-bf16"] = _matmul_contender(device, torch.bfloat16)
+    return contenders, counts
+
+
+def _peaks(times: Mapping[str, Timing], flops: Mapping[str, int]) -> tuple[float, dict[str, float]]:
+    peaks = {name: flops[name] / times[name].median for name in flops if name in times}
+    return peaks["peak"], peaks
+
+
+def _bf16_mfu(peaks: Mapping[str, float], train_flops_per_s: float, eval_flops_per_s: float) -> dict[str, float]:
+    """Under ``--bf16``: the bfloat16 matmul peak and the MFU against it (``train_mfu`` stays float32-based)."""
+    if "peak-bf16" not in peaks:
+        return {}
+    bf16 = peaks["peak-bf16"]
+    return {"peak_bf16_gflops": bf16 / 1e9, "train_mfu_vs_bf16_peak": train_flops_per_s / bf16,
+            "eval_mfu_vs_bf16_peak": eval_flops_per_s / bf16}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -404,6 +449,12 @@ class _TensorPeak(TorchDispatchMode):
         return out
 
 
+def _memory_step(runner: _LMRunner, method: str) -> Callable[[], object]:
+    """The training step the memory probe runs: eager under the CPU tensor tracker (a dispatch mode and
+    compiled graphs do not mix), as timed otherwise."""
+    return (lambda: runner.train_step(eager=True)) if method == "tensors" else runner.train_step
+
+
 def _memory_method(requested: str, device: torch.device) -> str:
     if requested == "auto":
         return "cuda" if device.type == "cuda" else "tensors"
@@ -459,7 +510,8 @@ def _rss_child(spec_json: str) -> None:
     options = BenchOptions(optimizer=spec["optimizer"], bf16=spec["bf16"], device="cpu")
     torch.manual_seed(0)
     memory_len = cfg.mem_len if cfg.backbone == "transformer-xl" else 0
-    runner = _LMRunner(build_model(cfg, size.vocab), size, torch.device("cpu"), options, memory_len=memory_len)
+    model = _initialise(build_model(cfg, size.vocab), spec.get("init", "default"))
+    runner = _LMRunner(model, size, torch.device("cpu"), options, memory_len=memory_len)
     step = runner.train_step if spec["mode"] == "train" else runner.eval_step
     step()
     gc.collect()
@@ -485,10 +537,14 @@ def _rss_child(spec_json: str) -> None:
 
 def _rss_peak(cfg: ModelConfig, size: BenchSize, options: BenchOptions, mode: str) -> float | None:
     spec = {"cfg": dataclasses.asdict(cfg), "size": dataclasses.asdict(size), "optimizer": options.optimizer,
-            "bf16": options.bf16, "mode": mode, "threads": options.threads or torch.get_num_threads()}
+            "bf16": options.bf16, "mode": mode, "threads": options.threads or torch.get_num_threads(),
+            "init": options.init}
     code = "import sys; from gatedformer.analysis.bench import _rss_child; _rss_child(sys.argv[1])"
+    # glibc would keep the warm-up step's freed blocks in its heap and serve the measured step from them,
+    # hiding its peak from the RSS: blocks of 64 KiB and more are mapped (and unmapped) one by one instead.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
     done = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True,
-                          timeout=1800, check=False)
+                          timeout=1800, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"memory subprocess failed: {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])["peak_mb"]
@@ -496,6 +552,17 @@ def _rss_peak(cfg: ModelConfig, size: BenchSize, options: BenchOptions, mode: st
 
 # --------------------------------------------------------------------------------------------------
 # Runners: one training step and one evaluation step of a language model
+
+
+def _initialise(model: nn.Module, scheme: str) -> nn.Module:
+    """The trainer's initialisation (:func:`gatedformer.train.init.initialise`): every Linear, Embedding and
+    Conv1d weight by ``scheme``, biases zero; ``default`` keeps each library's own initialisation.
+
+    It matters for speed on the CPU: PyTorch's default ``N(0, 1)`` embeddings times ``sqrt(d)`` give the first
+    attention such peaked softmaxes that its backward pass runs on denormal floats, several times slower."""
+    if scheme != "default":
+        initialise(model, InitConfig(scheme=scheme))
+    return model
 
 
 def _make_optimizer(model: nn.Module, kind: str, device: torch.device) -> torch.optim.Optimizer | None:
@@ -551,10 +618,11 @@ class _LMRunner:
     def _loss(self, logits: Tensor) -> Tensor:
         return F.cross_entropy(logits.float().reshape(-1, self.vocab), self.y.reshape(-1))
 
-    def train_step(self) -> None:
+    def train_step(self, eager: bool = False) -> None:
+        """One training step; ``eager=True`` bypasses ``torch.compile`` (for the memory probe)."""
         self.model.train()
         with self._autocast():
-            logits, _ = self.forward(self.x, self.state)
+            logits, _ = (self.model if eager else self.forward)(self.x, self.state)
         loss = self._loss(logits)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
@@ -726,9 +794,9 @@ def _bench_models(report: BenchReport, size: BenchSize, options: BenchOptions, d
             cfg = size.model_config(backbone, spec)
             try:
                 torch.manual_seed(options.seed)
-                model = build_model(cfg, size.vocab)
-            except (ConfigError, ValueError) as err:
-                report.notes.append(f"models: {backbone} {name}: not built ({err})")
+                model = _initialise(build_model(cfg, size.vocab), options.init)
+            except Exception as err:  # noqa: BLE001 - one backbone that cannot be built must not stop the rest
+                report.notes.append(f"models: {backbone} {name}: not built ({type(err).__name__}: {err})")
                 continue
             memory_len = size.memory if backbone == "transformer-xl" else 0
             runners[name] = _LMRunner(model, size, device, options, memory_len=memory_len)
@@ -736,14 +804,13 @@ def _bench_models(report: BenchReport, size: BenchSize, options: BenchOptions, d
                 flops[name] = count_flops(cfg, size.vocab, size.batch, size.seq_len, memory_len=memory_len)
             except ValueError:
                 flops[name] = _measured_flops(model.eval(), runners[name].x)
-        peak_fn, peak_flops = _matmul_contender(device)
-        contenders: dict[str, Callable[[], object]] = {"peak": peak_fn}
+        contenders, peak_flops = _peak_contenders(device, options)
         for name, runner in runners.items():
             contenders[f"train:{name}"] = runner.train_step
             contenders[f"eval:{name}"] = runner.eval_step
         failed: dict[str, str] = {}
         times = time_round_robin(contenders, options.repeats, options.warmup, device, failed=failed)
-        peak = peak_flops / times["peak"].median
+        peak, peaks = _peaks(times, peak_flops)
         base_time = times.get("train:baseline")
         base_flops = flops.get("baseline")
         for name, runner in runners.items():
@@ -767,6 +834,7 @@ def _bench_models(report: BenchReport, size: BenchSize, options: BenchOptions, d
                 "peak_gflops": peak / 1e9,
                 "train_mfu": count.train_total / train.median / peak,
                 "eval_mfu": count.forward_total / evaluation.median / peak,
+                **_bf16_mfu(peaks, count.train_total / train.median, count.forward_total / evaluation.median),
             }
             if base_time is not None and base_flops is not None and name != "baseline":
                 row["extra_flops_pct"] = 100.0 * (count.train_total / base_flops.train_total - 1.0)
@@ -776,7 +844,7 @@ def _bench_models(report: BenchReport, size: BenchSize, options: BenchOptions, d
                 if method == "rss":
                     row["peak_mem_mb"] = _rss_peak(size.model_config(backbone, chosen[name]), size, options, "train")
                 elif method != "none":
-                    row["peak_mem_mb"] = measure_memory(runner.train_step, device, method)
+                    row["peak_mem_mb"] = measure_memory(_memory_step(runner, method), device, method)
             except Exception as err:  # noqa: BLE001 - a memory probe failure must not lose the timings
                 report.notes.append(f"models: {backbone} {name}: memory not measured ({err})")
             row["mem_method"] = method
@@ -807,19 +875,18 @@ def _bench_transformer_peers(report: BenchReport, size: BenchSize, options: Benc
             torch.manual_seed(options.seed)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                runners[name] = _LMRunner(make(), size, device, options)
+                runners[name] = _LMRunner(_initialise(make(), options.init), size, device, options)
         except ImportError as err:
             skipped[name] = f"skipped: not installed ({err.name or err}); pip install 'gatedformer[bench]'"
         except Exception as err:  # noqa: BLE001 - an optional peer that fails to build is reported
             skipped[name] = f"skipped: {type(err).__name__}: {err}"[:200]
-    peak_fn, peak_flops = _matmul_contender(device)
-    contenders: dict[str, Callable[[], object]] = {"peak": peak_fn}
+    contenders, peak_flops = _peak_contenders(device, options)
     for name, runner in runners.items():
         contenders[f"train:{name}"] = runner.train_step
         contenders[f"eval:{name}"] = runner.eval_step
     failed: dict[str, str] = {}
     times = time_round_robin(contenders, options.repeats, options.warmup, device, failed=failed)
-    peak = peak_flops / times["peak"].median
+    peak, peaks = _peaks(times, peak_flops)
     ours = times.get("train:gatedformer TransformerLM")
     ours_eval = times.get("eval:gatedformer TransformerLM")
     for name in builders:
@@ -836,6 +903,7 @@ def _bench_transformer_peers(report: BenchReport, size: BenchSize, options: Benc
             **evaluation.as_dict("eval"), "eval_tokens_per_s": size.tokens / evaluation.median,
             "train_mfu": flops.train_total / train.median / peak,
             "eval_mfu": flops.forward_total / evaluation.median / peak,
+            **_bf16_mfu(peaks, flops.train_total / train.median, flops.forward_total / evaluation.median),
             "peak_gflops": peak / 1e9,
         }
         if ours is not None:
@@ -844,7 +912,7 @@ def _bench_transformer_peers(report: BenchReport, size: BenchSize, options: Benc
             row["ours_eval_speedup"] = evaluation.median / ours_eval.median
         with contextlib.suppress(Exception):
             if method != "none":
-                row["peak_mem_mb"] = measure_memory(runner.train_step, device, method)
+                row["peak_mem_mb"] = measure_memory(_memory_step(runner, method), device, method)
                 row["mem_method"] = method
         report.rows.append(row)
 
@@ -914,6 +982,8 @@ def _bench_rnn_peers(report: BenchReport, rnn: RNNSize, options: BenchOptions, d
         runnable = torch.compile(model) if options.compile else model
         contenders[f"fwd:{name}"] = forward(runnable)
         contenders[f"fwdbwd:{name}"] = forward_backward(runnable)
+    memory_steps = {name: forward_backward(model) if method == "tensors" else contenders[f"fwdbwd:{name}"]
+                    for name, model in models.items()}
     failed: dict[str, str] = {}
     times = time_round_robin(contenders, options.repeats, options.warmup, device, failed=failed)
     ours_fwd, ours_fb = times.get("fwd:gatedformer SRU"), times.get("fwdbwd:gatedformer SRU")
@@ -935,7 +1005,7 @@ def _bench_rnn_peers(report: BenchReport, rnn: RNNSize, options: BenchOptions, d
             row["ours_fwd_bwd_speedup"] = fb.median / ours_fb.median
         with contextlib.suppress(Exception):
             if method != "none":
-                row["peak_mem_mb"] = measure_memory(contenders[f"fwdbwd:{name}"], device, method)
+                row["peak_mem_mb"] = measure_memory(memory_steps[name], device, method)
                 row["mem_method"] = method
         report.rows.append(row)
 
@@ -968,7 +1038,8 @@ def _bench_memory(report: BenchReport, size: BenchSize, options: BenchOptions, d
                     row[f"{mode}_peak_mb"] = _rss_peak(cfg, size, eager, mode)
                     continue
                 torch.manual_seed(options.seed)
-                runner = _LMRunner(build_model(cfg, size.vocab), size, device, eager, memory_len=memory_len)
+                model = _initialise(build_model(cfg, size.vocab), options.init)
+                runner = _LMRunner(model, size, device, eager, memory_len=memory_len)
                 step = runner.train_step if mode == "train" else runner.eval_step
                 step()
                 row[f"{mode}_peak_mb"] = measure_memory(step, device, method)
@@ -1018,6 +1089,8 @@ def run_bench(size: BenchSize | None = None, options: BenchOptions | None = None
         raise ConfigError(f"unknown bench section(s) {unknown}; choose from {', '.join(SECTIONS)}")
     if options.optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {options.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if options.init not in INIT_SCHEMES:
+        raise ConfigError(f"unknown init scheme {options.init!r}; choose one of {', '.join(INIT_SCHEMES)}")
     if options.memory not in MEMORY_METHODS:
         raise ConfigError(f"unknown memory method {options.memory!r}; choose one of {', '.join(MEMORY_METHODS)}")
     if options.repeats < 1 or options.warmup < 0:
@@ -1025,18 +1098,25 @@ def run_bench(size: BenchSize | None = None, options: BenchOptions | None = None
     if size.d_model % size.n_heads:
         raise ConfigError(f"--d-model {size.d_model} is not divisible by --heads {size.n_heads}")
     device = resolve_device(options.device)
+    threads_were = torch.get_num_threads()
     if options.threads:
         torch.set_num_threads(options.threads)
     report = BenchReport(_meta(size, rnn, options, device))
     report.notes.append(_describe(options, device))
-    if "models" in sections:
-        _bench_models(report, size, options, device, backbones, variants, progress)
-    if "transformer-peers" in sections:
-        _bench_transformer_peers(report, size, options, device, progress)
-    if "rnn-peers" in sections:
-        _bench_rnn_peers(report, rnn, options, device, progress)
-    if "memory" in sections:
-        _bench_memory(report, size, options, device, mem_lens, windows, progress)
+    flushing = options.flush_denormal and torch.set_flush_denormal(True)
+    try:
+        if "models" in sections:
+            _bench_models(report, size, options, device, backbones, variants, progress)
+        if "transformer-peers" in sections:
+            _bench_transformer_peers(report, size, options, device, progress)
+        if "rnn-peers" in sections:
+            _bench_rnn_peers(report, rnn, options, device, progress)
+        if "memory" in sections:
+            _bench_memory(report, size, options, device, mem_lens, windows, progress)
+    finally:
+        if flushing:
+            torch.set_flush_denormal(False)
+        torch.set_num_threads(threads_were)
     return report
 
 
@@ -1049,10 +1129,13 @@ def _describe(options: BenchOptions, device: torch.device) -> str:
               "rss": "rise of the RSS high-water mark over one step, fresh subprocess per model",
               "cuda": "torch.cuda.max_memory_allocated over one step, minus what was allocated before",
               "none": "not measured"}[method]
-    extras = [name for name, on in (("torch.compile", options.compile), ("bf16 autocast", options.bf16)) if on]
+    extras = [name for name, on in (("torch.compile", options.compile), ("bf16 autocast", options.bf16),
+                                     ("denormals flushed to zero", options.flush_denormal)) if on]
+    init = ("each library's own initialisation" if options.init == "default" else
+            f"every language model (ours and peers) initialised by the trainer's {options.init!r} scheme")
     return (f"training step = {step}; median of {options.repeats} interleaved rounds after {options.warmup} "
             f"warm-up rounds, IQR in brackets; MFU = analytic model FLOPs/s over a float32 n×n matmul timed in "
-            f"the same loop; memory = {memory}{'; ' + ', '.join(extras) if extras else ''}")
+            f"the same loop; memory = {memory}; {init}{'; ' + ', '.join(extras) if extras else ''}")
 
 
 def _ms(row: dict[str, Any], prefix: str) -> str:
@@ -1163,6 +1246,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=options.threads, help="torch CPU threads (0: default)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=options.optimizer)
     parser.add_argument("--memory", choices=MEMORY_METHODS, default=options.memory)
+    parser.add_argument("--init", choices=INIT_SCHEMES, default=options.init,
+                        help="weight init of every LM, ours and peers (default: xavier, as the -tiny recipes; "
+                             "'default' keeps each library's own)")
+    parser.add_argument("--flush-denormal", action="store_true", help="flush denormal floats to zero (CPU)")
     parser.add_argument("--rnn-hidden", type=int, default=rnn.hidden)
     parser.add_argument("--rnn-len", type=int, default=rnn.length)
     parser.add_argument("--rnn-batch", type=int, default=rnn.batch)
@@ -1178,7 +1265,8 @@ def run_from_args(args: argparse.Namespace) -> int:
                      seq_len=args.seq_len, batch=args.batch, vocab=args.vocab, dropout=args.dropout,
                      mem_len=args.mem_len, rnn_window=args.rnn_window)
     options = BenchOptions(repeats=args.repeats, warmup=args.warmup, device=args.device, compile=args.compile,
-                           bf16=args.bf16, optimizer=args.optimizer, memory=args.memory, threads=args.threads)
+                           bf16=args.bf16, optimizer=args.optimizer, memory=args.memory, threads=args.threads,
+                           init=args.init, flush_denormal=args.flush_denormal)
     rnn = RNNSize(hidden=args.rnn_hidden, length=args.rnn_len, batch=args.rnn_batch, layers=args.rnn_layers)
 
     def progress(message: str) -> None:

@@ -66,7 +66,7 @@ class Sublayer(nn.Module):
         if self.eau is not None:
             s = self.eau(s)
         if self.sdu is not None:
-            s = s + self.sdu(h)
+            s = self.sdu(h, add_to=s)  # s + SDU(h), the add fused into the SDU's product
         if self.gated_mix is not None:
             s = self.gated_mix(h, s)
         s = self.dropout(s)

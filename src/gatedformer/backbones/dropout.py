@@ -44,19 +44,27 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float, dtype: torch.dtype 
     return _scaled(_keep(shape, kept_values), kept_values, dtype)
 
 
-def _keep(shape: torch.Size | tuple[int, ...], kept_values: int) -> Tensor:
-    """Boolean mask: each element True with probability ``kept_values / 2**32``."""
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _keep(shape: torch.Size | tuple[int, ...], kept_values: int) -> np.ndarray:
+    """Boolean numpy mask of ``shape``: each element True with probability ``kept_values / 2**32``."""
     count = math.prod(shape)
     seed = int(torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64))
     raw = np.random.PCG64(seed).random_raw((count + 1) // 2)  # two uniform int32 per 64-bit draw
-    uniform = torch.from_numpy(raw.view(np.int32)[:count]).view(shape)
-    # ``uniform`` is uniform over the 2**32 int32 values; exactly ``kept_values`` of them lie below ``bound``.
-    return uniform < kept_values - _INT32_VALUES // 2
+    uniform = raw.view(np.int32)[:count].reshape(shape)
+    # ``uniform`` is uniform over the 2**32 int32 values; exactly ``kept_values`` of them lie below the bound.
+    return np.less(uniform, kept_values - _INT32_VALUES // 2)
 
 
-def _scaled(keep: Tensor, kept_values: int, dtype: torch.dtype) -> Tensor:
-    # A conversion then an in-place scale: two vectorised passes, cheaper than a where() on 0-d tensors.
-    return keep.to(dtype).mul_(_INT32_VALUES / kept_values)
+def _scaled(keep: np.ndarray, kept_values: int, dtype: torch.dtype) -> Tensor:
+    """``keep`` as a ``dtype`` tensor of 0 and ``2**32 / kept_values``."""
+    scale = _INT32_VALUES / kept_values
+    if dtype in _NUMPY_DTYPES:
+        # One numpy pass converts and scales (torch would take a conversion and a multiplication).
+        np_dtype = _NUMPY_DTYPES[dtype]
+        return torch.from_numpy(np.multiply(keep, np_dtype(scale), dtype=np_dtype))
+    return torch.from_numpy(keep).to(dtype).mul_(scale)
 
 
 def _fast_path(x: Tensor, p: float, inplace: bool = False) -> bool:
@@ -84,7 +92,11 @@ def relu_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     if not 0 < kept_values < _INT32_VALUES:
         return x.relu() * keep_mask(x.shape, p, x.dtype)
     keep = _keep(x.shape, kept_values)
-    keep &= x.detach() > 0
+    values = x.detach()
+    if x.dtype in _NUMPY_DTYPES and values.is_contiguous():
+        np.logical_and(keep, values.numpy() > 0, out=keep)
+    else:
+        keep = (torch.from_numpy(keep) & (values > 0)).numpy()
     return x * _scaled(keep, kept_values, x.dtype)
 
 

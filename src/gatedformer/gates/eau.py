@@ -47,7 +47,7 @@ class EAU(nn.Module):
         return torch.sigmoid(self.evaluator_out(torch.relu(self.evaluator_in(x))))
 
     def forward(self, x: Tensor) -> Tensor:
-        return x + torch.tanh(self.adjuster(x)) * self.gate_activation(x)
+        return torch.addcmul(x, torch.tanh(self.adjuster(x)), self.gate_activation(x))  # x + a ⊙ e, one kernel
 
     @property
     def gate_bias(self) -> Tensor:

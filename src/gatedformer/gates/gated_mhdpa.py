@@ -40,8 +40,10 @@ class GatedMHDPA(nn.Module):
     def forward(self, x: Tensor, att: Tensor) -> Tensor:
         pre_gate, transformed = self.proj(x).chunk(2, dim=-1)
         t = torch.sigmoid(pre_gate)
+        # lerp needs one dtype; under autocast the body's output and the projection may differ.
+        dtype = torch.promote_types(att.dtype, transformed.dtype)
         # att + t * (f - att) == (1 - t) att + t f.
-        return torch.lerp(att, transformed, t)
+        return torch.lerp(att.to(dtype), transformed.to(dtype), t.to(dtype))
 
     def gate_activation(self, x: Tensor) -> Tensor:
         """``T(X) = sigmoid(X W1 + b1)`` for sublayer input ``x``."""

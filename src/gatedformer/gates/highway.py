@@ -39,8 +39,10 @@ class HighwayGate(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         pre_gate, transformed = self.proj(x).chunk(2, dim=-1)
         t = torch.sigmoid(pre_gate)
+        # lerp needs one dtype; under autocast x (the residual stream) may be float32 and the projection bf16.
+        dtype = torch.promote_types(x.dtype, transformed.dtype)
         # x + t * (f - x) is algebraically (1 - t) x + t f with one fewer elementwise op.
-        return torch.lerp(x, transformed, t)
+        return torch.lerp(x.to(dtype), transformed.to(dtype), t.to(dtype))
 
     def gate_activation(self, x: Tensor) -> Tensor:
         """``T(X) = sigmoid(X W1 + b1)``; computes only the gate half of the projection."""

@@ -52,9 +52,12 @@ class SDU(nn.Module):
         pre_gate, value = self.proj(x).chunk(2, dim=-1)
         return pre_gate, value
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, add_to: Tensor | None = None) -> Tensor:
+        """``SDU(x)``, or ``add_to + SDU(x)`` in one fused multiply-add when ``add_to`` is given."""
         pre_gate, value = self._split(x)
-        return self._psi(pre_gate) * value
+        if add_to is None:
+            return self._psi(pre_gate) * value
+        return torch.addcmul(add_to, self._psi(pre_gate), value)
 
     def gate_activation(self, x: Tensor) -> Tensor:
         """``Psi(X W1 + b1)`` for input ``x``; computes only the gate half of the projection."""

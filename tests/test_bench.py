@@ -1,0 +1,229 @@
+"""``gatedformer bench``: rows and fields, JSON, the FLOP counter, the peers, the memory probes.
+
+Tiny sizes and one or two timed rounds: these tests check what is reported, never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from gatedformer.analysis.bench import (
+    BenchOptions,
+    BenchSize,
+    RNNSize,
+    Timing,
+    TorchReferenceLM,
+    count_flops,
+    main,
+    measure_memory,
+    run_bench,
+    time_round_robin,
+)
+from gatedformer.backbones import BUILDERS, TransformerLM, build_model
+from gatedformer.cli import main as cli_main
+from gatedformer.config import ModelConfig
+from gatedformer.errors import ConfigError
+
+TINY = BenchSize(d_model=16, n_layers=2, n_heads=2, d_ffn=32, seq_len=8, batch=2, vocab=11, mem_len=8, rnn_window=3)
+QUICK = BenchOptions(repeats=2, warmup=1, memory="tensors", threads=1)  # one thread: no waits on a busy machine
+TINY_ARGS = ["--d-model", "16", "--layers", "2", "--heads", "2", "--d-ffn", "32", "--seq-len", "8", "--batch", "2",
+             "--vocab", "11", "--repeats", "1", "--warmup", "1", "--threads", "1", "--quiet"]
+
+MODEL_FIELDS = {"section", "backbone", "variant", "gates", "status", "params", "train_ms", "train_q1_ms",
+                "train_q3_ms", "train_tokens_per_s", "eval_ms", "eval_tokens_per_s", "train_gflop", "eval_gflop",
+                "peak_gflops", "train_mfu", "eval_mfu", "peak_mem_mb", "mem_method"}
+
+
+def test_every_backbone_and_variant_gets_a_row_with_the_documented_fields() -> None:
+    threads = torch.get_num_threads()
+    report = run_bench(TINY, QUICK, sections=["models"], variants=["baseline", "+σ SDU", "+EAU+GRC"])
+    assert torch.get_num_threads() == threads  # the bench's thread count is not left behind
+    rows = report.section("models")
+    seen = {(r["backbone"], r["variant"]) for r in rows}
+    for backbone in BUILDERS:
+        built = (backbone, "baseline") in seen or any(backbone in note for note in report.notes)
+        assert built, f"{backbone}: neither a row nor a note"
+    gated = {"transformer", "rtransformer", "transformer-xl"} & set(BUILDERS)
+    for backbone in gated:
+        assert {(backbone, v) for v in ("baseline", "+σ SDU", "+EAU+GRC")} <= seen
+    assert ("gcnn", "+σ SDU") not in seen  # no sublayers to gate: baseline only, with a note
+    assert any("gcnn has no sublayers to gate" in note for note in report.notes)
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        assert row.keys() >= MODEL_FIELDS, MODEL_FIELDS - row.keys()
+        assert row["train_ms"] > 0 and row["eval_ms"] > 0 and row["params"] > 0
+        assert row["train_mfu"] > 0 and row["eval_mfu"] > 0
+        assert row["peak_mem_mb"] > 0
+        assert row["train_gflop"] == pytest.approx(3 * row["eval_gflop"])
+        if row["variant"] != "baseline":
+            assert {"extra_flops_pct", "extra_time_pct", "gate_target_met"} <= row.keys()
+            assert row["extra_flops_pct"] > 0
+
+
+def test_json_output_parses_and_the_cli_has_the_subcommand(capsys: pytest.CaptureFixture) -> None:
+    assert cli_main(["bench", *TINY_ARGS, "--sections", "models", "--backbones", "transformer",
+                     "--variants", "+tanh L1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) == {"meta", "rows", "notes"}
+    assert report["meta"]["size"]["d_model"] == 16 and report["meta"]["torch"] == torch.__version__
+    assert [r["variant"] for r in report["rows"]] == ["baseline", "+tanh L1"]  # the baseline is always measured
+    assert main([*TINY_ARGS, "--sections", "models", "--backbones", "gcnn"]) == 0
+    text = capsys.readouterr().out
+    assert "== models" in text and "gcnn" in text and "notes:" in text
+
+
+def test_flop_counter_matches_a_hand_count() -> None:
+    # V=11, d=8, 2 layers, 2 heads, FFN 16, batch 2 x 4 tokens: n = 8 token positions.
+    cfg = ModelConfig(d_model=8, n_layers=2, n_heads=2, d_ffn=16)
+    count = count_flops(cfg, vocab=11, batch=2, seq_len=4)
+    qkv = 2 * 8 * 8 * 24  # 3072
+    out = 2 * 8 * 8 * 8  # 1024
+    pairs = 4 * 5 // 2  # causal (query, key) pairs per head and sequence: 10
+    scores = values = 2 * 2 * pairs * 8  # 2 FLOPs x batch 2 x 10 pairs x (2 heads x 4 dims): 320 each
+    ffn = 2 * 8 * 8 * 16 * 2  # 4096
+    output = 2 * 8 * 8 * 11  # 1408
+    assert count.forward == {"attn.proj": 2 * (qkv + out), "attn.scores": 2 * scores, "attn.values": 2 * values,
+                             "ffn": 2 * ffn, "output": output}
+    assert count.forward_total == 19072 and count.train_total == 3 * 19072
+    # Gates: SDU on both sublayers of layer 1 is one d -> 2d product per sublayer.
+    gated = count_flops(ModelConfig(d_model=8, n_layers=2, n_heads=2, d_ffn=16, gates="+σ L1"), 11, 2, 4)
+    assert gated.forward["gates"] == 2 * (2 * 8 * 8 * 16)
+    # torch's own counter sees the same products, except the fused CPU attention kernel it does not count.
+    model = TransformerLM(11, d_model=8, n_layers=2, n_heads=2, d_ffn=16, dropout=0.0).eval()
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, 11, (2, 4)))
+    assert counter.get_total_flops() == count.forward_total - 2 * scores - 2 * values
+
+
+def test_flop_counter_other_backbones() -> None:
+    n, d = 2 * 4, 8
+    gcnn = count_flops(ModelConfig(backbone="gcnn", d_model=d, n_layers=3, kernel_size=4), 11, 2, 4)
+    assert gcnn.forward == {"conv": 3 * 2 * n * (d * 4) * (2 * d), "output": 2 * n * d * 11}
+    rt = count_flops(ModelConfig(backbone="rtransformer", d_model=d, n_layers=1, n_heads=2, d_ffn=16,
+                                 rnn_type="gru", rnn_window=3), 11, 2, 4)
+    assert rt.forward["local_rnn"] == 3 * 2 * n * d * (3 * d)  # input projection + 2 hidden products, GRU: 3d
+    xl = count_flops(ModelConfig(backbone="transformer-xl", d_model=d, n_layers=1, n_heads=2, d_ffn=16, mem_len=4),
+                     11, 2, 4)
+    keys, pairs = 4 + 4, 4 * 4 + 4 * 5 // 2
+    assert xl.forward["attn.proj"] == 2 * n * d * d * 2 + 2 * (2 * keys) * d * (2 * d) + 2 * keys * d * d
+    assert xl.forward["attn.scores"] == 2 * 2 * 2 * pairs * d
+    with pytest.raises(ValueError, match="no FLOP formula"):
+        count_flops(ModelConfig(backbone="nothing-like-it"), 11, 2, 4)
+
+
+def test_plain_pytorch_reference_has_our_parameter_count() -> None:
+    ours = TransformerLM(50, d_model=32, n_layers=3, n_heads=4, d_ffn=64, dropout=0.1)
+    reference = TorchReferenceLM(50, 32, 3, 4, 64, 0.1, max_len=16)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(reference) == count(ours)
+    tokens = torch.randint(0, 50, (2, 16))
+    logits, state = reference.eval()(tokens)
+    assert logits.shape == (2, 16, 50) and state is None
+    changed = tokens.clone()
+    changed[:, 9] = (changed[:, 9] + 1) % 50
+    assert torch.allclose(reference(changed)[0][:, :9], logits[:, :9], atol=1e-5)  # causal
+
+
+def test_x_transformers_peer_is_equally_sized() -> None:
+    pytest.importorskip("x_transformers")
+    from gatedformer.analysis.bench import _XTransformersLM
+
+    size = BenchSize(d_model=32, n_layers=3, n_heads=4, d_ffn=128, seq_len=16, vocab=50)
+    ours = build_model(size.model_config("transformer"), size.vocab)
+    theirs = _XTransformersLM(size)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    # No attention or output biases and bias-free LayerNorms over there: within 2 % of ours.
+    assert abs(count(theirs) - count(ours)) <= 0.02 * count(ours)
+    assert theirs(torch.randint(0, 50, (2, 16)))[0].shape == (2, 16, 50)
+
+
+def test_peers_that_are_not_installed_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "x_transformers", None)  # makes ``import x_transformers`` fail
+    monkeypatch.setitem(sys.modules, "sru", None)
+    report = run_bench(TINY, QUICK, sections=["transformer-peers", "rnn-peers"],
+                       rnn=RNNSize(hidden=8, length=4, batch=2, layers=1))
+    status = {r["name"]: r["status"] for r in report.rows}
+    assert status["x-transformers"].startswith("skipped: not installed")
+    assert status["sru (official)"].startswith("skipped: not installed")
+    for name in ("gatedformer TransformerLM", "torch.nn.TransformerEncoder", "gatedformer SRU", "torch.nn.LSTM",
+                 "torch.nn.GRU"):
+        assert status[name] == "ok", (name, status[name])
+    reference = next(r for r in report.rows if r["name"] == "torch.nn.TransformerEncoder")
+    assert reference["ours_train_speedup"] > 0 and reference["train_mfu"] > 0
+    lstm = next(r for r in report.rows if r["name"] == "torch.nn.LSTM")
+    assert lstm["forward_ms"] > 0 and lstm["fwd_bwd_ms"] > 0 and lstm["ours_fwd_bwd_speedup"] > 0
+    assert any("x-transformers skipped" in note for note in report.notes)
+
+
+def test_memory_sweeps() -> None:
+    report = run_bench(TINY, QUICK, sections=["memory"], mem_lens=(0, 8, 32), windows=(1, 4))
+    xl = [r for r in report.section("memory") if r["backbone"] == "transformer-xl"]
+    assert [r["value"] for r in xl] == [0, 8, 32]
+    assert xl[0]["train_peak_mb"] < xl[1]["train_peak_mb"] < xl[2]["train_peak_mb"]
+    rt = [r for r in report.section("memory") if r["backbone"] == "rtransformer"]
+    assert [r["value"] for r in rt] == [1, 4] and all(r["eval_peak_mb"] > 0 for r in rt)
+    assert rt[1]["window_copy_mb"] == pytest.approx(4 * rt[0]["window_copy_mb"])
+    assert any(note.startswith("memory: transformer-xl train peak") for note in report.notes)
+
+
+def test_tensor_memory_probe_counts_live_storage() -> None:
+    def step() -> torch.Tensor:
+        a = torch.ones(256, 1024)  # 1 MiB
+        b = a * 2  # another, both alive at once
+        return b.view(-1)[:10].clone()  # a view adds nothing; the clone adds 40 bytes
+
+    assert measure_memory(step, "cpu", "tensors") == pytest.approx(2.0, abs=0.01)
+    assert measure_memory(step, "cpu", "none") is None
+    with pytest.raises(ConfigError):
+        measure_memory(step, "cpu", "cuda")
+
+
+def test_round_robin_timing_and_failing_contenders() -> None:
+    calls: list[str] = []
+
+    def broken() -> None:
+        raise RuntimeError("no such kernel")
+
+    failed: dict[str, str] = {}
+    times = time_round_robin({"a": lambda: calls.append("a"), "b": lambda: calls.append("b"), "broken": broken},
+                             repeats=4, warmup=1, failed=failed)
+    assert set(times) == {"a", "b"} and failed == {"broken": "RuntimeError: no such kernel"}
+    assert calls == ["a", "b"] + ["a", "b", "b", "a"] * 2  # warm-up, then alternating order
+    assert all(len(t.samples) == 4 and t.first_call is not None for t in times.values())
+    timing = Timing([1.0, 2.0, 3.0, 4.0])
+    assert timing.median == 2.5 and timing.quartiles == (1.75, 3.25)
+
+
+def test_bad_options_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="section"):
+        run_bench(TINY, QUICK, sections=["everything"])
+    with pytest.raises(ConfigError, match="optimizer"):
+        run_bench(TINY, BenchOptions(optimizer="lion"), sections=["models"])
+    with pytest.raises(ConfigError, match="divisible"):
+        run_bench(BenchSize(d_model=10, n_heads=4), QUICK, sections=["models"])
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_every_gate_variant_runs_under_bf16_autocast(norm: str) -> None:
+    # The highway gate once mixed a float32 residual stream with a bf16 projection in one lerp.
+    for spec in ("", "+σ SDU", "+highway gate", "+gated MHDPA", "+EAU+GRC"):
+        model = TransformerLM(11, d_model=16, n_layers=2, n_heads=2, d_ffn=32, gates=spec, norm=norm)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, _ = model(torch.randint(0, 11, (2, 8)))
+        logits.float().sum().backward()
+        assert logits.shape == (2, 8, 11)
+
+
+def test_bf16_option_reports_mfu_against_both_peaks() -> None:
+    options = BenchOptions(repeats=1, warmup=1, memory="none", threads=1, bf16=True)
+    report = run_bench(TINY, options, sections=["models"], backbones=["transformer"],
+                       variants=["+highway gate"])
+    for row in report.section("models"):
+        assert row["status"] == "ok", row["status"]
+        assert row["peak_bf16_gflops"] > 0 and row["train_mfu_vs_bf16_peak"] > 0
