@@ -107,6 +107,8 @@ MEMORY_METHODS = ("auto", "tensors", "rss", "cuda", "none")
 
 _RNN_GATES = {"gru": 3, "lstm": 4, "rnn": 1}
 _GATE_TARGET_SLACK_PCT = 10.0
+_NOISY_SPREAD_PCT = 25.0
+"""An IQR wider than this share of the median marks a comparison as noisy (the machine was busy)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -840,6 +842,7 @@ def _bench_models(report: BenchReport, size: BenchSize, options: BenchOptions, d
                 row["extra_flops_pct"] = 100.0 * (count.train_total / base_flops.train_total - 1.0)
                 row["extra_time_pct"] = 100.0 * (train.median / base_time.median - 1.0)
                 row["gate_target_met"] = row["extra_time_pct"] <= row["extra_flops_pct"] + _GATE_TARGET_SLACK_PCT
+                row["noisy"] = max(train.spread_pct, base_time.spread_pct) > _NOISY_SPREAD_PCT
             try:
                 if method == "rss":
                     row["peak_mem_mb"] = _rss_peak(size.model_config(backbone, chosen[name]), size, options, "train")
@@ -1142,6 +1145,10 @@ def _ms(row: dict[str, Any], prefix: str) -> str:
     return f"{row[f'{prefix}_ms']:.1f} ({row[f'{prefix}_q1_ms']:.1f}-{row[f'{prefix}_q3_ms']:.1f})"
 
 
+def _mb(value: float | None) -> str:
+    return "" if value is None else f"{value:.1f}"
+
+
 def _pct(value: float | None) -> str:
     return "" if value is None else f"{value:+.1f}%"
 
@@ -1159,6 +1166,7 @@ def format_report(report: BenchReport) -> str:
     size = meta["size"]
     parts = [f"gatedformer bench  {meta['date']}  {meta['device_name']} ({meta['device']}, {meta['threads']} "
              f"threads)  torch {meta['torch']}"]
+    extra_notes: list[str] = []
     models = report.section("models")
     if models:
         lines = []
@@ -1166,13 +1174,15 @@ def format_report(report: BenchReport) -> str:
             if r.get("status") != "ok":
                 lines.append([r["backbone"], r["variant"], r["status"], *[""] * 10])
                 continue
-            mem = r.get("peak_mem_mb")
             lines.append([r["backbone"], r["variant"], f"{r['params']:,}", _ms(r, "train"),
                           f"{r['train_tokens_per_s']:,.0f}", f"{100 * r['train_mfu']:.1f}%", _ms(r, "eval"),
                           f"{r['eval_tokens_per_s']:,.0f}", f"{100 * r['eval_mfu']:.1f}%",
-                          "" if mem is None else f"{mem:.1f}", _pct(r.get("extra_flops_pct")),
+                          _mb(r.get("peak_mem_mb")), _pct(r.get("extra_flops_pct")),
                           _pct(r.get("extra_time_pct")),
-                          {True: "yes", False: "NO"}.get(r.get("gate_target_met"), "")])
+                          {True: "yes", False: "NO"}.get(r.get("gate_target_met"), "") + "*" * bool(r.get("noisy"))])
+        if any(r.get("noisy") for r in models):
+            extra_notes.append(f"models: * = the IQR of the variant or its baseline exceeds {_NOISY_SPREAD_PCT:.0f}% "
+                               "of the median (a busy machine): rerun with more --repeats, or --threads 1")
         parts.append(f"\n== models: d {size['d_model']}, {size['n_layers']} layers, {size['n_heads']} heads, "
                      f"ffn {size['d_ffn']}, batch {size['batch']} x seq {size['seq_len']}, vocab {size['vocab']}\n"
                      + _table(["backbone", "variant", "params", "train ms (IQR)", "tok/s", "MFU", "eval ms (IQR)",
@@ -1182,30 +1192,31 @@ def format_report(report: BenchReport) -> str:
         lines = []
         for r in peers:
             if r.get("status") != "ok":
-                lines.append([r["name"], r["status"], *[""] * 7])
+                lines.append([r["name"], r["status"], *[""] * 8])
                 continue
             lines.append([r["name"], f"{r['params']:,}", _ms(r, "train"), f"{r['train_tokens_per_s']:,.0f}",
                           f"{100 * r['train_mfu']:.1f}%", _ms(r, "eval"), f"{r['eval_tokens_per_s']:,.0f}",
-                          f"{r.get('ours_train_speedup', float('nan')):.2f}x",
+                          _mb(r.get("peak_mem_mb")), f"{r.get('ours_train_speedup', float('nan')):.2f}x",
                           f"{r.get('ours_eval_speedup', float('nan')):.2f}x"])
         parts.append("\n== transformer peers (same size; speed-up = their median / ours, >1: ours is faster)\n"
                      + _table(["model", "params", "train ms (IQR)", "tok/s", "MFU", "eval ms (IQR)", "tok/s",
-                               "train speed-up", "eval speed-up"], lines))
+                               "peak MB", "train speed-up", "eval speed-up"], lines))
     rnn_rows = report.section("rnn-peers")
     if rnn_rows:
         rs = meta["rnn_size"]
         lines = []
         for r in rnn_rows:
             if r.get("status") != "ok":
-                lines.append([r["name"], r["status"], *[""] * 5])
+                lines.append([r["name"], r["status"], *[""] * 6])
                 continue
             lines.append([r["name"], f"{r['params']:,}", _ms(r, "forward"), _ms(r, "fwd_bwd"),
-                          f"{r['fwd_bwd_tokens_per_s']:,.0f}", f"{r.get('ours_forward_speedup', float('nan')):.2f}x",
+                          f"{r['fwd_bwd_tokens_per_s']:,.0f}", _mb(r.get("peak_mem_mb")),
+                          f"{r.get('ours_forward_speedup', float('nan')):.2f}x",
                           f"{r.get('ours_fwd_bwd_speedup', float('nan')):.2f}x"])
         parts.append(f"\n== recurrent peers: hidden {rs['hidden']}, {rs['layers']} layers, length {rs['length']}, "
                      f"batch {rs['batch']} (speed-up = their median / ours)\n"
                      + _table(["model", "params", "forward ms (IQR)", "fwd+bwd ms (IQR)", "fwd+bwd tok/s",
-                               "fwd speed-up", "fwd+bwd speed-up"], lines))
+                               "fwd+bwd peak MB", "fwd speed-up", "fwd+bwd speed-up"], lines))
     memory = report.section("memory")
     if memory:
         lines = [[r["backbone"], r["knob"], str(r["value"]),
@@ -1215,8 +1226,9 @@ def format_report(report: BenchReport) -> str:
         parts.append("\n== memory against Transformer-XL mem_len and R-Transformer window (MB)\n"
                      + _table(["backbone", "knob", "value", "train peak", "eval peak", "per-window copy would add"],
                               lines))
-    if report.notes:
-        parts.append("\nnotes:\n" + "\n".join(f"- {note}" for note in report.notes))
+    notes = report.notes + extra_notes
+    if notes:
+        parts.append("\nnotes:\n" + "\n".join(f"- {note}" for note in notes))
     return "\n".join(parts)
 
 

@@ -61,9 +61,12 @@ def _scaled(keep: np.ndarray, kept_values: int, dtype: torch.dtype) -> Tensor:
     """``keep`` as a ``dtype`` tensor of 0 and ``2**32 / kept_values``."""
     scale = _INT32_VALUES / kept_values
     if dtype in _NUMPY_DTYPES:
-        # One numpy pass converts and scales (torch would take a conversion and a multiplication).
+        # One numpy pass converts and scales (torch would take a conversion and a multiplication), into memory
+        # torch allocates, so that torch's memory accounting sees the mask.
         np_dtype = _NUMPY_DTYPES[dtype]
-        return torch.from_numpy(np.multiply(keep, np_dtype(scale), dtype=np_dtype))
+        out = torch.empty(keep.shape, dtype=dtype)
+        np.multiply(keep, np_dtype(scale), out=out.numpy(), dtype=np_dtype)
+        return out
     return torch.from_numpy(keep).to(dtype).mul_(scale)
 
 
