@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from gatedformer.backbones import _sru_kernel
+from gatedformer.backbones import _native, _sru_kernel
 from gatedformer.backbones.sru import (
     SRU,
     SRULanguageModel,
@@ -42,7 +42,7 @@ def _one_torch_thread() -> Iterator[None]:
 
 def _native_or_skip() -> None:
     if kernel_backend() != "native":
-        pytest.skip(f"the compiled SRU kernel is unavailable here: {_sru_kernel._load_error}")
+        pytest.skip(f"the compiled SRU kernel is unavailable here: {_sru_kernel.KERNEL.error}")
 
 
 def _randomize(module: torch.nn.Module, seed: int = 0) -> None:
@@ -166,12 +166,12 @@ def test_float32_fast_path_matches_reference() -> None:
 @pytest.mark.parametrize("threads", [2, 3, 4])
 def test_multithreaded_kernel_matches_reference(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     _native_or_skip()
-    assert _sru_kernel._threads(1000) == 1  # small problems stay on one thread
-    monkeypatch.setattr(_sru_kernel, "_ELEMENTS_PER_THREAD", 1)  # split even this tiny one
+    assert _native.kernel_threads(1000) == 1  # small problems stay on one thread
+    monkeypatch.setattr(_native, "_ELEMENTS_PER_THREAD", 1)  # split even this tiny one
     inputs = _recurrence_inputs(3, 2, L=6, B=5, H=7)  # 10 rows: uneven chunks for 3 and 4 threads
     leaves = [t for t in inputs if t is not None]
     torch.set_num_threads(threads)
-    assert _sru_kernel._threads(10**7) == threads
+    assert _native.kernel_threads(10**7) == threads
     h, c = sru_recurrence(*inputs, alpha=0.9, backend="native")
     grads = torch.autograd.grad(h.square().sum() + c.sum(), leaves)
     torch.set_num_threads(1)
@@ -371,16 +371,16 @@ def test_language_model_learns() -> None:
 
 def test_nothing_compiles_at_import(tmp_path: Path) -> None:
     env = {**os.environ, "GATEDFORMER_CACHE": str(tmp_path), "PYTHONPATH": str(REPO / "src")}
-    code = "import gatedformer.backbones._sru_kernel as k, gatedformer.backbones.sru; assert k._lib is None"
+    code = "import gatedformer.backbones._sru_kernel as k, gatedformer.backbones.sru; assert k.KERNEL._lib is None"
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
     assert not (tmp_path / "kernels").exists()
 
 
 def test_missing_compiler_falls_back_to_torch_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CXX", "no-such-compiler-gatedformer")
-    monkeypatch.setattr(_sru_kernel, "_lib", None)
-    monkeypatch.setattr(_sru_kernel, "_load_error", None)
-    monkeypatch.setattr(_sru_kernel, "_warned", False)
+    monkeypatch.setattr(_sru_kernel.KERNEL, "_lib", None)
+    monkeypatch.setattr(_sru_kernel.KERNEL, "error", None)
+    monkeypatch.setattr(_sru_kernel.KERNEL, "_warned", False)
     monkeypatch.delenv("GATEDFORMER_SRU_BACKEND", raising=False)
     layer = SRULayer(4, 4)
     x = torch.randn(3, 2, 4)

@@ -17,11 +17,8 @@ time loop must not run in Python.
 
 :func:`sru_recurrence` runs it as a :class:`torch.autograd.Function` with a hand-written backward
 (back-propagation through time over the element-wise recurrence). Its loops run in a small C++
-library whose source is below, compiled with the system C++ compiler (``$CXX``, else ``c++``) the first
-time it is needed, never at import, into ``$GATEDFORMER_CACHE/kernels`` (else
-``~/.cache/gatedformer/kernels``), and loaded with :mod:`ctypes`. It includes no Torch header, so it
-builds in about a second and does not depend on the Torch version; on CPUs with AVX2 and FMA a second
-build for those instructions is used. The batch rows are split between ``torch.get_num_threads()``
+library whose source is below, built on first use and never at import (see
+:mod:`gatedformer.backbones._native`). The batch rows are split between ``torch.get_num_threads()``
 threads. If no compiler is found or the build fails, a warning is given once and the same forward and
 backward run as vectorised PyTorch loops over time (slower, same results). The environment variable
 ``GATEDFORMER_SRU_BACKEND`` picks ``native``, ``torch`` or ``auto`` (the default).
@@ -36,19 +33,11 @@ the oracle the tests check the fast path against.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
-import threading
-import warnings
-from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from gatedformer.backbones._native import NativeKernel, kernel_threads
 
 __all__ = ["kernel_backend", "sru_recurrence", "sru_recurrence_reference"]
 
@@ -60,8 +49,6 @@ _CPP_SOURCE = r"""
 // threads; the inner loop over j is vectorised (with -ffast-math, exp() comes from glibc's libmvec).
 #include <cmath>
 #include <cstdint>
-#include <thread>
-#include <vector>
 
 namespace {
 
@@ -70,24 +57,6 @@ inline T sigmoid(T x) {
     const T e = std::exp(-std::fabs(x));  // never overflows
     const T inv = T(1) / (T(1) + e);
     return x >= T(0) ? inv : e * inv;
-}
-
-template <typename Fn>
-void parallel_rows(int64_t rows, int64_t threads, Fn fn) {
-    if (threads > rows) threads = rows;
-    if (threads <= 1) {
-        fn(int64_t(0), rows);
-        return;
-    }
-    std::vector<std::thread> pool;
-    pool.reserve(threads - 1);
-    const int64_t chunk = (rows + threads - 1) / threads;
-    for (int64_t k = 1; k < threads; ++k) {
-        const int64_t lo = k * chunk, hi = lo + chunk < rows ? lo + chunk : rows;
-        if (lo < hi) pool.emplace_back(fn, lo, hi);
-    }
-    fn(int64_t(0), chunk < rows ? chunk : rows);
-    for (auto& th : pool) th.join();
 }
 
 template <typename T>
@@ -220,74 +189,23 @@ void backward_rows(const Args<T>& a, const Grads<T>& g, int64_t row0, int64_t ro
 #define SRU_DEFINE(T, SUFFIX)                                                                      \
     void sru_forward_##SUFFIX(SRU_ARGS(T), T* h, T* c_all) {                                       \
         const Args<T> a = SRU_MAKE_ARGS(T);                                                        \
-        parallel_rows(B * D, threads, [&](int64_t lo, int64_t hi) { forward_rows(a, h, c_all, lo, hi); }); \
+        gatedformer::parallel_chunks(B * D, threads, 1,                                              \
+                                     [&](int64_t lo, int64_t hi) { forward_rows(a, h, c_all, lo, hi); }); \
     }                                                                                              \
     void sru_backward_##SUFFIX(SRU_ARGS(T), SRU_GRAD_ARGS(T)) {                                    \
         const Args<T> a = SRU_MAKE_ARGS(T);                                                        \
         const Grads<T> g = SRU_MAKE_GRADS(T);                                                      \
-        parallel_rows(B * D, threads, [&](int64_t lo, int64_t hi) { backward_rows(a, g, lo, hi); }); \
+        gatedformer::parallel_chunks(B * D, threads, 1,                                              \
+                                     [&](int64_t lo, int64_t hi) { backward_rows(a, g, lo, hi); }); \
     }
 
 extern "C" {
-int sru_abi_version() { return 2; }
-int sru_cpu_has_avx2_fma() {
-#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-    return 0;
-#endif
-}
 SRU_DEFINE(float, f32)
 SRU_DEFINE(double, f64)
 }
 """
 
-# Compile flag sets, tried in order. The first vectorises exp() through glibc's libmvec. It is compiled
-# and linked in two steps on purpose: linking a shared object with -ffast-math makes GCC < 13 add
-# crtfastmath.o, which turns on flush-to-zero for the whole process as soon as the library is loaded.
-# (-ffast-math is safe for this code: its sigmoid never overflows, and NaNs still propagate.)
-_BUILDS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
-    (("-O3", "-ffast-math", "-pthread"), ("-pthread", "-lmvec", "-lm")),
-    (("-O3", "-pthread"), ("-pthread",)),
-)
-# Built in addition, and preferred, when the baseline library reports a CPU with AVX2 and FMA: 8-wide
-# exp() and about twice the speed. Compiled for those instructions only, so it is never loaded elsewhere.
-_AVX2_BUILD: tuple[tuple[str, ...], tuple[str, ...]] = (
-    ("-O3", "-ffast-math", "-pthread", "-mavx2", "-mfma"),
-    ("-pthread", "-lmvec", "-lm"),
-)
-_ABI_VERSION = 2
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_load_error: str | None = None
-_warned = False
-
-
-def _cache_dir() -> Path:
-    """``$GATEDFORMER_CACHE/kernels``, else ``~/.cache/gatedformer/kernels`` (as the data caches)."""
-    env = os.environ.get("GATEDFORMER_CACHE")
-    return (Path(env).expanduser() if env else Path.home() / ".cache" / "gatedformer") / "kernels"
-
-
-def _compile(cxx: list[str], out: Path, cflags: tuple[str, ...], ldflags: tuple[str, ...]) -> None:
-    """Build the library at ``out`` atomically, so that concurrent processes never load half a file."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".build-") as tmp:
-        src, obj, lib = Path(tmp) / "sru_kernel.cpp", Path(tmp) / "sru_kernel.o", Path(tmp) / out.name
-        src.write_text(_CPP_SOURCE)
-        for cmd in (
-            [*cxx, *cflags, "-std=c++14", "-fPIC", "-c", str(src), "-o", str(obj)],
-            [*cxx, "-shared", str(obj), "-o", str(lib), *ldflags],
-        ):
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(lib, out)
-
-
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+def _bind(lib: ctypes.CDLL) -> None:
     p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
     fwd = [p, p, p, i, i, i, p, i, i, i, p, p, p, p, p, f, i, i, i, i, i]
     for suffix in ("f32", "f64"):
@@ -295,72 +213,18 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, f"sru_forward_{suffix}").restype = None
         getattr(lib, f"sru_backward_{suffix}").argtypes = [*fwd, p, p, p, p, p, p, p, i, i, i, p, p, p, p, p]
         getattr(lib, f"sru_backward_{suffix}").restype = None
-    lib.sru_abi_version.restype = ctypes.c_int
-    lib.sru_cpu_has_avx2_fma.restype = ctypes.c_int
-    if lib.sru_abi_version() != _ABI_VERSION:
-        raise RuntimeError("stale SRU kernel library in the cache")
-    return lib
 
 
-def _build_one(cxx: list[str], cflags: tuple[str, ...], ldflags: tuple[str, ...]) -> ctypes.CDLL:
-    key = "\n".join([_CPP_SOURCE, *cxx, *cflags, *ldflags, platform.machine(), platform.system()])
-    out = _cache_dir() / f"sru_kernel_{hashlib.sha256(key.encode()).hexdigest()[:20]}.so"
-    if out.exists():
-        try:
-            return _bind(ctypes.CDLL(str(out)))
-        except (OSError, RuntimeError):
-            out.unlink(missing_ok=True)  # damaged or stale: build it again
-    _compile(cxx, out, cflags, ldflags)
-    return _bind(ctypes.CDLL(str(out)))
-
-
-def _build_and_load() -> ctypes.CDLL:
-    cxx = shlex.split(os.environ.get("CXX") or "c++")
-    if not cxx or shutil.which(cxx[0]) is None:
-        raise RuntimeError(f"no C++ compiler found (looked for {' '.join(cxx) or 'c++'!r}; set $CXX)")
-    errors = []
-    for cflags, ldflags in _BUILDS:
-        try:
-            lib = _build_one(cxx, cflags, ldflags)
-        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-            errors.append(str(err))
-            continue
-        if lib.sru_cpu_has_avx2_fma():
-            try:
-                return _build_one(cxx, *_AVX2_BUILD)
-            except (OSError, RuntimeError, subprocess.SubprocessError):
-                pass
-        return lib
-    raise RuntimeError("; ".join(errors))
+# -ffast-math is safe for this code: its sigmoid never overflows, and NaNs still propagate.
+KERNEL = NativeKernel(
+    "sru", _CPP_SOURCE, _bind, abi_version=3, env_var="GATEDFORMER_SRU_BACKEND",
+    description="the compiled SRU recurrence", fallback="PyTorch loops over time, which are several times slower",
+    fast_math=True,
+)
 
 
 def _native_library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use; ``None`` (after one warning) if it cannot be built."""
-    global _lib, _load_error, _warned
-    if _lib is not None or _load_error is not None:
-        return _lib
-    with _lock:
-        if _lib is None and _load_error is None:
-            try:
-                _lib = _build_and_load()
-            except RuntimeError as err:
-                _load_error = str(err)
-    if _lib is None and not _warned and _requested_backend() == "auto":
-        _warned = True
-        warnings.warn(
-            f"gatedformer: the compiled SRU recurrence is unavailable ({_load_error}); falling back to "
-            "PyTorch loops over time, which are several times slower",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return _lib
-
-
-def _requested_backend() -> str:
-    backend = os.environ.get("GATEDFORMER_SRU_BACKEND", "auto").strip().lower() or "auto"
-    if backend not in ("auto", "native", "torch"):
-        raise ValueError(f"GATEDFORMER_SRU_BACKEND must be auto, native or torch, got {backend!r}")
-    return backend
+    return KERNEL.library()
 
 
 def kernel_backend(device: torch.device | str = "cpu") -> str:
@@ -368,24 +232,7 @@ def kernel_backend(device: torch.device | str = "cpu") -> str:
 
     Building the native kernel, if that has not happened yet, happens here.
     """
-    return _pick_backend(torch.device(device), None)
-
-
-def _pick_backend(device: torch.device, backend: str | None) -> str:
-    backend = backend or _requested_backend()
-    if backend not in ("auto", "native", "torch"):
-        raise ValueError(f"backend must be auto, native or torch, got {backend!r}")
-    if backend == "torch":
-        return "torch"
-    if device.type != "cpu":
-        if backend == "native":
-            raise RuntimeError(f"the native SRU kernel runs on the CPU only, not on {device}")
-        return "torch"
-    if _native_library() is None:
-        if backend == "native":
-            raise RuntimeError(f"the native SRU kernel is unavailable: {_load_error}")
-        return "torch"
-    return "native"
+    return KERNEL.pick_backend(torch.device(device))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -395,14 +242,6 @@ def _pick_backend(device: torch.device, backend: str | None) -> str:
 
 def _streams(U: Tensor, skip: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return U[:, :, :, 0], U[:, :, :, 1], U[:, :, :, 2], (U[:, :, :, 3] if skip is None else skip)
-
-
-_ELEMENTS_PER_THREAD = 1 << 15
-
-
-def _threads(numel: int) -> int:
-    """Threads for the kernel: Torch's intra-op count, but none with less than ~32k elements of work."""
-    return max(1, min(torch.get_num_threads(), numel // _ELEMENTS_PER_THREAD))
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -429,7 +268,7 @@ def _native_forward(
     fn(
         u.data_ptr(), f.data_ptr(), r.data_ptr(), *u.stride()[:3], xs.data_ptr(), *xs.stride()[:3],
         v_f.data_ptr(), v_r.data_ptr(), b_f.data_ptr(), b_r.data_ptr(), c0.data_ptr(), float(alpha),
-        L, B, D, H, _threads(h.numel()), h.data_ptr(), c_all.data_ptr(),
+        L, B, D, H, kernel_threads(h.numel()), h.data_ptr(), c_all.data_ptr(),
     )  # fmt: skip
     return h, c_all
 
@@ -452,7 +291,7 @@ def _native_backward(
     fn(
         u.data_ptr(), f.data_ptr(), r.data_ptr(), *u.stride()[:3], xs.data_ptr(), *xs.stride()[:3],
         v_f.data_ptr(), v_r.data_ptr(), b_f.data_ptr(), b_r.data_ptr(), c0.data_ptr(), float(alpha),
-        L, B, D, H, _threads(c_all.numel()), c_all.data_ptr(), grad_h.data_ptr(), _ptr(grad_c_last),
+        L, B, D, H, kernel_threads(c_all.numel()), c_all.data_ptr(), grad_h.data_ptr(), _ptr(grad_c_last),
         gu.data_ptr(), gf.data_ptr(), gr.data_ptr(), gxs.data_ptr(), *gxs.stride()[:3],
         partial[0].data_ptr(), partial[1].data_ptr(), partial[2].data_ptr(), partial[3].data_ptr(),
         grad_c0.data_ptr(),
@@ -615,7 +454,7 @@ def sru_recurrence(
     both in the dtype of ``U``. Differentiable in every tensor argument.
     """
     c0 = _check_shapes(U, skip, v_f, v_r, b_f, b_r, c0)
-    chosen = _pick_backend(U.device, backend)
+    chosen = KERNEL.pick_backend(U.device, backend)
     return _SRURecurrence.apply(U, skip, v_f, v_r, b_f, b_r, c0, float(alpha), chosen)
 
 
