@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from gatedformer.backbones.dropout import Dropout, dropout, keep_mask, relu_dropout
+from gatedformer.backbones import _dropout_kernel, _native
+from gatedformer.backbones import dropout as dropout_module
+from gatedformer.backbones.dropout import Dropout, dropout, dropout_add, keep_mask, relu_dropout
 
 
 def test_masks_follow_torch_seed_and_keep_probability() -> None:
@@ -55,3 +58,134 @@ def test_relu_dropout_is_dropout_of_relu() -> None:
     assert torch.equal(x.grad != 0, kept)
     assert (kept.sum() / (x > 0).sum()).item() == pytest.approx(0.8, abs=0.03)
     assert torch.equal(relu_dropout(x, 0.2, training=False), x.relu())
+
+
+# ------------------------------------------------------------------------------------------------
+# The Philox masks: the generator itself, the compiled kernel against the NumPy reference, the autograd.
+
+
+_KEEP_90 = round(0.9 * 2 ** 32)
+
+
+def _native_or_skip() -> None:
+    if _dropout_kernel.KERNEL.pick_backend(torch.device("cpu")) != "native":
+        pytest.skip(f"the compiled dropout kernel is unavailable here: {_dropout_kernel.KERNEL.error}")
+
+
+@pytest.mark.parametrize(("counter", "key", "expected"), [
+    # Known-answer vectors of the Random123 distribution (Salmon et al. 2011) for Philox4x32-10.
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+])
+def test_philox_reference_matches_known_answers(counter: tuple[int, ...], key: tuple[int, int],
+                                                expected: tuple[int, ...]) -> None:
+    words = _dropout_kernel.philox4x32_10(tuple(np.array([c], dtype=np.uint32) for c in counter), key)
+    assert [int(w[0]) for w in words] == list(expected)
+
+
+def test_reference_words_are_uniform_and_windowed() -> None:
+    words = _dropout_kernel.philox_words(1 << 16, seed=7)
+    assert words.dtype == np.uint32
+    assert abs(float(words.mean()) / 2 ** 32 - 0.5) < 0.01
+    assert len(np.unique(words)) > 0.99 * words.size
+    # Any window of the stream is the same slice of the whole stream (what a thread's chunk draws).
+    assert np.array_equal(_dropout_kernel.philox_words(100, seed=7, start=1000), words[1000:1100])
+
+
+@pytest.mark.parametrize("tile", [0, 1, 5, (1 << 29) + 3, (1 << 61) - 1])
+def test_native_words_match_reference(tile: int) -> None:
+    _native_or_skip()
+    seed = 0x0123456789ABCDEF
+    words = np.zeros(32, dtype=np.uint32)
+    _dropout_kernel.KERNEL.library().dropout_tile_words(tile, seed, words.ctypes.data)
+    assert np.array_equal(words, _dropout_kernel.philox_words(32, seed, start=tile * 32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_kernels_match_reference_bit_for_bit(dtype: torch.dtype, threads: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    _native_or_skip()
+    torch.manual_seed(0)
+    x = torch.randn(1000 * 3 + 17, dtype=dtype)  # not a whole number of 32-element tiles
+    base = torch.randn_like(x)
+    x[5], x[6], x[7] = float("nan"), float("inf"), -float("inf")
+    seed, scale = 987654321, 2 ** 32 / _KEEP_90
+
+    def run() -> list[Tensor]:
+        return [_dropout_kernel.apply_dropout(x, seed, _KEEP_90, scale),
+                _dropout_kernel.apply_relu_dropout(x, seed, _KEEP_90, scale),
+                _dropout_kernel.apply_dropout_add(base, x, seed, _KEEP_90, scale),
+                _dropout_kernel.scale_where_positive(x, base, scale)]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    monkeypatch.setattr(_dropout_kernel, "_ELEMENTS_PER_THREAD", 1)  # split even this small tensor
+    try:
+        native = run()
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setenv("GATEDFORMER_DROPOUT_BACKEND", "torch")
+    reference = run()
+    for ours, theirs in zip(native, reference, strict=True):
+        assert torch.equal(ours.isnan(), theirs.isnan())
+        assert torch.equal(ours.nan_to_num(), theirs.nan_to_num())
+    assert native[0][5].isnan() and native[0][6].isinf() | native[0][6].isnan()  # as a mask product would
+
+
+def test_the_backward_pass_redraws_the_mask_and_saves_nothing() -> None:
+    x = torch.randn(64, 33, requires_grad=True)
+    saved: list[Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = dropout(x, 0.25)
+    assert saved == []
+    y.backward(torch.ones_like(y))
+    assert torch.equal(x.grad, torch.where(y != 0, torch.tensor(1 / 0.75), torch.tensor(0.0)))
+
+
+def test_dropout_add_is_residual_plus_dropout() -> None:
+    base, x = torch.randn(50, 40, requires_grad=True), torch.randn(50, 40, requires_grad=True)
+    torch.manual_seed(5)
+    fused = dropout_add(base, x, 0.3)
+    torch.manual_seed(5)
+    separate = base + dropout(x, 0.3)
+    assert torch.equal(fused, separate)
+    grad = torch.randn_like(fused)
+    fused_grads = torch.autograd.grad(fused, (base, x), grad)
+    separate_grads = torch.autograd.grad(separate, (base, x), grad)
+    for a, b in zip(fused_grads, separate_grads, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(dropout_add(base, x, 0.3, training=False), base + x)
+
+
+def test_gradients_pass_gradcheck() -> None:
+    x = torch.randn(7, 9, dtype=torch.float64, requires_grad=True)
+    base = torch.randn_like(x, requires_grad=True)
+    seed = 42
+    assert torch.autograd.gradcheck(lambda t: dropout_module._MaskedDropout.apply(t, seed, _KEEP_90), (x,))
+    assert torch.autograd.gradcheck(lambda b, t: dropout_module._MaskedDropoutAdd.apply(b, t, seed, _KEEP_90),
+                                    (base, x))
+    shifted = (x.detach() + 0.05 * x.detach().sign()).requires_grad_()  # no input at the ReLU's kink
+    assert torch.autograd.gradcheck(lambda t: dropout_module._MaskedReluDropout.apply(t, seed, _KEEP_90),
+                                    (shifted,))
+
+
+def test_masks_do_not_depend_on_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(300, 7)
+    torch.manual_seed(11)
+    auto = dropout(x, 0.4)
+    monkeypatch.setenv("GATEDFORMER_DROPOUT_BACKEND", "torch")
+    torch.manual_seed(11)
+    assert torch.equal(dropout(x, 0.4), auto)
+    monkeypatch.setenv("GATEDFORMER_DROPOUT_BACKEND", "fast")
+    with pytest.raises(ValueError, match="GATEDFORMER_DROPOUT_BACKEND"):
+        dropout(x, 0.4)
+
+
+def test_kernel_threads_follow_torch_and_the_work_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert _native.kernel_threads(1000) == 1
+    assert _native.kernel_threads(10 ** 8) == 4
+    assert _native.kernel_threads(10 ** 8, elements_per_thread=10 ** 8) == 1

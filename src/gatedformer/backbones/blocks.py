@@ -69,7 +69,9 @@ class Sublayer(nn.Module):
             s = self.sdu(h, add_to=s)  # s + SDU(h), the add fused into the SDU's product
         if self.gated_mix is not None:
             s = self.gated_mix(h, s)
-        s = self.dropout(s)
         stream = self.highway(x) if self.highway is not None else x
-        y = self.residual_gate(stream, s) if self.residual_gate is not None else stream + s
+        if self.residual_gate is not None:
+            y = self.residual_gate(stream, self.dropout(s))
+        else:
+            y = self.dropout.add_to(stream, s)  # stream + dropout(s) in one pass
         return y if self.pre_norm else self.norm(y)

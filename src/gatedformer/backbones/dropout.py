@@ -1,16 +1,17 @@
 """Dropout whose random mask is cheap on the CPU.
 
 On the CPU, ``torch.nn.functional.dropout`` draws its mask with ``bernoulli_``, one Mersenne-Twister draw
-per element: in a small Transformer LM on a few CPU cores that draw alone takes about a fifth of a
-training step. :class:`Dropout` draws the same Bernoulli(1 - p) mask from numpy's PCG64 generator, whose
-raw 64-bit output gives two 32-bit uniform integers per draw (about ten times faster), and scales the kept
-elements by ``1 / (1 - p)`` as usual.
+per element, then multiplies and keeps the mask for the backward pass: in a small Transformer LM on a
+few CPU cores that is about a fifth of a training step. :class:`Dropout` draws the same Bernoulli(1 - p)
+mask from Philox4x32-10, a counter-based generator, and applies it in the same pass
+(:mod:`gatedformer.backbones._dropout_kernel`). Because the mask is a function of a seed and each
+element's index, the backward pass draws it again instead of storing it.
 
-Reproducibility is that of torch: each call seeds the PCG64 generator with one 63-bit integer drawn from
-torch's default CPU generator, so ``torch.manual_seed`` fixes the masks and a checkpoint that stores
-torch's RNG state resumes them bit for bit. The keep probability is rounded to a multiple of
-``2**-32`` (finer than the ``2**-24`` steps of a float32 uniform) and kept elements are scaled by the
-inverse of the rounded value, so the expectation is preserved.
+Reproducibility is that of torch: each call takes its 64-bit seed from torch's default CPU generator,
+so ``torch.manual_seed`` fixes the masks and a checkpoint that stores torch's RNG state resumes them bit
+for bit. The keep probability is rounded to a multiple of ``2**-32`` (finer than the ``2**-24`` steps of
+a float32 uniform) and kept elements are scaled by the inverse of the rounded value, so the expectation
+is preserved.
 
 Anything else takes ``torch.nn.functional.dropout`` unchanged: tensors not on the CPU (CUDA has a fused
 dropout kernel), code being traced by ``torch.compile`` (Inductor generates its own random numbers),
@@ -19,60 +20,90 @@ dropout kernel), code being traced by ``torch.compile`` (Inductor generates its 
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-__all__ = ["Dropout", "dropout", "keep_mask", "relu_dropout"]
+from gatedformer.backbones._dropout_kernel import (
+    apply_dropout,
+    apply_dropout_add,
+    apply_relu_dropout,
+    scale_where_positive,
+)
+
+__all__ = ["Dropout", "dropout", "dropout_add", "keep_mask", "relu_dropout"]
 
 _INT32_VALUES = 2 ** 32
+
+
+def _draw_seed() -> int:
+    return int(torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64))
+
+
+def _keep_below(p: float) -> int:
+    """The number of the ``2**32`` uniform words that keep an element: ``1 - p`` rounded to ``2**-32``."""
+    return round((1.0 - p) * _INT32_VALUES)
+
+
+class _MaskedDropout(torch.autograd.Function):
+    """``x`` times the mask of a seed; the backward pass applies the same mask to the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, seed: int, keep_below: int) -> Tensor:  # type: ignore[override]
+        ctx.mask = (seed, keep_below, _INT32_VALUES / keep_below)
+        return apply_dropout(x.contiguous(), *ctx.mask)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        return apply_dropout(grad.contiguous(), *ctx.mask), None, None
+
+
+class _MaskedDropoutAdd(torch.autograd.Function):
+    """``base + x`` times the mask of a seed, in one pass (a residual connection around a dropped-out branch)."""
+
+    @staticmethod
+    def forward(ctx, base: Tensor, x: Tensor, seed: int, keep_below: int) -> Tensor:  # type: ignore[override]
+        ctx.mask = (seed, keep_below, _INT32_VALUES / keep_below)
+        return apply_dropout_add(base.contiguous(), x.contiguous(), *ctx.mask)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:  # type: ignore[override]
+        return grad, apply_dropout(grad.contiguous(), *ctx.mask), None, None
+
+
+class _MaskedReluDropout(torch.autograd.Function):
+    """``relu(x)`` times the mask of a seed in one pass; the gradient flows where the output is positive."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, seed: int, keep_below: int) -> Tensor:  # type: ignore[override]
+        ctx.scale = _INT32_VALUES / keep_below
+        out = apply_relu_dropout(x.contiguous(), seed, keep_below, ctx.scale)
+        ctx.save_for_backward(out)  # the next layer keeps it anyway: no memory of its own
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        (out,) = ctx.saved_tensors
+        return scale_where_positive(out, grad, ctx.scale), None, None
 
 
 def keep_mask(shape: torch.Size | tuple[int, ...], p: float, dtype: torch.dtype = torch.float32) -> Tensor:
     """A CPU tensor of ``shape`` holding ``1 / keep`` with probability ``keep ≈ 1 - p`` and 0 otherwise.
 
-    ``keep`` is ``1 - p`` rounded to a multiple of ``2**-32``; the nonzero value is its inverse.
+    ``keep`` is ``1 - p`` rounded to a multiple of ``2**-32``; the nonzero value is its inverse. The mask
+    is the one :func:`dropout` would apply to a tensor of ``shape`` with the generator in the same state.
     """
-    kept_values = round((1.0 - p) * _INT32_VALUES)
-    if kept_values <= 0:
+    keep_below = _keep_below(p)
+    if keep_below <= 0:
         return torch.zeros(shape, dtype=dtype)
-    if kept_values >= _INT32_VALUES:
+    if keep_below >= _INT32_VALUES:
         return torch.ones(shape, dtype=dtype)
-    return _scaled(_keep(shape, kept_values), kept_values, dtype)
-
-
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
-
-
-def _keep(shape: torch.Size | tuple[int, ...], kept_values: int) -> np.ndarray:
-    """Boolean numpy mask of ``shape``: each element True with probability ``kept_values / 2**32``."""
-    count = math.prod(shape)
-    seed = int(torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64))
-    raw = np.random.PCG64(seed).random_raw((count + 1) // 2)  # two uniform int32 per 64-bit draw
-    uniform = raw.view(np.int32)[:count].reshape(shape)
-    # ``uniform`` is uniform over the 2**32 int32 values; exactly ``kept_values`` of them lie below the bound.
-    return np.less(uniform, kept_values - _INT32_VALUES // 2)
-
-
-def _scaled(keep: np.ndarray, kept_values: int, dtype: torch.dtype) -> Tensor:
-    """``keep`` as a ``dtype`` tensor of 0 and ``2**32 / kept_values``."""
-    scale = _INT32_VALUES / kept_values
-    if dtype in _NUMPY_DTYPES:
-        # One numpy pass converts and scales (torch would take a conversion and a multiplication), into memory
-        # torch allocates, so that torch's memory accounting sees the mask.
-        np_dtype = _NUMPY_DTYPES[dtype]
-        out = torch.empty(keep.shape, dtype=dtype)
-        np.multiply(keep, np_dtype(scale), out=out.numpy(), dtype=np_dtype)
-        return out
-    return torch.from_numpy(keep).to(dtype).mul_(scale)
+    return apply_dropout(torch.ones(shape, dtype=dtype), _draw_seed(), keep_below, _INT32_VALUES / keep_below)
 
 
 def _fast_path(x: Tensor, p: float, inplace: bool = False) -> bool:
-    return (x.device.type == "cpu" and not inplace and 0.0 < p < 1.0 and x.is_floating_point()
-            and not torch.compiler.is_compiling())
+    return (x.device.type == "cpu" and not inplace and 0 < _keep_below(p) < _INT32_VALUES
+            and x.is_floating_point() and not torch.compiler.is_compiling())
 
 
 def dropout(x: Tensor, p: float, training: bool = True, inplace: bool = False) -> Tensor:
@@ -81,26 +112,31 @@ def dropout(x: Tensor, p: float, training: bool = True, inplace: bool = False) -
         return x
     if not _fast_path(x, p, inplace):
         return F.dropout(x, p, training, inplace)
-    return x * keep_mask(x.shape, p, x.dtype)
+    if x.dtype not in (torch.float32, torch.float64):  # half precision: computed in float32
+        return _MaskedDropout.apply(x.float(), _draw_seed(), _keep_below(p)).to(x.dtype)
+    return _MaskedDropout.apply(x, _draw_seed(), _keep_below(p))
+
+
+def dropout_add(base: Tensor, x: Tensor, p: float, training: bool = True) -> Tensor:
+    """``base + dropout(x, p)``, in one pass on the CPU fast path (``base`` and ``x`` of one shape and dtype)."""
+    if not training or p == 0.0:
+        return base + x
+    if (not _fast_path(x, p) or base.shape != x.shape or base.dtype != x.dtype
+            or x.dtype not in (torch.float32, torch.float64)):
+        return base + dropout(x, p, training)
+    return _MaskedDropoutAdd.apply(base, x, _draw_seed(), _keep_below(p))
 
 
 def relu_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
-    """``dropout(relu(x))`` in fewer passes on the CPU fast path: one mask that also zeroes ``x <= 0``, so the
-    ReLU needs no pass of its own forward or backward (the gradient is the same mask times the incoming one)."""
+    """``dropout(relu(x))`` in one pass on the CPU fast path: one mask that also zeroes ``x <= 0``, so the
+    ReLU needs no pass of its own forward or backward."""
     if not training or p == 0.0:
         return x.relu()
     if not _fast_path(x, p):
         return F.dropout(x.relu(), p, training)
-    kept_values = round((1.0 - p) * _INT32_VALUES)
-    if not 0 < kept_values < _INT32_VALUES:
-        return x.relu() * keep_mask(x.shape, p, x.dtype)
-    keep = _keep(x.shape, kept_values)
-    values = x.detach()
-    if x.dtype in _NUMPY_DTYPES and values.is_contiguous():
-        np.logical_and(keep, values.numpy() > 0, out=keep)
-    else:
-        keep = (torch.from_numpy(keep) & (values > 0)).numpy()
-    return x * _scaled(keep, kept_values, x.dtype)
+    if x.dtype not in (torch.float32, torch.float64):
+        return _MaskedReluDropout.apply(x.float(), _draw_seed(), _keep_below(p)).to(x.dtype)
+    return _MaskedReluDropout.apply(x, _draw_seed(), _keep_below(p))
 
 
 class Dropout(nn.Dropout):
@@ -108,6 +144,10 @@ class Dropout(nn.Dropout):
 
     def forward(self, x: Tensor) -> Tensor:
         return dropout(x, self.p, self.training, self.inplace)
+
+    def add_to(self, base: Tensor, x: Tensor) -> Tensor:
+        """``base + self(x)``, fused as in :func:`dropout_add`."""
+        return dropout_add(base, x, self.p, self.training)
 
     def after_relu(self, x: Tensor) -> Tensor:
         """``self(relu(x))``, fused as in :func:`relu_dropout`."""

@@ -1,0 +1,271 @@
+"""Dropout masks from a counter-based generator, drawn and applied in one pass by a small C++ kernel.
+
+Every mask element is a 32-bit uniform word of Philox4x32-10 (Salmon, Moraes, Dror and Shaw, "Parallel
+random numbers: as easy as 1, 2, 3", SC 2011; the generator behind cuRAND and PyTorch's CUDA dropout)
+under a 64-bit key, the *seed*: element ``i`` lies in tile ``t = i // 32`` at ``j = i % 32`` and reads
+word ``j // 8`` of the block whose counter is ``(8t + j % 8, 0, 0)`` (the 64-bit block number in the first
+two words). An element is kept when its word is below ``keep_below`` (``2**32`` times the keep
+probability), so a mask is a pure function of the seed and the element's index:
+
+* the backward pass regenerates the mask instead of storing it (plain dropout saves nothing);
+* the threads of a call may split the elements any way they like and still draw the same mask;
+* the vectorised kernel (AVX2: eight blocks at once) and :func:`philox_words`, the NumPy reference used
+  where no compiler is available, give identical masks.
+
+``GATEDFORMER_DROPOUT_BACKEND`` picks ``native``, ``torch`` or ``auto`` (the default); ``torch`` uses the
+NumPy reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from gatedformer.backbones._native import NativeKernel, kernel_threads
+
+__all__ = ["KERNEL", "apply_dropout", "apply_dropout_add", "apply_relu_dropout", "philox4x32_10", "philox_words",
+           "scale_where_positive"]
+
+_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
+_KEY_STEPS = (0x9E3779B9, 0xBB67AE85)
+_LANES = 8
+_TILE = 4 * _LANES
+
+_CPP_SOURCE = r"""
+// Dropout with Philox4x32-10 masks; see gatedformer/backbones/_dropout_kernel.py for the layout.
+// Generated and compiled by gatedformer.
+#include <cstdint>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kStep0 = 0x9E3779B9u, kStep1 = 0xBB67AE85u;
+constexpr int64_t kLanes = 8, kTile = 4 * kLanes;
+
+// The 32 words of tile `tile`: words[e * 8 + l] is word e of Philox4x32-10 at counter (8 tile + l, 0, 0).
+#if defined(__AVX2__)
+inline void mulhilo(__m256i a, __m256i m, __m256i& hi, __m256i& lo) {
+    const __m256i even = _mm256_mul_epu32(a, m);                        // 64-bit products of lanes 0, 2, 4, 6
+    const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);  // and of lanes 1, 3, 5, 7
+    lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+    hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
+inline void tile_words(uint64_t tile, uint32_t k0, uint32_t k1, uint32_t* words) {
+    const uint64_t first = tile * kLanes;  // a multiple of 8: the tile's blocks share their high word
+    __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)first), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i c1 = _mm256_set1_epi32((int)(uint32_t)(first >> 32));
+    __m256i c2 = _mm256_setzero_si256(), c3 = _mm256_setzero_si256();
+    const __m256i m0 = _mm256_set1_epi32((int)kM0), m1 = _mm256_set1_epi32((int)kM1);
+    for (int round = 0; round < 10; ++round) {
+        __m256i hi0, lo0, hi1, lo1;
+        mulhilo(c0, m0, hi0, lo0);
+        mulhilo(c2, m1, hi1, lo1);
+        const __m256i n0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32((int)k0));
+        const __m256i n2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32((int)k1));
+        c1 = lo1; c3 = lo0; c0 = n0; c2 = n2;
+        k0 += kStep0; k1 += kStep1;
+    }
+    _mm256_storeu_si256((__m256i*)(words + 0), c0);
+    _mm256_storeu_si256((__m256i*)(words + 8), c1);
+    _mm256_storeu_si256((__m256i*)(words + 16), c2);
+    _mm256_storeu_si256((__m256i*)(words + 24), c3);
+}
+#else
+inline void tile_words(uint64_t tile, uint32_t k0, uint32_t k1, uint32_t* words) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+        const uint64_t block = tile * kLanes + l;
+        uint32_t c0 = (uint32_t)block, c1 = (uint32_t)(block >> 32), c2 = 0, c3 = 0, a = k0, b = k1;
+        for (int round = 0; round < 10; ++round) {
+            const uint64_t p0 = (uint64_t)kM0 * c0, p1 = (uint64_t)kM1 * c2;
+            const uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ a, n2 = (uint32_t)(p0 >> 32) ^ c3 ^ b;
+            c1 = (uint32_t)p1; c3 = (uint32_t)p0; c0 = n0; c2 = n2;
+            a += kStep0; b += kStep1;
+        }
+        words[l] = c0; words[8 + l] = c1; words[16 + l] = c2; words[24 + l] = c3;
+    }
+}
+#endif
+
+// y[i] = base[i] + x[i] * factor(i), with factor = scale where the mask keeps i (and x[i] > 0 for the
+// relu form) and 0 elsewhere; without `base` there is no addition. A product rather than a select, so that
+// NaN and inf inputs propagate as they would through a mask product.
+template <typename T, bool ReluToo>
+void masked_scale(const T* base, const T* x, T* y, int64_t n, uint64_t seed, uint32_t keep_below, T scale,
+                  int64_t threads) {
+    const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    gatedformer::parallel_chunks(n, threads, kTile, [=](int64_t lo, int64_t hi) {
+        alignas(32) uint32_t words[kTile];
+        for (int64_t start = lo; start < hi; start += kTile) {
+            tile_words((uint64_t)start / kTile, k0, k1, words);
+            const int64_t m = hi - start < kTile ? hi - start : kTile;
+            const T* xs = x + start;
+            T* ys = y + start;
+            if (base != nullptr) {
+                const T* bs = base + start;
+                for (int64_t j = 0; j < m; ++j) ys[j] = bs[j] + xs[j] * (words[j] < keep_below ? scale : T(0));
+            } else {
+                for (int64_t j = 0; j < m; ++j) {
+                    const bool keep = words[j] < keep_below && (!ReluToo || xs[j] > T(0));
+                    ys[j] = xs[j] * (keep ? scale : T(0));
+                }
+            }
+        }
+    });
+}
+
+// g_in[i] = g[i] * scale where y[i] > 0, else 0: the backward pass of relu-then-dropout from its output.
+template <typename T>
+void positive_scale(const T* y, const T* g, T* out, int64_t n, T scale, int64_t threads) {
+    gatedformer::parallel_chunks(n, threads, kTile, [=](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i) out[i] = g[i] * (y[i] > T(0) ? scale : T(0));
+    });
+}
+
+}  // namespace
+
+extern "C" {
+#define DROPOUT_DEFINE(T, SUFFIX)                                                                           \
+    void dropout_##SUFFIX(const T* x, T* y, int64_t n, uint64_t seed, uint32_t keep_below, double scale,    \
+                          int64_t threads) {                                                                \
+        masked_scale<T, false>(nullptr, x, y, n, seed, keep_below, (T)scale, threads);                      \
+    }                                                                                                       \
+    void dropout_add_##SUFFIX(const T* base, const T* x, T* y, int64_t n, uint64_t seed, uint32_t keep_below, \
+                              double scale, int64_t threads) {                                              \
+        masked_scale<T, false>(base, x, y, n, seed, keep_below, (T)scale, threads);                         \
+    }                                                                                                       \
+    void relu_dropout_##SUFFIX(const T* x, T* y, int64_t n, uint64_t seed, uint32_t keep_below, double scale, \
+                               int64_t threads) {                                                           \
+        masked_scale<T, true>(nullptr, x, y, n, seed, keep_below, (T)scale, threads);                       \
+    }                                                                                                       \
+    void positive_scale_##SUFFIX(const T* y, const T* g, T* out, int64_t n, double scale, int64_t threads) { \
+        positive_scale<T>(y, g, out, n, (T)scale, threads);                                                 \
+    }
+DROPOUT_DEFINE(float, f32)
+DROPOUT_DEFINE(double, f64)
+void dropout_tile_words(uint64_t tile, uint64_t seed, uint32_t* words) {
+    tile_words(tile, (uint32_t)seed, (uint32_t)(seed >> 32), words);
+}
+}
+"""
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    p, i, u64, u32, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_double
+    for suffix in ("f32", "f64"):
+        for name in ("dropout", "relu_dropout"):
+            getattr(lib, f"{name}_{suffix}").argtypes = [p, p, i, u64, u32, f, i]
+            getattr(lib, f"{name}_{suffix}").restype = None
+        getattr(lib, f"dropout_add_{suffix}").argtypes = [p, p, p, i, u64, u32, f, i]
+        getattr(lib, f"dropout_add_{suffix}").restype = None
+        getattr(lib, f"positive_scale_{suffix}").argtypes = [p, p, p, i, f, i]
+        getattr(lib, f"positive_scale_{suffix}").restype = None
+    lib.dropout_tile_words.argtypes = [u64, u64, p]
+    lib.dropout_tile_words.restype = None
+
+
+KERNEL = NativeKernel(
+    "dropout", _CPP_SOURCE, _bind, abi_version=2, env_var="GATEDFORMER_DROPOUT_BACKEND",
+    description="the compiled dropout kernel", fallback="NumPy masks (the same masks, several times slower)",
+    # No fused multiply-add, so that ``base + x * scale`` rounds as PyTorch's two operations do.
+    extra_cflags=("-ffp-contract=off",),
+)
+
+_NATIVE_DTYPES = {torch.float32: "f32", torch.float64: "f64"}
+
+# One pass over memory with little arithmetic per element: on the 2-core machine these kernels measured
+# slower on two threads than on one for 64k to 4M elements, so only very large tensors are split.
+_ELEMENTS_PER_THREAD = 1 << 23
+
+
+def _threads(numel: int) -> int:
+    return kernel_threads(numel, _ELEMENTS_PER_THREAD)
+
+
+# ---- the NumPy reference ---------------------------------------------------------------------------
+
+
+def philox4x32_10(counter: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+                  key: tuple[int, int]) -> tuple[np.ndarray, ...]:
+    """Philox4x32-10 of each counter (four arrays of 32-bit words) under ``key`` (two 32-bit words)."""
+    mask = np.uint64(0xFFFFFFFF)
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in counter)
+    k0, k1 = (np.uint64(k) for k in key)
+    m0, m1 = (np.uint64(m) for m in _MULTIPLIERS)
+    s0, s1 = (np.uint64(s) for s in _KEY_STEPS)
+    for _ in range(10):
+        p0, p1 = c0 * m0, c2 * m1  # < 2**64: no wrap-around
+        c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & mask
+        k0, k1 = (k0 + s0) & mask, (k1 + s1) & mask
+    return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
+
+
+def philox_words(count: int, seed: int, start: int = 0) -> np.ndarray:
+    """The uniform 32-bit words of elements ``start .. start + count - 1`` under ``seed``, in element order."""
+    first_tile, end_tile = start // _TILE, -(-(start + count) // _TILE)
+    blocks = np.arange(first_tile * _LANES, end_tile * _LANES, dtype=np.uint64)
+    zeros = np.zeros_like(blocks)
+    words = philox4x32_10((blocks & np.uint64(0xFFFFFFFF), blocks >> np.uint64(32), zeros, zeros),
+                          (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))
+    # (4 words, tiles, 8 lanes) -> tile-major, then word-major within a tile.
+    flat = np.stack(words).reshape(4, end_tile - first_tile, _LANES).transpose(1, 0, 2).reshape(-1)
+    offset = start - first_tile * _TILE
+    return flat[offset:offset + count]
+
+
+# ---- the operations (contiguous CPU tensors) --------------------------------------------------------
+
+
+def _native_ok(x: Tensor) -> bool:
+    return x.dtype in _NATIVE_DTYPES and KERNEL.pick_backend(x.device) == "native"
+
+
+def _reference_keep(x: Tensor, seed: int, keep_below: int) -> Tensor:
+    return torch.from_numpy(philox_words(x.numel(), seed) < np.uint32(keep_below)).view(x.shape)
+
+
+def apply_dropout(x: Tensor, seed: int, keep_below: int, scale: float) -> Tensor:
+    """``x`` times the mask of ``seed`` (``scale`` where kept, 0 elsewhere); ``x`` contiguous on the CPU."""
+    if _native_ok(x):
+        out = torch.empty_like(x)
+        fn = getattr(KERNEL.library(), f"dropout_{_NATIVE_DTYPES[x.dtype]}")
+        fn(x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_below, scale, _threads(x.numel()))
+        return out
+    return x * _reference_keep(x, seed, keep_below).to(x.dtype).mul_(scale)
+
+
+def apply_dropout_add(base: Tensor, x: Tensor, seed: int, keep_below: int, scale: float) -> Tensor:
+    """``base + apply_dropout(x, ...)`` in one pass; both contiguous on the CPU, of one shape and dtype."""
+    if _native_ok(x) and base.dtype == x.dtype:
+        out = torch.empty_like(x)
+        fn = getattr(KERNEL.library(), f"dropout_add_{_NATIVE_DTYPES[x.dtype]}")
+        fn(base.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_below, scale,
+           _threads(x.numel()))
+        return out
+    return base + x * _reference_keep(x, seed, keep_below).to(x.dtype).mul_(scale)
+
+
+def apply_relu_dropout(x: Tensor, seed: int, keep_below: int, scale: float) -> Tensor:
+    """``relu(x)`` times the mask of ``seed``, in one pass; ``x`` contiguous on the CPU."""
+    if _native_ok(x):
+        out = torch.empty_like(x)
+        fn = getattr(KERNEL.library(), f"relu_dropout_{_NATIVE_DTYPES[x.dtype]}")
+        fn(x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_below, scale, _threads(x.numel()))
+        return out
+    return x * (_reference_keep(x, seed, keep_below) & (x > 0)).to(x.dtype).mul_(scale)
+
+
+def scale_where_positive(y: Tensor, grad: Tensor, scale: float) -> Tensor:
+    """``grad * scale`` where ``y > 0``, else 0: the gradient of relu-then-dropout, read from its output."""
+    if _native_ok(y) and grad.dtype == y.dtype:
+        grad = grad.contiguous()
+        out = torch.empty_like(y)
+        fn = getattr(KERNEL.library(), f"positive_scale_{_NATIVE_DTYPES[y.dtype]}")
+        fn(y.data_ptr(), grad.data_ptr(), out.data_ptr(), y.numel(), scale, _threads(y.numel()))
+        return out
+    return grad * (y > 0).to(grad.dtype).mul_(scale)
