@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
+
+from gatedformer.backbones._attention_kernel import causal_attention_packed
 
 
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position t sees positions <= t.
 
-    Q, K and V come out of one fused projection; the attention itself is
-    :func:`torch.nn.functional.scaled_dot_product_attention`, which picks the fastest kernel for
-    the device (flash / memory-efficient on CUDA, a fused C++ kernel on CPU).
+    Q, K and V come out of one fused projection. On the CPU the attention is a compiled kernel that reads
+    them straight from the projection's output (:mod:`gatedformer.backbones._attention_kernel`); elsewhere,
+    and for what that kernel does not cover, it is :func:`torch.nn.functional.scaled_dot_product_attention`,
+    which picks the fastest kernel for the device (flash / memory-efficient on CUDA).
     """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
@@ -25,14 +27,8 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
 
     def forward(self, x: Tensor) -> Tensor:
-        batch, length, d_model = x.shape
-        # (B, L, 3, H, dh) split on dim 2, heads moved by transposed views: the backward pass then writes the
-        # three gradients straight into the (B, L, 3d) layout of the projection, with no permuted copy.
-        q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(batch, length, 3, self.n_heads, -1).unbind(2))
-        attended = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
-        return self.out(attended.transpose(1, 2).reshape(batch, length, d_model))
+        dropout = self.dropout if self.training else 0.0
+        return self.out(causal_attention_packed(self.qkv(x), self.n_heads, dropout))
 
 
 def sinusoidal_positions(length: int, d_model: int, device: torch.device | None = None,
