@@ -122,7 +122,7 @@ def test_native_kernels_match_reference_bit_for_bit(dtype: torch.dtype, threads:
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    monkeypatch.setattr(_dropout_kernel, "_ELEMENTS_PER_THREAD", 1)  # split even this small tensor
+    monkeypatch.setattr(_native, "_ELEMENTS_PER_THREAD", 1)  # split even this small tensor
     try:
         native = run()
     finally:

@@ -178,14 +178,6 @@ KERNEL = NativeKernel(
 
 _NATIVE_DTYPES = {torch.float32: "f32", torch.float64: "f64"}
 
-# One pass over memory with little arithmetic per element: on the 2-core machine these kernels measured
-# slower on two threads than on one for 64k to 4M elements, so only very large tensors are split.
-_ELEMENTS_PER_THREAD = 1 << 23
-
-
-def _threads(numel: int) -> int:
-    return kernel_threads(numel, _ELEMENTS_PER_THREAD)
-
 
 # ---- the NumPy reference ---------------------------------------------------------------------------
 
@@ -234,7 +226,7 @@ def apply_dropout(x: Tensor, seed: int, keep_below: int, scale: float) -> Tensor
     if _native_ok(x):
         out = torch.empty_like(x)
         fn = getattr(KERNEL.library(), f"dropout_{_NATIVE_DTYPES[x.dtype]}")
-        fn(x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_below, scale, _threads(x.numel()))
+        fn(x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_below, scale, kernel_threads(x.numel()))
         return out
     return x * _reference_keep(x, seed, keep_below).to(x.dtype).mul_(scale)
 
@@ -245,7 +237,7 @@ def apply_dropout_add(base: Tensor, x: Tensor, seed: int, keep_below: int, scale
         out = torch.empty_like(x)
         fn = getattr(KERNEL.library(), f"dropout_add_{_NATIVE_DTYPES[x.dtype]}")
         fn(base.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_below, scale,
-           _threads(x.numel()))
+           kernel_threads(x.numel()))
         return out
     return base + x * _reference_keep(x, seed, keep_below).to(x.dtype).mul_(scale)
 
@@ -255,7 +247,7 @@ def apply_relu_dropout(x: Tensor, seed: int, keep_below: int, scale: float) -> T
     if _native_ok(x):
         out = torch.empty_like(x)
         fn = getattr(KERNEL.library(), f"relu_dropout_{_NATIVE_DTYPES[x.dtype]}")
-        fn(x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_below, scale, _threads(x.numel()))
+        fn(x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_below, scale, kernel_threads(x.numel()))
         return out
     return x * (_reference_keep(x, seed, keep_below) & (x > 0)).to(x.dtype).mul_(scale)
 
@@ -266,6 +258,6 @@ def scale_where_positive(y: Tensor, grad: Tensor, scale: float) -> Tensor:
         grad = grad.contiguous()
         out = torch.empty_like(y)
         fn = getattr(KERNEL.library(), f"positive_scale_{_NATIVE_DTYPES[y.dtype]}")
-        fn(y.data_ptr(), grad.data_ptr(), out.data_ptr(), y.numel(), scale, _threads(y.numel()))
+        fn(y.data_ptr(), grad.data_ptr(), out.data_ptr(), y.numel(), scale, kernel_threads(y.numel()))
         return out
     return grad * (y > 0).to(grad.dtype).mul_(scale)

@@ -55,10 +55,13 @@ void parallel_chunks(int64_t n, int64_t threads, int64_t grain, Fn fn) {
     }
     const int64_t per = (units + threads - 1) / threads * grain;
 #if defined(_OPENMP)
-#pragma omp parallel for num_threads(threads) schedule(static, 1)
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t k = 0; k < threads; ++k) {
         const int64_t lo = k * per, hi = lo + per < n ? lo + per : n;
-        if (lo < hi) fn(lo, hi);
+        // A private copy of the closure: through the shared one the compiler must assume that every store
+        // may change the captured pointers, which stops vectorisation (measured 10x slower).
+        Fn local = fn;
+        if (lo < hi) local(lo, hi);
     }
 #else
     std::vector<std::thread> pool;
