@@ -171,6 +171,24 @@ def test_local_rnn_never_holds_a_copy_per_window() -> None:
     assert largest <= (length + window - 1) * batch * 3 * d < batch * length * window * 3 * d
 
 
+@pytest.mark.parametrize("rnn_type", ["gru", "lstm", "rnn"])
+def test_local_rnn_recompute_gives_the_same_values_and_gradients_and_keeps_only_the_input(rnn_type: str) -> None:
+    torch.manual_seed(1)
+    kept, recomputed = LocalRNN(6, 4, rnn_type), LocalRNN(6, 4, rnn_type, recompute=True)
+    recomputed.load_state_dict(kept.state_dict())
+    x = torch.randn(2, 9, 6, requires_grad=True)
+    saved: list[Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = recomputed(x)
+    assert len(saved) == 1 and saved[0] is x  # the forward pass keeps the input alone
+    assert torch.equal(out, kept(x))
+    params = [x, *kept.parameters()]
+    expected = torch.autograd.grad(kept(x).square().sum(), params)
+    got = torch.autograd.grad(out.square().sum(), [x, *recomputed.parameters()])
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------------------------------------
 # Relative attention equations
 

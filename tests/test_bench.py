@@ -169,6 +169,10 @@ def test_memory_sweeps() -> None:
     rt = [r for r in report.section("memory") if r["backbone"] == "rtransformer"]
     assert [r["value"] for r in rt] == [1, 4] and all(r["eval_peak_mb"] > 0 for r in rt)
     assert rt[1]["window_copy_mb"] == pytest.approx(4 * rt[0]["window_copy_mb"])
+    recomputed = [r for r in report.section("memory") if r["backbone"] == "rtransformer rnn_recompute"]
+    assert [r["value"] for r in recomputed] == [1, 4]
+    assert recomputed[1]["train_peak_mb"] < rt[1]["train_peak_mb"]  # the steps are not kept for backward
+    assert recomputed[1]["eval_peak_mb"] == pytest.approx(rt[1]["eval_peak_mb"])
     assert any(note.startswith("memory: transformer-xl train peak") for note in report.notes)
 
 

@@ -64,6 +64,10 @@ class ModelConfig:
     # R-Transformer
     rnn_type: str = "gru"
     rnn_window: int = 7
+    rnn_recompute: bool = False
+    """Recompute the LocalRNN's window steps in the backward pass instead of keeping their activations from
+    the forward pass: training memory grows with the window as one layer's steps, not all layers', for one
+    more LocalRNN forward per step."""
     # Transformer-XL
     mem_len: int = 0
     # gated convolutional LM

@@ -1021,19 +1021,21 @@ def _bench_memory(report: BenchReport, size: BenchSize, options: BenchOptions, d
         report.notes.append("memory: skipped (--memory none)")
         return
     eager = dataclasses.replace(options, compile=False)
-    sweeps: list[tuple[str, str, Sequence[int]]] = []
+    sweeps: list[tuple[str, str, Sequence[int], dict[str, Any]]] = []
     if "transformer-xl" in BUILDERS:
-        sweeps.append(("transformer-xl", "mem_len", mem_lens))
+        sweeps.append(("transformer-xl", "mem_len", mem_lens, {}))
     if "rtransformer" in BUILDERS:
-        sweeps.append(("rtransformer", "rnn_window", windows))
-    for backbone, knob, values in sweeps:
-        progress(f"memory: {backbone} against {knob} {list(values)}")
+        sweeps.append(("rtransformer", "rnn_window", windows, {}))
+        sweeps.append(("rtransformer", "rnn_window", windows, {"rnn_recompute": True}))
+    for backbone, knob, values, extra in sweeps:
+        label = backbone + "".join(f" {key}" for key in extra)
+        progress(f"memory: {label} against {knob} {list(values)}")
         for value in values:
-            cfg = size.model_config(backbone, "", **{knob: value})
+            cfg = size.model_config(backbone, "", **{knob: value}, **extra)
             memory_len = value if knob == "mem_len" else 0
-            row: dict[str, Any] = {"section": "memory", "backbone": backbone, "knob": knob, "value": value,
+            row: dict[str, Any] = {"section": "memory", "backbone": label, "knob": knob, "value": value,
                                    "mem_method": method}
-            if backbone == "rtransformer":
+            if backbone == "rtransformer" and not extra:
                 # What a LocalRNN that copied the sequence once per window position would hold, per layer.
                 row["window_copy_mb"] = size.batch * size.seq_len * value * size.d_model * 4 / 2 ** 20
             for mode in ("train", "eval"):
@@ -1048,13 +1050,13 @@ def _bench_memory(report: BenchReport, size: BenchSize, options: BenchOptions, d
                 row[f"{mode}_peak_mb"] = measure_memory(step, device, method)
                 del runner
             report.rows.append(row)
-        rows = [r for r in report.section("memory") if r["backbone"] == backbone]
+        rows = [r for r in report.section("memory") if r["backbone"] == label]
         for mode in ("train", "eval"):
             fit = _linear_fit([r["value"] for r in rows], [r[f"{mode}_peak_mb"] for r in rows])
             if fit is not None:
                 slope, intercept, worst = fit
                 report.notes.append(
-                    f"memory: {backbone} {mode} peak ≈ {intercept:.2f} MB + {slope:.4f} MB × {knob} "
+                    f"memory: {label} {mode} peak ≈ {intercept:.2f} MB + {slope:.4f} MB × {knob} "
                     f"(largest deviation from that line {worst:.1f}% of the peak)"
                 )
 

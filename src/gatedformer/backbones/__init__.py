@@ -57,7 +57,7 @@ def _rtransformer(cfg: ModelConfig, vocab_size: int) -> nn.Module:
         vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ffn=cfg.d_ffn,
         dropout=cfg.dropout, emb_dropout=cfg.emb_dropout, attn_dropout=cfg.attn_dropout, norm=cfg.norm,
         ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, gates=cfg.gates, rnn_type=cfg.rnn_type,
-        rnn_window=cfg.rnn_window,
+        rnn_window=cfg.rnn_window, rnn_recompute=cfg.rnn_recompute,
     )
 
 

@@ -19,9 +19,11 @@ import math
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from gatedformer.backbones.attention import CausalSelfAttention
 from gatedformer.backbones.blocks import Sublayer, make_ffn
+from gatedformer.backbones.dropout import Dropout
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
 
 __all__ = ["RNN_TYPES", "LocalRNN", "RTransformerLM", "RTransformerLayer"]
@@ -43,9 +45,14 @@ class LocalRNN(nn.Module):
     ``M-1-j`` positions — a view of a time-major tensor, with the batch and the positions folded into
     one batch of ``L·B`` rows. Only the ``M`` hidden-to-hidden products run step by step, and each
     step holds ``O(B·L·d)`` memory rather than a ``(B, L, M, d)`` copy of the sequence.
+
+    Back-propagation through the ``M`` steps keeps each step's gate activations, so training memory grows
+    with the window (evaluation memory does not). With ``recompute=True`` only the input is kept and the
+    steps run again in the backward pass (activation checkpointing): the step activations of one layer
+    at a time exist, instead of those of every layer from the forward pass to the backward pass.
     """
 
-    def __init__(self, d_model: int, window: int, rnn_type: str = "gru") -> None:
+    def __init__(self, d_model: int, window: int, rnn_type: str = "gru", recompute: bool = False) -> None:
         super().__init__()
         if rnn_type not in RNN_TYPES:
             raise ValueError(f"unknown rnn_type {rnn_type!r}; choose one of {', '.join(RNN_TYPES)}")
@@ -54,9 +61,16 @@ class LocalRNN(nn.Module):
         self.d_model = d_model
         self.window = window
         self.rnn_type = rnn_type
+        self.recompute = recompute
         self.rnn = RNN_TYPES[rnn_type](d_model, d_model, num_layers=1, batch_first=True)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            # No randomness inside, so the recomputed steps are exactly the first ones.
+            return checkpoint(self._windows, x, use_reentrant=False)
+        return self._windows(x)
+
+    def _windows(self, x: Tensor) -> Tensor:
         batch, length, d_model = x.shape
         rnn = self.rnn
         w_hh, b_hh = rnn.weight_hh_l0, rnn.bias_hh_l0
@@ -85,7 +99,7 @@ class LocalRNN(nn.Module):
         return h.view(length, batch, d_model).transpose(0, 1).contiguous()
 
     def extra_repr(self) -> str:
-        return f"rnn_type={self.rnn_type}, window={self.window}"
+        return f"rnn_type={self.rnn_type}, window={self.window}" + (", recompute=True" if self.recompute else "")
 
 
 class _ShiftedViews(torch.autograd.Function):
@@ -147,9 +161,10 @@ class RTransformerLayer(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, d_ffn: int, dropout: float, attn_dropout: float,
                  norm: str, ffn: str, attn_gates: SublayerGates, ffn_gates: SublayerGates,
-                 rnn_type: str, rnn_window: int) -> None:
+                 rnn_type: str, rnn_window: int, rnn_recompute: bool = False) -> None:
         super().__init__()
-        self.local_rnn = Sublayer(LocalRNN(d_model, rnn_window, rnn_type), d_model, SublayerGates(), dropout, norm)
+        self.local_rnn = Sublayer(LocalRNN(d_model, rnn_window, rnn_type, rnn_recompute), d_model, SublayerGates(),
+                                  dropout, norm)
         self.attn = Sublayer(CausalSelfAttention(d_model, n_heads, attn_dropout), d_model, attn_gates,
                              dropout, norm)
         self.ffn = Sublayer(make_ffn(ffn, d_model, d_ffn, dropout), d_model, ffn_gates, dropout, norm)
@@ -169,15 +184,15 @@ class RTransformerLM(nn.Module):
                  d_ffn: int = 512, dropout: float = 0.1, emb_dropout: float | None = None,
                  attn_dropout: float = 0.0, norm: str = "post", ffn: str = "relu",
                  tie_embeddings: bool = False, gates: str = "", rnn_type: str = "gru",
-                 rnn_window: int = 7) -> None:
+                 rnn_window: int = 7, rnn_recompute: bool = False) -> None:
         super().__init__()
         placement = resolve_placement(gates, n_layers, backbone="rtransformer")
         self.d_model = d_model
         self.embedding = nn.Embedding(vocab_size, d_model)
-        self.emb_dropout = nn.Dropout(dropout if emb_dropout is None else emb_dropout)
+        self.emb_dropout = Dropout(dropout if emb_dropout is None else emb_dropout)
         self.layers = nn.ModuleList(
             RTransformerLayer(d_model, n_heads, d_ffn, dropout, attn_dropout, norm, ffn,
-                              placement.at(i, "attn"), placement.at(i, "ffn"), rnn_type, rnn_window)
+                              placement.at(i, "attn"), placement.at(i, "ffn"), rnn_type, rnn_window, rnn_recompute)
             for i in range(n_layers)
         )
         self.final_norm = nn.LayerNorm(d_model) if norm == "pre" else None
