@@ -113,6 +113,9 @@ def test_flop_counter_other_backbones() -> None:
     keys, pairs = 4 + 4, 4 * 4 + 4 * 5 // 2
     assert xl.forward["attn.proj"] == 2 * n * d * d * 2 + 2 * (2 * keys) * d * (2 * d) + 2 * keys * d * d
     assert xl.forward["attn.scores"] == 2 * 2 * 2 * pairs * d
+    sru_t = count_flops(ModelConfig(backbone="sru-transformer", d_model=d, n_layers=2, n_heads=2, d_ffn=16), 11, 2, 4)
+    plain = count_flops(ModelConfig(backbone="transformer", d_model=d, n_layers=2, n_heads=2, d_ffn=16), 11, 2, 4)
+    assert sru_t.forward == {**plain.forward, "sru.proj": 2 * (2 * n * d * (3 * d))}  # + one d -> 3d product a layer
     with pytest.raises(ValueError, match="no FLOP formula"):
         count_flops(ModelConfig(backbone="nothing-like-it"), 11, 2, 4)
 

@@ -360,7 +360,7 @@ def count_flops(cfg: ModelConfig, vocab: int, batch: int, seq_len: int, memory_l
     def add(key: str, value: int) -> None:
         parts[key] = parts.get(key, 0) + value
 
-    if cfg.backbone in ("transformer", "rtransformer", "transformer-xl"):
+    if cfg.backbone in ("transformer", "rtransformer", "transformer-xl", "sru-transformer"):
         placement = resolve_placement(cfg.gates, cfg.n_layers, backbone=cfg.backbone)
         f = cfg.d_ffn
         for i in range(cfg.n_layers):
@@ -368,6 +368,8 @@ def count_flops(cfg: ModelConfig, vocab: int, batch: int, seq_len: int, memory_l
                 width = _RNN_GATES[cfg.rnn_type] * d
                 # Input projection once per position, then window - 1 hidden-to-hidden products.
                 add("local_rnn", cfg.rnn_window * _mm(n, d, width))
+            if cfg.backbone == "sru-transformer":
+                add("sru.proj", _mm(n, d, 3 * d))  # the SRU sublayer: [W x, W_f x, W_r x] in one product
             if cfg.backbone == "transformer-xl":
                 mem = cfg.mem_len if memory_len is None else memory_len
                 keys = mem + t
