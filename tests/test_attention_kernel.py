@@ -117,3 +117,16 @@ def test_language_model_is_the_same_with_either_attention(monkeypatch: pytest.Mo
     torch.testing.assert_close(native_logits, torch_logits, rtol=1e-5, atol=1e-5)
     for a, b in zip(native_grads, torch_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_peaked_softmax_matches_and_denormals_stay_on_outside_the_kernel() -> None:
+    _native_or_skip()
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 40, 3 * 2 * 16, generator=generator) * 12  # scores in the hundreds: P underflows
+    grad = torch.randn(2, 40, 2 * 16, generator=generator)
+    out, g = _values_and_grads(_attention_kernel._PackedCausalAttention.apply, qkv, 2, grad)
+    ref_out, ref_g = _values_and_grads(causal_attention_reference, qkv, 2, grad)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(g, ref_g, rtol=1e-3, atol=1e-3)
+    tiny = torch.tensor(1e-39)  # a denormal float32: the kernel's flush-to-zero must not leak out of it
+    assert (tiny * 1.5).item() > 0
