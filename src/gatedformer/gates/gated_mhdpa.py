@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from ._checks import check_size
+from ._transform_gate import TransformGate
 
 
-class GatedMHDPA(nn.Module):
+class GatedMHDPA(TransformGate):
     r"""Gated multi-head dot-product attention output.
 
     .. math::
@@ -31,29 +30,5 @@ class GatedMHDPA(nn.Module):
 
     kind: ClassVar[str] = "gated_mhdpa"
 
-    def __init__(self, d_model: int) -> None:
-        super().__init__()
-        self.d_model = check_size("d_model", d_model)
-        self.proj = nn.Linear(d_model, 2 * d_model)
-        nn.init.zeros_(self.proj.bias)
-
     def forward(self, x: Tensor, att: Tensor) -> Tensor:
-        pre_gate, transformed = self.proj(x).chunk(2, dim=-1)
-        t = torch.sigmoid(pre_gate)
-        # lerp needs one dtype; under autocast the body's output and the projection may differ.
-        dtype = torch.promote_types(att.dtype, transformed.dtype)
-        # att + t * (f - att) == (1 - t) att + t f.
-        return torch.lerp(att.to(dtype), transformed.to(dtype), t.to(dtype))
-
-    def gate_activation(self, x: Tensor) -> Tensor:
-        """``T(X) = sigmoid(X W1 + b1)`` for sublayer input ``x``."""
-        d = self.d_model
-        return torch.sigmoid(nn.functional.linear(x, self.proj.weight[:d], self.proj.bias[:d]))
-
-    @property
-    def gate_bias(self) -> Tensor:
-        """``b1``: a detached view that shares storage with the fused bias parameter."""
-        return self.proj.bias.detach()[: self.d_model]
-
-    def extra_repr(self) -> str:
-        return f"d_model={self.d_model}"
+        return self._mix(att, x)
