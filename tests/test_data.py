@@ -625,3 +625,24 @@ def test_real_tampered_copy_is_rejected(tmp_path):
         load_corpus("ptb", tmp_path / "copy")
     msg = one_line(err)
     assert "checksum mismatch" in msg and str(dest / "ptb.test.txt") in msg and "data fetch ptb" in msg
+
+
+def test_atomic_writes_leave_normal_permissions_and_no_temp_files(tmp_path):
+    import os
+    import stat
+
+    from gatedformer.io import atomic_open, atomic_write_json
+
+    mask = os.umask(0o022)
+    try:
+        atomic_write_json(tmp_path / "report.json", {"a": 1})
+        with atomic_open(tmp_path / "tokens.bin", durable=True) as handle:
+            handle.write(b"\x00" * 10)
+        with pytest.raises(RuntimeError), atomic_open(tmp_path / "broken.bin") as handle:
+            handle.write(b"half")
+            raise RuntimeError("interrupted")
+    finally:
+        os.umask(mask)
+    for name in ("report.json", "tokens.bin"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644  # not mkstemp's 0600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "tokens.bin"]  # no .part left behind

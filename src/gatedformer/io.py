@@ -2,26 +2,67 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+
+def _umask() -> int:
+    # os.umask can only be read by setting it; restore it at once.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def publish(tmp: str | Path, path: str | Path) -> None:
+    """Give a finished temp file normal permissions (mkstemp makes it 0600) and rename it into place."""
+    with contextlib.suppress(OSError):
+        os.chmod(tmp, 0o666 & ~_umask())
+    os.replace(tmp, path)
+
+
+def _temp_beside(path: Path) -> tuple[int, Path]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    return fd, Path(tmp_name)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "wb", durable: bool = False) -> Iterator[IO]:
+    """Write through the yielded file to a temp file beside ``path``, then rename it over ``path``.
+
+    With ``durable`` the data and the rename are fsynced (what a crash must not lose, such as results).
+    """
+    path = Path(path)
+    fd, tmp = _temp_beside(path)
+    try:
+        with os.fdopen(fd, mode) as handle:
+            yield handle
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
+        publish(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        _fsync_dir(path.parent)
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp)`` on a temporary path beside ``path``, fsync it, then rename it into place."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _temp_beside(path)
     os.close(fd)
-    tmp = Path(tmp_name)
     try:
         write(tmp)
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

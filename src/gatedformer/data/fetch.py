@@ -10,8 +10,10 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from gatedformer.io import publish
+
 from ..errors import DataError
-from .paths import ENV_MIRROR, fetch_target_dir, find_file, publish
+from .paths import ENV_MIRROR, fetch_target_dir, find_file
 from .registry import FileSpec, get_spec, is_text_corpus
 from .verify import MANIFEST, decoded_size, read_manifest, record_facts, verify_file
 

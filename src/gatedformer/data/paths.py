@@ -1,11 +1,8 @@
-"""Where corpora and caches live, and atomic file writes."""
+"""Where corpora and caches live."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import DataError
@@ -125,35 +122,3 @@ def fetch_target_dir(explicit: str | Path | None = None) -> Path:
     if env:
         return Path(env).expanduser().absolute()
     return user_data_dir().absolute()
-
-
-def _umask() -> int:
-    # os.umask can only be read by setting it; restore it at once.
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def publish(tmp: str | Path, path: Path) -> None:
-    """Give a finished temp file normal permissions (mkstemp makes it 0600) and rename it into place."""
-    with contextlib.suppress(OSError):
-        os.chmod(tmp, 0o666 & ~_umask())
-    os.replace(tmp, path)
-
-
-@contextlib.contextmanager
-def atomic_write(path: Path, mode: str = "wb", durable: bool = False) -> Iterator:
-    """Write to a temp file beside ``path``, then rename over it; readers never see a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, mode) as fh:
-            yield fh
-            if durable:
-                fh.flush()
-                os.fsync(fh.fileno())
-        publish(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

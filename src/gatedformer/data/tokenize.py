@@ -11,8 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
+from gatedformer.io import atomic_open
+
 from ..errors import DataError
-from .paths import atomic_write, cache_root
+from .paths import cache_root
 from .vocab import EOS, UNK, Vocab
 
 # Bump whenever tokenization or the cache layout changes, so stale caches are ignored.
@@ -139,7 +141,7 @@ def save_cached(name: str, key: str, vocab: Vocab, ids: dict[str, np.ndarray]) -
     stem = _stem(name, key)
     try:
         for split, arr in ids.items():
-            with atomic_write(tokens_dir() / f"{stem}.{split}.npy") as fh:
+            with atomic_open(tokens_dir() / f"{stem}.{split}.npy") as fh:
                 np.save(fh, arr, allow_pickle=False)
         meta = {
             "version": TOKENIZER_VERSION,
@@ -147,7 +149,7 @@ def save_cached(name: str, key: str, vocab: Vocab, ids: dict[str, np.ndarray]) -
             "lengths": {s: len(a) for s, a in ids.items()},
             "vocab": vocab.to_json(),
         }
-        with atomic_write(tokens_dir() / f"{stem}.vocab.json", "w") as fh:
+        with atomic_open(tokens_dir() / f"{stem}.vocab.json", "w") as fh:
             json.dump(meta, fh, ensure_ascii=True)
     except OSError as err:
         # A read-only or full cache must not stop training; it only makes the next load slower.

@@ -12,8 +12,10 @@ import zlib
 from pathlib import Path
 from typing import BinaryIO
 
+from gatedformer.io import atomic_open
+
 from ..errors import DataError
-from .paths import atomic_write, cache_root
+from .paths import cache_root
 from .registry import FileSpec
 
 STAMP_FILE = "verified.json"
@@ -115,7 +117,7 @@ def _save_stamp(key: str, entry: dict) -> None:
     # Read-modify-write without a lock: a lost entry only costs one re-hash later.
     stamps = _load_stamps()
     stamps[key] = entry
-    with contextlib.suppress(OSError), atomic_write(_stamp_path(), "w") as fh:
+    with contextlib.suppress(OSError), atomic_open(_stamp_path(), "w") as fh:
         json.dump(stamps, fh, indent=0, sort_keys=True)
 
 
