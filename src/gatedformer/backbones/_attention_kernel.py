@@ -50,13 +50,14 @@ _CPP_SOURCE = r"""
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32), aligned(4), may_alias));
+constexpr int kW = 8;  // floats per vector: one AVX2 register
+typedef float vec __attribute__((vector_size(32), aligned(4), may_alias));
 constexpr int64_t kRows = 4;    // query rows per block
-constexpr int64_t kPanel = 16;  // keys per panel of the packed K (and V) used for Q K^T (and dO V^T)
+constexpr int64_t kPanel = 2 * kW;  // keys per panel of the packed K (and V) used for Q K^T (and dO V^T)
 
-inline v8 load(const float* p) { return *reinterpret_cast<const v8*>(p); }
-inline void store(float* p, v8 x) { *reinterpret_cast<v8*>(p) = x; }
-inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
+inline void store(float* p, vec x) { *reinterpret_cast<vec*>(p) = x; }
+inline vec splat(float x) { return vec{} + x; }  // a scalar operand is broadcast to every lane
 // Flush denormal floats to zero while a thread runs the kernel (restored after). A peaked softmax gives
 // probabilities below 2^-126, and arithmetic on them is dozens of times slower on x86; they contribute
 // nothing a float32 sum of probabilities that add up to 1 could hold.
@@ -81,19 +82,19 @@ template <int D>
 void row_products(const float* const a[kRows], const float* panels, int64_t n, float* s, int64_t lds) {
     for (int64_t j = 0; j < n; j += kPanel) {
         const float* panel = panels + j * D;
-        v8 acc[kRows][2];
+        vec acc[kRows][2];
         for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = splat(0);
         for (int d = 0; d < D; ++d) {
-            const v8 b0 = load(panel + d * kPanel), b1 = load(panel + d * kPanel + 8);
+            const vec b0 = load(panel + d * kPanel), b1 = load(panel + d * kPanel + kW);
             for (int r = 0; r < kRows; ++r) {
-                const v8 ar = splat(a[r][d]);
+                const vec ar = splat(a[r][d]);
                 acc[r][0] += ar * b0;
                 acc[r][1] += ar * b1;
             }
         }
         for (int r = 0; r < kRows; ++r) {
             store(s + r * lds + j, acc[r][0]);
-            store(s + r * lds + j + 8, acc[r][1]);
+            store(s + r * lds + j + kW, acc[r][1]);
         }
     }
 }
@@ -101,32 +102,33 @@ void row_products(const float* const a[kRows], const float* panels, int64_t n, f
 // out_r = sum_{j < n} W[r][j] * X_j for r < kRows (X_j = x + j * stride, D floats each).
 template <int D>
 void weighted_rows(const float* w, int64_t ldw, int64_t n, const float* x, int64_t stride, float* const out[kRows]) {
-    constexpr int NV = D / 8;
+    constexpr int NV = D / kW;
     constexpr int R = NV <= 2 ? 4 : (NV == 4 ? 2 : 1);  // rows at once: keep the accumulators in registers
     for (int r0 = 0; r0 < kRows; r0 += R) {
-        v8 acc[R][NV];
+        vec acc[R][NV];
         for (int r = 0; r < R; ++r)
             for (int v = 0; v < NV; ++v) acc[r][v] = splat(0);
         for (int64_t j = 0; j < n; ++j) {
             const float* xj = x + j * stride;
             for (int v = 0; v < NV; ++v) {
-                const v8 xv = load(xj + 8 * v);
+                const vec xv = load(xj + kW * v);
                 for (int r = 0; r < R; ++r) acc[r][v] += splat(w[(r0 + r) * ldw + j]) * xv;
             }
         }
         for (int r = 0; r < R; ++r)
-            for (int v = 0; v < NV; ++v) store(out[r0 + r] + 8 * v, acc[r][v]);
+            for (int v = 0; v < NV; ++v) store(out[r0 + r] + kW * v, acc[r][v]);
     }
 }
 
 // Y_j += sum_r W[r][j] * Z_r for j < n (Y rows of D floats, contiguous): a rank-kRows update.
 template <int D>
 void rank_update(const float* w, int64_t ldw, int64_t n, const float* const z[kRows], float* y) {
-    constexpr int NV = D / 8;
+    constexpr int NV = D / kW;
     for (int v = 0; v < NV; ++v) {
-        const v8 z0 = load(z[0] + 8 * v), z1 = load(z[1] + 8 * v), z2 = load(z[2] + 8 * v), z3 = load(z[3] + 8 * v);
+        const vec z0 = load(z[0] + kW * v), z1 = load(z[1] + kW * v), z2 = load(z[2] + kW * v),
+                  z3 = load(z[3] + kW * v);
         for (int64_t j = 0; j < n; ++j) {
-            float* yj = y + j * D + 8 * v;
+            float* yj = y + j * D + kW * v;
             store(yj, load(yj) + splat(w[j]) * z0 + splat(w[ldw + j]) * z1 + splat(w[2 * ldw + j]) * z2
                           + splat(w[3 * ldw + j]) * z3);
         }
@@ -281,6 +283,7 @@ void backward(const float* qkv, const float* out, const float* grad_out, const f
 extern "C" {
 int attention_forward_f32(const float* qkv, float* out, float* lse, int64_t B, int64_t L, int64_t H, int64_t D,
                           double scale, int64_t threads) {
+    if (D % kW) return 1;
     switch (D) {
         case 8: forward<8>(qkv, out, lse, B, L, H, (float)scale, threads); return 0;
         case 16: forward<16>(qkv, out, lse, B, L, H, (float)scale, threads); return 0;
@@ -292,6 +295,7 @@ int attention_forward_f32(const float* qkv, float* out, float* lse, int64_t B, i
 }
 int attention_backward_f32(const float* qkv, const float* out, const float* grad_out, const float* lse,
                            float* grad_qkv, int64_t B, int64_t L, int64_t H, int64_t D, double scale, int64_t threads) {
+    if (D % kW) return 1;
     switch (D) {
         case 8: backward<8>(qkv, out, grad_out, lse, grad_qkv, B, L, H, (float)scale, threads); return 0;
         case 16: backward<16>(qkv, out, grad_out, lse, grad_qkv, B, L, H, (float)scale, threads); return 0;
@@ -326,9 +330,8 @@ def kernel_applies(qkv: Tensor, n_heads: int, dropout: float) -> bool:
     """Whether :func:`causal_attention_packed` runs the compiled kernel for this input."""
     if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or dropout > 0.0 or qkv.dim() != 3:
         return False
-    if qkv.shape[-1] % (3 * n_heads) or qkv.shape[-1] // (3 * n_heads) not in SUPPORTED_HEAD_SIZES:
-        return False
-    if torch.compiler.is_compiling():
+    head, rest = divmod(qkv.shape[-1], 3 * n_heads)
+    if rest or head not in SUPPORTED_HEAD_SIZES or torch.compiler.is_compiling():
         return False
     return KERNEL.pick_backend(qkv.device) == "native"
 
@@ -341,10 +344,12 @@ class _PackedCausalAttention(torch.autograd.Function):
         qkv = qkv.contiguous()
         out = qkv.new_empty(batch, length, n_heads * head)
         lse = qkv.new_empty(batch, n_heads, length) if ctx.needs_input_grad[0] else None
-        lib = KERNEL.library()
-        lib.attention_forward_f32(qkv.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(),
-                                  batch, length, n_heads, head, 1.0 / math.sqrt(head),
-                                  kernel_threads(qkv.numel()))
+        failed = KERNEL.library().attention_forward_f32(
+            qkv.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(), batch, length, n_heads, head,
+            1.0 / math.sqrt(head), kernel_threads(qkv.numel()),
+        )
+        if failed:
+            raise RuntimeError(f"the attention kernel does not take heads of {head}")
         if lse is not None:
             ctx.save_for_backward(qkv, out, lse)
         ctx.n_heads = n_heads
@@ -357,10 +362,12 @@ class _PackedCausalAttention(torch.autograd.Function):
         head = width // (3 * ctx.n_heads)
         grad_out = grad_out.contiguous()
         grad_qkv = torch.empty_like(qkv)
-        KERNEL.library().attention_backward_f32(
+        failed = KERNEL.library().attention_backward_f32(
             qkv.data_ptr(), out.data_ptr(), grad_out.data_ptr(), lse.data_ptr(), grad_qkv.data_ptr(),
             batch, length, ctx.n_heads, head, 1.0 / math.sqrt(head), kernel_threads(qkv.numel()),
         )
+        if failed:
+            raise RuntimeError(f"the attention kernel does not take heads of {head}")
         return grad_qkv, None
 
 
