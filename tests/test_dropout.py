@@ -172,13 +172,16 @@ def test_gradients_pass_gradcheck() -> None:
                                     (shifted,))
 
 
-def test_masks_do_not_depend_on_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    x = torch.randn(300, 7)
-    torch.manual_seed(11)
-    auto = dropout(x, 0.4)
+def test_without_the_kernel_dropout_is_torchs_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(300, 7, requires_grad=True)
     monkeypatch.setenv("GATEDFORMER_DROPOUT_BACKEND", "torch")
-    torch.manual_seed(11)
-    assert torch.equal(dropout(x, 0.4), auto)
+    for ours, theirs in [(lambda: dropout(x, 0.4), lambda: torch.nn.functional.dropout(x, 0.4)),
+                         (lambda: relu_dropout(x, 0.4), lambda: torch.nn.functional.dropout(x.relu(), 0.4)),
+                         (lambda: dropout_add(x, x, 0.4), lambda: x + torch.nn.functional.dropout(x, 0.4))]:
+        torch.manual_seed(11)
+        a = ours()
+        torch.manual_seed(11)
+        assert torch.equal(a, theirs())
     monkeypatch.setenv("GATEDFORMER_DROPOUT_BACKEND", "fast")
     with pytest.raises(ValueError, match="GATEDFORMER_DROPOUT_BACKEND"):
         dropout(x, 0.4)

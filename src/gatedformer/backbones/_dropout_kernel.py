@@ -9,11 +9,12 @@ probability), so a mask is a pure function of the seed and the element's index:
 
 * the backward pass regenerates the mask instead of storing it (plain dropout saves nothing);
 * the threads of a call may split the elements any way they like and still draw the same mask;
-* the vectorised kernel (AVX2: eight blocks at once) and :func:`philox_words`, the NumPy reference used
-  where no compiler is available, give identical masks.
+* the vectorised kernel (AVX2: eight blocks at once) and :func:`philox_words`, the NumPy reference the
+  tests check it against, give identical masks.
 
-``GATEDFORMER_DROPOUT_BACKEND`` picks ``native``, ``torch`` or ``auto`` (the default); ``torch`` uses the
-NumPy reference.
+``GATEDFORMER_DROPOUT_BACKEND`` picks ``native``, ``torch`` or ``auto`` (the default). Without the kernel
+the functions here compute the same masks with the NumPy reference (several times slower), and
+:mod:`gatedformer.backbones.dropout` uses PyTorch's own dropout instead.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 KERNEL = NativeKernel(
     "dropout", _CPP_SOURCE, _bind, abi_version=2, env_var="GATEDFORMER_DROPOUT_BACKEND",
-    description="the compiled dropout kernel", fallback="NumPy masks (the same masks, several times slower)",
+    description="the compiled dropout kernel", fallback="PyTorch's own dropout",
     # No fused multiply-add, so that ``base + x * scale`` rounds as PyTorch's two operations do.
     extra_cflags=("-ffp-contract=off",),
 )

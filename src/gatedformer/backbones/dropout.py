@@ -15,7 +15,9 @@ is preserved.
 
 Anything else takes ``torch.nn.functional.dropout`` unchanged: tensors not on the CPU (CUDA has a fused
 dropout kernel), code being traced by ``torch.compile`` (Inductor generates its own random numbers),
-``inplace=True``, non-floating-point inputs and ``p`` of 0 or 1.
+``inplace=True``, non-floating-point inputs, ``p`` of 0 or 1, and machines where the kernel cannot be
+built or ``GATEDFORMER_DROPOUT_BACKEND=torch`` turns it off (the NumPy reference of the kernel's masks
+would be several times slower than PyTorch's own dropout, so it only serves as the tests' oracle).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from gatedformer.backbones._dropout_kernel import (
+    KERNEL,
     apply_dropout,
     apply_dropout_add,
     apply_relu_dropout,
@@ -103,7 +106,8 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float, dtype: torch.dtype 
 
 def _fast_path(x: Tensor, p: float, inplace: bool = False) -> bool:
     return (x.device.type == "cpu" and not inplace and 0 < _keep_below(p) < _INT32_VALUES
-            and x.is_floating_point() and not torch.compiler.is_compiling())
+            and x.is_floating_point() and not torch.compiler.is_compiling()
+            and KERNEL.pick_backend(x.device) == "native")
 
 
 def dropout(x: Tensor, p: float, training: bool = True, inplace: bool = False) -> Tensor:
