@@ -165,3 +165,14 @@ def test_schedules(schedule: str) -> None:
         assert all(a >= b for a, b in zip(factors[10:], factors[11:], strict=False))
     if schedule == "noam":
         assert factors[-1] == pytest.approx((10 / 100) ** 0.5)
+
+
+def test_compiled_training_follows_eager_training(text_corpus: str, tmp_path: Path) -> None:
+    # Under torch.compile dropout and attention run as PyTorch operations (Inductor traces those, not the
+    # compiled C++ kernels); without dropout the two runs must agree up to floating-point reordering.
+    extra = ("model.dropout=0.0", "model.gates=+σ SDU")
+    eager = train(config_for(text_corpus, *extra, steps=4), tmp_path / "eager", progress=False)
+    compiled = train(config_for(text_corpus, *extra, "train.compile=true", steps=4), tmp_path / "compiled",
+                     progress=False)
+    assert train_losses(tmp_path / "compiled") == pytest.approx(train_losses(tmp_path / "eager"), rel=1e-4)
+    assert compiled.test_loss == pytest.approx(eager.test_loss, rel=1e-4)
