@@ -167,6 +167,22 @@ class NonFiniteLoss(GatedformerError):
     exit_code = 3
 
 
+def stop_here(step: int, final: bool, signal: str | None, stop_after: int | None, out_dir: Path,
+              checkpoint_now: Callable[[], None], bar: Any) -> bool:
+    """After optimisation step ``step``: on a stop ``signal``, checkpoint and raise :class:`TrainingInterrupted`;
+    at ``stop_after`` (before the last step), checkpoint and return True so the loop ends without results."""
+    if signal is not None:
+        checkpoint_now()
+        bar.close()
+        raise TrainingInterrupted(f"stopped by signal {signal} at step {step}; checkpoint saved — "
+                                  f"continue with --resume --out {out_dir}")
+    if stop_after is not None and step >= stop_after and not final:
+        checkpoint_now()
+        bar.close()
+        return True
+    return False
+
+
 def prepare_run_dir(out_dir: Path, config: RunConfig, resume: bool) -> Path | None:
     """Check that ``out_dir`` may receive this run; return the checkpoint to resume from, if any."""
     out_dir = Path(out_dir)
@@ -357,16 +373,9 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
                          "gates": stats.summary()})
                     bar.set_postfix(valid=f"{metric_value(corpus.metric, valid_loss):.3f} {corpus.metric}")
                 checkpoint_now()
-            if distributed.any_rank(ddp, stop_signal.received is not None):
-                checkpoint_now()
-                bar.close()
-                raise TrainingInterrupted(
-                    f"stopped by signal {stop_signal.received or 'on another rank'} at step {step}; checkpoint saved — "
-                    f"continue with --resume --out {out_dir}"
-                )
-            if stop_after is not None and step >= stop_after and not final:
-                checkpoint_now()
-                bar.close()
+            signal = (stop_signal.received or "on another rank") if distributed.any_rank(
+                ddp, stop_signal.received is not None) else None
+            if stop_here(step, final, signal, stop_after, out_dir, checkpoint_now, bar):
                 return None
     bar.close()
 

@@ -66,7 +66,6 @@ from gatedformer.train.init import initialise
 from gatedformer.train.loop import (
     NonFiniteLoss,
     RunResult,
-    TrainingInterrupted,
     _autocast,
     _progress_bar,
     _StopSignal,
@@ -74,6 +73,7 @@ from gatedformer.train.loop import (
     count_parameters,
     prepare_run_dir,
     resolve_device,
+    stop_here,
 )
 from gatedformer.train.optim import build_optimizer, build_scheduler
 
@@ -441,16 +441,7 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
                      tr.bleu_sentences <= 0 else min(tr.bleu_sentences, len(data.valid)), "gates": stats.summary()})
                 bar.set_postfix(valid=f"{valid_bleu:.2f} {METRIC}")
                 checkpoint_now()
-            if stop_signal.received is not None:
-                checkpoint_now()
-                bar.close()
-                raise TrainingInterrupted(
-                    f"stopped by signal {stop_signal.received} at step {step}; checkpoint saved — "
-                    f"continue with --resume --out {out_dir}"
-                )
-            if stop_after is not None and step >= stop_after and not final:
-                checkpoint_now()
-                bar.close()
+            if stop_here(step, final, stop_signal.received, stop_after, out_dir, checkpoint_now, bar):
                 return None
     bar.close()
 
