@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from gatedformer.backbones._gru_kernel import gru_step
 from gatedformer.backbones.attention import CausalSelfAttention
 from gatedformer.backbones.blocks import Sublayer, make_ffn
 from gatedformer.backbones.dropout import Dropout
@@ -90,7 +91,7 @@ class LocalRNN(nn.Module):
         for step_in in steps:
             gates_h = b_hh.to(step_in.dtype) if h is None else F.linear(h, w_hh, b_hh)
             if self.rnn_type == "gru":
-                h = _gru_step(step_in, gates_h, h)
+                h = gru_step(step_in, gates_h, h)  # one fused pass on the CPU (see _gru_kernel)
             elif self.rnn_type == "lstm":
                 h, c = _lstm_step(step_in, gates_h, c)
             else:
@@ -128,22 +129,6 @@ class _ShiftedViews(torch.autograd.Function):
                 total = grad.new_zeros(ctx.shape)
             total[j : j + ctx.length].add_(grad.view(ctx.length, *ctx.shape[1:]))
         return total, None, None
-
-
-def _gru_step(gates_in: Tensor, gates_h: Tensor, h: Tensor | None) -> Tensor:
-    """One step of ``nn.GRU``'s equations (gate order r, z, n); ``h=None`` is the zero state.
-
-    ``r, z = σ(W_i[r,z] x + b_i[r,z] + W_h[r,z] h + b_h[r,z])``, ``n = tanh(W_in x + b_in + r ⊙ (W_hn h + b_hn))``,
-    ``h' = (1 - z) ⊙ n + z ⊙ h``; both gates in one sigmoid, the last two lines as fused ``addcmul``/``lerp``.
-    """
-    d = gates_in.shape[-1] // 3
-    in_rz, in_n = gates_in.split([2 * d, d], dim=-1)
-    h_rz, h_n = gates_h.split([2 * d, d], dim=-1)
-    reset, update = torch.sigmoid(in_rz + h_rz).chunk(2, dim=-1)
-    new = torch.tanh(torch.addcmul(in_n, reset, h_n))
-    if h is None:
-        return new - update * new
-    return torch.lerp(new, h, update)
 
 
 def _lstm_step(gates_in: Tensor, gates_h: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor]:
