@@ -103,6 +103,24 @@ def test_native_words_match_reference(tile: int) -> None:
     assert np.array_equal(words, _dropout_kernel.philox_words(32, seed, start=tile * 32))
 
 
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
+def test_every_instruction_set_build_draws_the_reference_masks(isa: str) -> None:
+    """The scalar, AVX2 (8 blocks) and AVX-512 (16 blocks) generators are one stream, whatever the build."""
+    _native_or_skip()
+    try:
+        lib = _dropout_kernel.KERNEL.library_for(isa)
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    seed, scale = (1 << 40) + 7, 2 ** 32 / _KEEP_90
+    x = torch.randn(64 * 5 + 33)  # odd tails of both the 32- and the 64-element draws
+    base = torch.randn_like(x)
+    out = torch.empty_like(x)
+    for threads in (1, 3):
+        lib.dropout_add_f32(base.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel(), seed, _KEEP_90, scale, threads)
+        keep = torch.from_numpy(_dropout_kernel.philox_words(x.numel(), seed) < np.uint32(_KEEP_90))
+        assert torch.equal(out, base + x * keep.float() * scale)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_native_kernels_match_reference_bit_for_bit(dtype: torch.dtype, threads: int,
@@ -192,3 +210,22 @@ def test_kernel_threads_follow_torch_and_the_work_size(monkeypatch: pytest.Monke
     assert _native.kernel_threads(1000) == 1
     assert _native.kernel_threads(10 ** 8) == 4
     assert _native.kernel_threads(10 ** 8, elements_per_thread=10 ** 8) == 1
+
+
+def test_kernel_isa_cap_picks_the_build_and_rejects_unknown_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    _native_or_skip()
+    loaded = _dropout_kernel.KERNEL.isa
+    assert loaded in _native.ISAS
+
+    def fresh() -> _native.NativeKernel:
+        return _native.NativeKernel("dropout", _dropout_kernel._CPP_SOURCE, _dropout_kernel._bind, abi_version=2,
+                                    env_var="GATEDFORMER_DROPOUT_BACKEND", description="the dropout kernel",
+                                    fallback="torch", extra_cflags=("-ffp-contract=off",), avx512=True)
+
+    monkeypatch.setenv("GATEDFORMER_KERNEL_ISA", "baseline")
+    capped = fresh()
+    assert capped.library() is not None and capped.isa == "baseline"
+    monkeypatch.setenv("GATEDFORMER_KERNEL_ISA", "sse9")
+    broken = fresh()
+    with pytest.raises(ValueError, match="GATEDFORMER_KERNEL_ISA must be one of"):
+        broken.library()

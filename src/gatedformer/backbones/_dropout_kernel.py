@@ -9,7 +9,7 @@ probability), so a mask is a pure function of the seed and the element's index:
 
 * the backward pass regenerates the mask instead of storing it (plain dropout saves nothing);
 * the threads of a call may split the elements any way they like and still draw the same mask;
-* the vectorised kernel (AVX2: eight blocks at once) and :func:`philox_words`, the NumPy reference the
+* the vectorised kernel (AVX2: eight blocks at once, AVX-512: sixteen) and :func:`philox_words`, the NumPy reference the
   tests check it against, give identical masks.
 
 ``GATEDFORMER_DROPOUT_BACKEND`` picks ``native``, ``torch`` or ``auto`` (the default). Without the kernel
@@ -93,6 +93,46 @@ inline void tile_words(uint64_t tile, uint32_t k0, uint32_t k1, uint32_t* words)
 }
 #endif
 
+#if defined(__AVX512F__)
+// Sixteen blocks at once: the words of tiles `tile` (even) and `tile + 1`, one after the other.
+constexpr int64_t kTilesPerDraw = 2;
+
+inline void mulhilo(__m512i a, __m512i m, __m512i& hi, __m512i& lo) {
+    const __m512i even = _mm512_mul_epu32(a, m);
+    const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);
+    lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+    hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+}
+
+inline void draw_words(uint64_t tile, uint32_t k0, uint32_t k1, uint32_t* words) {
+    const uint64_t first = tile * kLanes;  // a multiple of 16: the sixteen blocks share their high word
+    __m512i c0 = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)first),
+                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    __m512i c1 = _mm512_set1_epi32((int)(uint32_t)(first >> 32));
+    __m512i c2 = _mm512_setzero_si512(), c3 = _mm512_setzero_si512();
+    const __m512i m0 = _mm512_set1_epi32((int)kM0), m1 = _mm512_set1_epi32((int)kM1);
+    for (int round = 0; round < 10; ++round) {
+        __m512i hi0, lo0, hi1, lo1;
+        mulhilo(c0, m0, hi0, lo0);
+        mulhilo(c2, m1, hi1, lo1);
+        const __m512i n0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1), _mm512_set1_epi32((int)k0));
+        const __m512i n2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3), _mm512_set1_epi32((int)k1));
+        c1 = lo1; c3 = lo0; c0 = n0; c2 = n2;
+        k0 += kStep0; k1 += kStep1;
+    }
+    const __m512i c[4] = {c0, c1, c2, c3};
+    for (int e = 0; e < 4; ++e) {
+        _mm256_storeu_si256((__m256i*)(words + 8 * e), _mm512_castsi512_si256(c[e]));
+        _mm256_storeu_si256((__m256i*)(words + kTile + 8 * e), _mm512_extracti64x4_epi64(c[e], 1));
+    }
+}
+#else
+constexpr int64_t kTilesPerDraw = 1;
+
+inline void draw_words(uint64_t tile, uint32_t k0, uint32_t k1, uint32_t* words) { tile_words(tile, k0, k1, words); }
+#endif
+constexpr int64_t kDraw = kTilesPerDraw * kTile;  // words drawn at once
+
 // y[i] = base[i] + x[i] * factor(i), with factor = scale where the mask keeps i (and x[i] > 0 for the
 // relu form) and 0 elsewhere; without `base` there is no addition. A product rather than a select, so that
 // NaN and inf inputs propagate as they would through a mask product.
@@ -100,11 +140,11 @@ template <typename T, bool ReluToo>
 void masked_scale(const T* base, const T* x, T* y, int64_t n, uint64_t seed, uint32_t keep_below, T scale,
                   int64_t threads) {
     const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
-    gatedformer::parallel_chunks(n, threads, kTile, [=](int64_t lo, int64_t hi) {
-        alignas(32) uint32_t words[kTile];
-        for (int64_t start = lo; start < hi; start += kTile) {
-            tile_words((uint64_t)start / kTile, k0, k1, words);
-            const int64_t m = hi - start < kTile ? hi - start : kTile;
+    gatedformer::parallel_chunks(n, threads, kDraw, [=](int64_t lo, int64_t hi) {
+        alignas(64) uint32_t words[kDraw];
+        for (int64_t start = lo; start < hi; start += kDraw) {  // chunks start at multiples of kDraw
+            draw_words((uint64_t)start / kTile, k0, k1, words);
+            const int64_t m = hi - start < kDraw ? hi - start : kDraw;
             const T* xs = x + start;
             T* ys = y + start;
             if (base != nullptr) {
@@ -174,7 +214,7 @@ KERNEL = NativeKernel(
     "dropout", _CPP_SOURCE, _bind, abi_version=2, env_var="GATEDFORMER_DROPOUT_BACKEND",
     description="the compiled dropout kernel", fallback="PyTorch's own dropout",
     # No fused multiply-add, so that ``base + x * scale`` rounds as PyTorch's two operations do.
-    extra_cflags=("-ffp-contract=off",),
+    extra_cflags=("-ffp-contract=off",), avx512=True,
 )
 
 _NATIVE_DTYPES = {torch.float32: "f32", torch.float64: "f64"}

@@ -5,9 +5,11 @@ second and does not depend on the Torch version. It is compiled with the system 
 else ``c++``) the first time it is needed, never at import, into ``$GATEDFORMER_CACHE/kernels`` (else
 ``~/.cache/gatedformer/kernels``), under a name hashed from the source and the flags, so a changed
 source is rebuilt and concurrent processes never load half a file. On CPUs with AVX2 and FMA a second
-build for those instructions is preferred. Kernels split their work with OpenMP when the compiler has
-it, on the same thread pool as PyTorch (see ``parallel_chunks`` below). If no compiler is found or the
-build fails, a warning is given once and the caller falls back to its PyTorch implementation.
+build for those instructions is preferred, and kernels written for 512-bit vectors add a third for CPUs
+with AVX-512 (``GATEDFORMER_KERNEL_ISA=avx2`` or ``baseline`` caps the choice, e.g. to compare them).
+Kernels split their work with OpenMP when the compiler has it, on the same thread pool as PyTorch (see
+``parallel_chunks`` below). If no compiler is found or the build fails, a warning is given once and the
+caller falls back to its PyTorch implementation.
 
 Each kernel has an environment variable that picks ``native``, ``torch`` or ``auto`` (the default).
 """
@@ -29,9 +31,18 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BACKENDS", "NativeKernel", "kernel_threads"]
+__all__ = ["BACKENDS", "ISAS", "NativeKernel", "kernel_threads"]
 
 BACKENDS = ("auto", "native", "torch")
+ISAS = ("baseline", "avx2", "avx512")
+"""Instruction sets a kernel may be built for, in order of preference from last to first."""
+_ISA_FLAGS = {
+    "baseline": (),
+    "avx2": ("-mavx2", "-mfma"),
+    # GCC tunes most AVX-512 CPUs for 256-bit vectors unless told otherwise.
+    "avx512": ("-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq",
+               "-mprefer-vector-width=512"),
+}
 
 _ELEMENTS_PER_THREAD = 1 << 15
 
@@ -85,6 +96,15 @@ int %(name)s_cpu_has_avx2_fma() {
     return 0;
 #endif
 }
+int %(name)s_cpu_has_avx512() {
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")
+        && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+#else
+    return 0;
+#endif
+}
 }
 """
 
@@ -93,6 +113,15 @@ def kernel_threads(numel: int, elements_per_thread: int | None = None) -> int:
     """Threads for a kernel call: Torch's intra-op count, but none with less than ``elements_per_thread``
     elements of work (default ~32k)."""
     return max(1, min(torch.get_num_threads(), numel // (elements_per_thread or _ELEMENTS_PER_THREAD)))
+
+
+def isa_cap() -> str:
+    """The most capable instruction set kernels may be built for: ``$GATEDFORMER_KERNEL_ISA``, by default
+    ``avx512`` (each kernel still takes only what this CPU has)."""
+    cap = os.environ.get("GATEDFORMER_KERNEL_ISA", "").strip().lower() or "avx512"
+    if cap not in ISAS:
+        raise ValueError(f"GATEDFORMER_KERNEL_ISA must be one of {', '.join(ISAS)}, got {cap!r}")
+    return cap
 
 
 def cache_dir() -> Path:
@@ -108,12 +137,13 @@ class NativeKernel:
     tries ``-ffast-math`` and glibc's vector maths library (``exp()`` vectorised); it is compiled and linked
     in two steps on purpose, because linking a shared object with ``-ffast-math`` makes GCC < 13 add
     ``crtfastmath.o``, which turns on flush-to-zero for the whole process as soon as the library is loaded.
-    ``extra_cflags`` go to every build.
+    ``extra_cflags`` go to every build. ``avx512`` marks a source with 512-bit code paths (``#if
+    defined(__AVX512F__)``) worth a build of its own on CPUs that have AVX-512.
     """
 
     def __init__(self, name: str, source: str, bind: Callable[[ctypes.CDLL], None], *, abi_version: int,
                  env_var: str, description: str, fallback: str, fast_math: bool = False,
-                 extra_cflags: tuple[str, ...] = ()) -> None:
+                 extra_cflags: tuple[str, ...] = (), avx512: bool = False) -> None:
         self.name = name
         self.source = _PRELUDE + source + _COMMON_SOURCE % {"name": name, "abi": abi_version}
         self.abi_version = abi_version
@@ -128,7 +158,9 @@ class NativeKernel:
         self._builds = (openmp, ((*optimise, "-pthread"), ("-pthread", *maths)))
         if fast_math:
             self._builds += ((("-O3", *extra_cflags, "-pthread"), ("-pthread",)),)
-        self._avx2_build = ((*openmp[0], "-mavx2", "-mfma"), openmp[1])
+        self._vector_isas = ("avx512", "avx2") if avx512 else ("avx2",)
+        self.isa: str | None = None
+        """The instruction set of the loaded library, once it is built."""
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self.error: str | None = None
@@ -164,6 +196,7 @@ class NativeKernel:
     def library(self, warn: bool = True) -> ctypes.CDLL | None:
         """The compiled library, built on first use; ``None`` (after one warning) if it cannot be built."""
         if self._lib is None and self.error is None:
+            isa_cap()  # a misspelt cap is an error, not a reason to fall back
             with self._lock:
                 if self._lib is None and self.error is None:
                     try:
@@ -180,6 +213,7 @@ class NativeKernel:
         cxx = shlex.split(os.environ.get("CXX") or "c++")
         if not cxx or shutil.which(cxx[0]) is None:
             raise RuntimeError(f"no C++ compiler found (looked for {' '.join(cxx) or 'c++'!r}; set $CXX)")
+        cap = isa_cap()
         errors = []
         for cflags, ldflags in self._builds:
             try:
@@ -187,17 +221,37 @@ class NativeKernel:
             except (OSError, RuntimeError, subprocess.SubprocessError) as err:
                 errors.append(str(err))
                 continue
-            if getattr(lib, f"{self.name}_cpu_has_avx2_fma")():
-                avx2_cflags, avx2_ldflags = self._avx2_build
-                if "-fopenmp" not in cflags:  # as the baseline build that worked
-                    avx2_cflags = tuple(f for f in avx2_cflags if f != "-fopenmp")
-                    avx2_ldflags = tuple(f for f in avx2_ldflags if f != "-fopenmp")
+            for isa in self._vector_isas:
+                if ISAS.index(isa) > ISAS.index(cap) or not self._cpu_has(lib, isa):
+                    continue
                 try:
-                    return self._build_one(cxx, avx2_cflags, avx2_ldflags)
+                    vector_lib = self._build_one(cxx, (*cflags, *_ISA_FLAGS[isa]), ldflags)
                 except (OSError, RuntimeError, subprocess.SubprocessError):
-                    pass
+                    continue  # an assembler without these instructions: the next set, else the baseline build
+                self.isa = isa
+                return vector_lib
+            self.isa = "baseline"
             return lib
         raise RuntimeError("; ".join(errors))
+
+    def _cpu_has(self, lib: ctypes.CDLL, isa: str) -> bool:
+        probe = {"baseline": None, "avx2": "cpu_has_avx2_fma", "avx512": "cpu_has_avx512"}[isa]
+        return probe is None or bool(getattr(lib, f"{self.name}_{probe}")())
+
+    def library_for(self, isa: str) -> ctypes.CDLL:
+        """A build for the instruction set ``isa`` (one of :data:`ISAS`) whatever the library in use, e.g. to
+        test each code path against the others; raises ``RuntimeError`` if this CPU or compiler lacks it."""
+        if isa not in ISAS:
+            raise ValueError(f"isa must be one of {', '.join(ISAS)}, got {isa!r}")
+        cxx = shlex.split(os.environ.get("CXX") or "c++")
+        cflags, ldflags = self._builds[0]
+        try:
+            lib = self._build_one(cxx, cflags, ldflags)
+            if not self._cpu_has(lib, isa):
+                raise RuntimeError(f"this CPU has no {isa}")
+            return lib if isa == "baseline" else self._build_one(cxx, (*cflags, *_ISA_FLAGS[isa]), ldflags)
+        except (OSError, subprocess.SubprocessError) as err:
+            raise RuntimeError(f"cannot build the {isa} {self.name} kernel: {err}") from err
 
     def _build_one(self, cxx: list[str], cflags: tuple[str, ...], ldflags: tuple[str, ...]) -> ctypes.CDLL:
         key = "\n".join([self.source, *cxx, *cflags, *ldflags, platform.machine(), platform.system()])
@@ -214,6 +268,7 @@ class NativeKernel:
         lib = ctypes.CDLL(str(path))
         getattr(lib, f"{self.name}_abi_version").restype = ctypes.c_int
         getattr(lib, f"{self.name}_cpu_has_avx2_fma").restype = ctypes.c_int
+        getattr(lib, f"{self.name}_cpu_has_avx512").restype = ctypes.c_int
         if getattr(lib, f"{self.name}_abi_version")() != self.abi_version:
             raise RuntimeError(f"stale {self.name} kernel library in the cache")
         self._bind(lib)
