@@ -14,6 +14,7 @@ from gatedformer.backbones._attention_kernel import (
     causal_attention_packed,
     causal_attention_reference,
     kernel_applies,
+    supported_head_sizes,
 )
 from gatedformer.backbones.transformer import TransformerLM
 
@@ -38,11 +39,37 @@ def test_matches_scaled_dot_product_attention(batch: int, length: int, heads: in
     generator = torch.Generator().manual_seed(seed)
     qkv = torch.randn(batch, length, 3 * heads * head, generator=generator) * 1.5
     grad = torch.randn(batch, length, heads * head, generator=generator)
-    assert kernel_applies(qkv, heads, 0.0)
+    assert kernel_applies(qkv, heads, 0.0) == (head in supported_head_sizes())
+    if head not in supported_head_sizes():
+        torch.testing.assert_close(causal_attention_packed(qkv, heads), causal_attention_reference(qkv, heads))
+        return
     out, g = _values_and_grads(_attention_kernel._PackedCausalAttention.apply, qkv, heads, grad)
     ref_out, ref_g = _values_and_grads(causal_attention_reference, qkv, heads, grad)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(g, ref_g, rtol=1e-4, atol=5e-5)
+
+
+@pytest.mark.parametrize("isa", _native.ISAS)
+def test_every_instruction_set_build_matches_scaled_dot_product_attention(isa: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scalar, AVX2 and AVX-512 code paths (this CPU runs only one of them by default)."""
+    _native_or_skip()
+    try:
+        lib = _attention_kernel.KERNEL.library_for(isa)
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    monkeypatch.setattr(_attention_kernel.KERNEL, "_lib", lib)
+    assert 16 in supported_head_sizes(lib) and 32 in supported_head_sizes(lib)
+    generator = torch.Generator().manual_seed(3)
+    for length, heads, head in [(1, 1, 16), (37, 2, 32), (70, 1, 64), (130, 2, 16), (19, 1, 128), (45, 3, 8)]:
+        if head not in supported_head_sizes(lib):
+            continue
+        qkv = torch.randn(2, length, 3 * heads * head, generator=generator) * 1.5
+        grad = torch.randn(2, length, heads * head, generator=generator)
+        out, g = _values_and_grads(_attention_kernel._PackedCausalAttention.apply, qkv, heads, grad)
+        ref_out, ref_g = _values_and_grads(causal_attention_reference, qkv, heads, grad)
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(g, ref_g, rtol=1e-4, atol=5e-5)
 
 
 def test_position_t_sees_only_positions_up_to_t() -> None:

@@ -10,16 +10,18 @@ the ``(B, L, 3, H, D)`` layout of the projection and its ``(B, H, L, D)`` one. T
     P = \\operatorname{softmax}\\big(\\mathrm{mask}(s\\, Q K^\\top)\\big), \\qquad O = P V
 
 for each (sequence, head) with register-blocked loops over the whole window at once (the window's keys
-and values fit in the L1/L2 cache), reading Q, K and V from the projection's output and writing O in the
-``(B, L, H·D)`` layout the output projection reads. While it runs, denormal floats are flushed to zero
-(a peaked softmax produces them, and x86 computes on them dozens of times slower). The backward pass
-recomputes ``P`` from the saved log-sum-exp of every row (as flash attention does), so nothing of size
-``L × L`` is kept, and writes the three gradients into the projection's layout. Only the causal (query,
-key) pairs are computed.
+and values fit in the L1/L2 cache), 16-wide on CPUs with AVX-512 and 8-wide with AVX2, reading Q, K and V
+from the projection's output and writing O in the ``(B, L, H·D)`` layout the output projection reads.
+While it runs, denormal floats are flushed to zero (a peaked softmax produces them, and x86 computes on
+them dozens of times slower). The backward pass recomputes ``P`` from the saved log-sum-exp of every row
+(as flash attention does), so nothing of size ``L × L`` is kept: it takes the query rows 64 at a time,
+computes their rows of ``P`` and ``dS`` (and ``dQ``) and then adds their share to ``dK`` and ``dV`` key
+block by key block, with the accumulators in registers. It writes the three gradients into the
+projection's layout. Only the causal (query, key) pairs are computed, in whole vectors.
 
-It applies to float32 CPU tensors, head sizes 8, 16, 32, 64 or 128, and no attention dropout; everything
-else takes ``scaled_dot_product_attention``. ``GATEDFORMER_ATTENTION_BACKEND`` picks ``native``,
-``torch`` (always ``scaled_dot_product_attention``) or ``auto`` (the default).
+It applies to float32 CPU tensors, head sizes 8 (not in the AVX-512 build), 16, 32, 64 or 128, and no
+attention dropout; everything else takes ``scaled_dot_product_attention``. ``GATEDFORMER_ATTENTION_BACKEND``
+picks ``native``, ``torch`` (always ``scaled_dot_product_attention``) or ``auto`` (the default).
 """
 
 from __future__ import annotations
@@ -33,31 +35,67 @@ from torch.nn import functional as F
 
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 
-__all__ = ["KERNEL", "SUPPORTED_HEAD_SIZES", "causal_attention_packed", "causal_attention_reference"]
+__all__ = ["KERNEL", "SUPPORTED_HEAD_SIZES", "causal_attention_packed", "causal_attention_reference",
+           "kernel_applies", "supported_head_sizes"]
 
 SUPPORTED_HEAD_SIZES = (8, 16, 32, 64, 128)
+"""Head sizes the kernel is written for; a build takes those that are whole vectors (the AVX-512 build: 16 up)."""
 
 _CPP_SOURCE = r"""
 // Causal attention over packed QKV rows, forward and backward. Generated and compiled by gatedformer.
 // qkv: (B, L, 3, H, D) contiguous; out, grad_out: (B, L, H, D); lse: (B, H, L); grad_qkv like qkv.
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__SSE__) || defined(__x86_64__)
+#if defined(__AVX2__)
+#include <immintrin.h>
+#elif defined(__SSE__) || defined(__x86_64__)
 #include <xmmintrin.h>
 #endif
 
 namespace {
 
-constexpr int kW = 8;  // floats per vector: one AVX2 register
-typedef float vec __attribute__((vector_size(32), aligned(4), may_alias));
-constexpr int64_t kRows = 4;    // query rows per block
-constexpr int64_t kPanel = 2 * kW;  // keys per panel of the packed K (and V) used for Q K^T (and dO V^T)
+#if defined(__AVX512F__)
+constexpr int kW = 16;          // floats per vector: one AVX-512 register
+constexpr int64_t kRows = 8;    // query rows per block
+constexpr int kPanelVecs = 1;   // vectors per panel of the packed K (and V) used for Q K^T (and dO V^T)
+constexpr int kAccs = 16;       // accumulators a loop keeps in registers (of 32)
+#else
+constexpr int kW = 8;           // one AVX2 register (or two SSE ones)
+constexpr int64_t kRows = 4;
+constexpr int kPanelVecs = 2;
+constexpr int kAccs = 8;        // of 16
+#endif
+typedef float vec __attribute__((vector_size(4 * kW), aligned(4), may_alias));
+constexpr int64_t kPanel = kPanelVecs * kW;  // keys per panel
 
 inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
 inline void store(float* p, vec x) { *reinterpret_cast<vec*>(p) = x; }
+typedef int32_t ivec __attribute__((vector_size(4 * kW)));
 inline vec splat(float x) { return vec{} + x; }  // a scalar operand is broadcast to every lane
+inline vec vmin(vec a, vec b) { return a < b ? a : b; }
+inline vec vmax(vec a, vec b) { return a > b ? a : b; }
+// Lanes whose key index jb + lane is below `valid` keep x; the others get `fill`.
+inline vec below(vec x, int64_t jb, int64_t valid, float fill) {
+    ivec lane;
+    for (int k = 0; k < kW; ++k) lane[k] = k;
+    return lane < ivec{} + (int32_t)(valid - jb) ? x : splat(fill);
+}
+// exp of every lane: glibc's vector maths library (libmvec) in the vector builds.
+#if defined(__AVX512F__)
+extern "C" vec _ZGVeN16v_expf(vec);
+inline vec vexp(vec x) { return _ZGVeN16v_expf(x); }
+#elif defined(__AVX2__)
+extern "C" vec _ZGVdN8v_expf(vec);
+inline vec vexp(vec x) { return _ZGVdN8v_expf(x); }
+#else
+inline vec vexp(vec x) {
+    for (int k = 0; k < kW; ++k) x[k] = std::exp(x[k]);
+    return x;
+}
+#endif
 // Flush denormal floats to zero while a thread runs the kernel (restored after). A peaked softmax gives
 // probabilities below 2^-126, and arithmetic on them is dozens of times slower on x86; they contribute
 // nothing a float32 sum of probabilities that add up to 1 could hold.
@@ -69,6 +107,14 @@ struct FlushDenormals {
 #endif
 };
 
+// `n` floats of `work` starting on a 64-byte boundary (every row size used is a multiple of 16 floats, so
+// the rows stay aligned): the vectorised loops then need no scalar iterations to reach an aligned address.
+inline float* aligned_work(std::vector<float>& work, int64_t n) {
+    work.resize(n + 16);
+    const uintptr_t at = reinterpret_cast<uintptr_t>(work.data());
+    return work.data() + ((64 - at % 64) % 64) / sizeof(float);
+}
+
 inline int64_t round_panel(int64_t n) { return (n + kPanel - 1) / kPanel * kPanel; }
 
 struct Head {
@@ -77,42 +123,44 @@ struct Head {
 };
 
 // S[r][j] = sum_d A_r[d] * X_j[d] for r < kRows and j < n (a multiple of kPanel), with the keys X packed in
-// panels of kPanel (see pack_panels). Eight independent accumulators keep both FMA units busy.
+// panels of kPanel (see pack_panels): kRows x kPanelVecs independent accumulators keep both FMA units busy.
 template <int D>
 void row_products(const float* const a[kRows], const float* panels, int64_t n, float* s, int64_t lds) {
     for (int64_t j = 0; j < n; j += kPanel) {
         const float* panel = panels + j * D;
-        vec acc[kRows][2];
-        for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = splat(0);
+        vec acc[kRows][kPanelVecs];
+        for (int r = 0; r < kRows; ++r)
+            for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = splat(0);
         for (int d = 0; d < D; ++d) {
-            const vec b0 = load(panel + d * kPanel), b1 = load(panel + d * kPanel + kW);
+            vec b[kPanelVecs];
+            for (int v = 0; v < kPanelVecs; ++v) b[v] = load(panel + d * kPanel + v * kW);
             for (int r = 0; r < kRows; ++r) {
                 const vec ar = splat(a[r][d]);
-                acc[r][0] += ar * b0;
-                acc[r][1] += ar * b1;
+                for (int v = 0; v < kPanelVecs; ++v) acc[r][v] += ar * b[v];
             }
         }
-        for (int r = 0; r < kRows; ++r) {
-            store(s + r * lds + j, acc[r][0]);
-            store(s + r * lds + j + kW, acc[r][1]);
-        }
+        for (int r = 0; r < kRows; ++r)
+            for (int v = 0; v < kPanelVecs; ++v) store(s + r * lds + j + v * kW, acc[r][v]);
     }
 }
 
-// out_r = sum_{j < n} W[r][j] * X_j for r < kRows (X_j = x + j * stride, D floats each).
-template <int D>
-void weighted_rows(const float* w, int64_t ldw, int64_t n, const float* x, int64_t stride, float* const out[kRows]) {
-    constexpr int NV = D / kW;
-    constexpr int R = NV <= 2 ? 4 : (NV == 4 ? 2 : 1);  // rows at once: keep the accumulators in registers
+// out_r (+)= sum_{j0 <= j < n} W(r, j) * X_j for r < kRows, with W(r, j) = w[r * wr + j * wc] and X_j = x + j * stride
+// (D floats each): the rows of W times X (wr = ldw, wc = 1) or, for a transposed W (wr = 1, wc = ldw), its columns.
+template <int D, bool Accumulate>
+void weighted_sum(const float* w, int64_t wr, int64_t wc, int64_t j0, int64_t n, const float* x, int64_t stride,
+                  float* const out[kRows]) {
+    constexpr int NV = D / kW > 0 ? D / kW : 1;  // (heads narrower than a vector are refused)
+    constexpr int R = kAccs / NV < 1 ? 1 : (kAccs / NV > kRows ? kRows : kAccs / NV);  // accumulators in registers
     for (int r0 = 0; r0 < kRows; r0 += R) {
         vec acc[R][NV];
         for (int r = 0; r < R; ++r)
-            for (int v = 0; v < NV; ++v) acc[r][v] = splat(0);
-        for (int64_t j = 0; j < n; ++j) {
+            for (int v = 0; v < NV; ++v) acc[r][v] = Accumulate ? load(out[r0 + r] + kW * v) : splat(0);
+        for (int64_t j = j0; j < n; ++j) {
             const float* xj = x + j * stride;
+            const float* wj = w + j * wc + r0 * wr;
             for (int v = 0; v < NV; ++v) {
                 const vec xv = load(xj + kW * v);
-                for (int r = 0; r < R; ++r) acc[r][v] += splat(w[(r0 + r) * ldw + j]) * xv;
+                for (int r = 0; r < R; ++r) acc[r][v] += splat(wj[r * wr]) * xv;
             }
         }
         for (int r = 0; r < R; ++r)
@@ -120,28 +168,44 @@ void weighted_rows(const float* w, int64_t ldw, int64_t n, const float* x, int64
     }
 }
 
-// Y_j += sum_r W[r][j] * Z_r for j < n (Y rows of D floats, contiguous): a rank-kRows update.
+// Rows of the projection are far apart (3 H D floats), too far for the hardware prefetcher to follow: ask
+// for row j a few rows before it is read.
+constexpr int64_t kPrefetchRows = 8;
 template <int D>
-void rank_update(const float* w, int64_t ldw, int64_t n, const float* const z[kRows], float* y) {
-    constexpr int NV = D / kW;
-    for (int v = 0; v < NV; ++v) {
-        const vec z0 = load(z[0] + kW * v), z1 = load(z[1] + kW * v), z2 = load(z[2] + kW * v),
-                  z3 = load(z[3] + kW * v);
-        for (int64_t j = 0; j < n; ++j) {
-            float* yj = y + j * D + kW * v;
-            store(yj, load(yj) + splat(w[j]) * z0 + splat(w[ldw + j]) * z1 + splat(w[2 * ldw + j]) * z2
-                          + splat(w[3 * ldw + j]) * z3);
-        }
-    }
+inline void prefetch_row(const float* x, int64_t stride, int64_t j, int64_t L) {
+    if (j >= L) return;
+    for (int d = 0; d < D; d += 16) __builtin_prefetch(x + j * stride + d);
 }
 
 // The rows X_j (j < L) in panels of kPanel rows, each stored transposed: element d of row j lands at
 // panels[(j / kPanel) * D * kPanel + d * kPanel + j % kPanel]; rows past L are zero.
 template <int D>
 void pack_panels(const float* x, int64_t stride, int64_t L, float* panels) {
-    const int64_t padded = round_panel(L);
-    std::memset(panels + (L / kPanel) * kPanel * D, 0, sizeof(float) * (padded - L / kPanel * kPanel) * D);
-    for (int64_t j = 0; j < L; ++j) {
+    const int64_t padded = round_panel(L), whole = L / kPanel * kPanel;
+    std::memset(panels + whole * D, 0, sizeof(float) * (padded - whole) * D);
+    int64_t j = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+    // Whole panels by gathering each column of kPanel rows into vectors (scalar stores are several times slower).
+    for (; j < whole; j += kPanel) {
+        for (int64_t ahead = j + kPanel; ahead < j + 2 * kPanel; ++ahead) prefetch_row<D>(x, stride, ahead, L);
+        const float* base = x + j * stride;
+        float* panel = panels + j * D;
+#if defined(__AVX512F__)
+        const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32((int)stride));
+        for (int d = 0; d < D; ++d) _mm512_store_ps(panel + d * kPanel, _mm512_i32gather_ps(rows, base + d, 4));
+#else
+        const __m256i rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                _mm256_set1_epi32((int)stride));
+        for (int d = 0; d < D; ++d) {
+            _mm256_storeu_ps(panel + d * kPanel, _mm256_i32gather_ps(base + d, rows, 4));
+            _mm256_storeu_ps(panel + d * kPanel + 8, _mm256_i32gather_ps(base + 8 * stride + d, rows, 4));
+        }
+#endif
+    }
+#endif
+    for (; j < L; ++j) {
+        prefetch_row<D>(x, stride, j + kPrefetchRows, L);
         float* column = panels + (j / kPanel) * D * kPanel + j % kPanel;
         const float* row = x + j * stride;
         for (int d = 0; d < D; ++d) column[d * kPanel] = row[d];
@@ -152,7 +216,10 @@ void pack_panels(const float* x, int64_t stride, int64_t L, float* panels) {
 // other from the L1 cache (their stride is a multiple of its set size).
 template <int D>
 void pack_rows(const float* x, int64_t stride, int64_t L, float* rows) {
-    for (int64_t j = 0; j < L; ++j) std::memcpy(rows + j * D, x + j * stride, sizeof(float) * D);
+    for (int64_t j = 0; j < L; ++j) {
+        prefetch_row<D>(x, stride, j + kPrefetchRows, L);
+        std::memcpy(rows + j * D, x + j * stride, sizeof(float) * D);
+    }
 }
 
 // Rows i0 .. i0 + rows - 1 of the block; rows past the end repeat the last one (their results are unused).
@@ -164,8 +231,7 @@ template <int D>
 void forward_head(const Head& h, int64_t L, float scale, float* o, int64_t o_row, float* lse,
                   std::vector<float>& work) {
     const int64_t ld = round_panel(L);
-    work.resize(D * ld + kRows * ld + L * D);
-    float* kt = work.data();
+    float* kt = aligned_work(work, D * ld + kRows * ld + L * D);
     float* s = kt + D * ld;
     float* v = s + kRows * ld;
     pack_panels<D>(h.q + h.kv, h.row, L, kt);
@@ -178,71 +244,107 @@ void forward_head(const Head& h, int64_t L, float scale, float* o, int64_t o_row
         for (int64_t r = 0; r < kRows; ++r) {
             float* p = s + r * ld;
             const int64_t valid = r < rows ? i0 + r + 1 : 0;  // keys 0 .. i
-            float m = valid ? p[0] * scale : 0.0f;
-            for (int64_t j = 1; j < valid; ++j) m = p[j] * scale > m ? p[j] * scale : m;
-            float sum = 0.0f;
-            for (int64_t j = 0; j < valid; ++j) {
-                p[j] = std::exp(p[j] * scale - m);
-                sum += p[j];
+            if (valid == 0) {  // a row past the end: its output is discarded
+                for (int64_t j = 0; j < n; ++j) p[j] = 0.0f;
+                continue;
             }
-            const float inv = valid ? 1.0f / sum : 0.0f;
-            for (int64_t j = 0; j < valid; ++j) p[j] *= inv;
-            for (int64_t j = valid; j < n; ++j) p[j] = 0.0f;
-            if (valid && lse != nullptr) lse[i0 + r] = m + std::log(sum);
+            // Whole vectors up to `span` (<= the panels computed), the keys past i masked out.
+            const int64_t span = (valid + kW - 1) / kW * kW;
+            vec vm = splat(-FLT_MAX);
+            for (int64_t jb = 0; jb < span; jb += kW) vm = vmax(vm, below(load(p + jb), jb, valid, -FLT_MAX));
+            float m = vm[0];
+            for (int k = 1; k < kW; ++k) m = vm[k] > m ? vm[k] : m;
+            m *= scale;
+            vec vsum = splat(0);
+            for (int64_t jb = 0; jb < span; jb += kW) {
+                const vec e = below(vexp(vmin(load(p + jb) * scale - m, splat(0))), jb, valid, 0.0f);
+                store(p + jb, e);
+                vsum += e;
+            }
+            float sum = 0.0f;
+            for (int k = 0; k < kW; ++k) sum += vsum[k];
+            const float inv = 1.0f / sum;
+            for (int64_t jb = 0; jb < span; jb += kW) store(p + jb, load(p + jb) * inv);
+            for (int64_t j = span; j < n; ++j) p[j] = 0.0f;
+            if (lse != nullptr) lse[i0 + r] = m + std::log(sum);
         }
         float* out[kRows];
         float scratch[kRows][D];
         for (int64_t r = 0; r < kRows; ++r) out[r] = r < rows ? o + (i0 + r) * o_row : scratch[r];
-        weighted_rows<D>(s, ld, n, v, D, out);
+        weighted_sum<D, false>(s, ld, 1, 0, n, v, D, out);
     }
 }
+
+constexpr int64_t kChunk = 64;  // query rows whose P and dS rows are kept at once in the backward pass
 
 template <int D>
 void backward_head(const Head& h, int64_t L, float scale, const float* o, const float* go, int64_t o_row,
                    const float* lse, float* g, std::vector<float>& work) {
     const int64_t ld = round_panel(L);
-    work.resize(2 * D * ld + 2 * kRows * ld + 3 * L * D + L);
-    float* kt = work.data();
+    float* kt = aligned_work(work, 2 * D * ld + 2 * kChunk * ld + 5 * L * D + L + kRows * D);
     float* vt = kt + D * ld;
-    float* p = vt + D * ld;
-    float* ds = p + kRows * ld;
-    float* gk = ds + kRows * ld;
+    float* p = vt + D * ld;      // P rows of the chunk
+    float* ds = p + kChunk * ld;  // dS rows of the chunk
+    float* gk = ds + kChunk * ld;
     float* gv = gk + L * D;
     float* k = gv + L * D;
-    float* delta = k + L * D;
+    float* q = k + L * D;
+    float* dout = q + L * D;
+    float* delta = dout + L * D;
+    float* scratch = delta + L;  // kRows rows of D
     pack_panels<D>(h.q + h.kv, h.row, L, kt);
     pack_panels<D>(h.q + 2 * h.kv, h.row, L, vt);
     pack_rows<D>(h.q + h.kv, h.row, L, k);
+    pack_rows<D>(h.q, h.row, L, q);
+    pack_rows<D>(go, o_row, L, dout);
     std::memset(gk, 0, sizeof(float) * 2 * L * D);
     for (int64_t i = 0; i < L; ++i) {
         float acc = 0.0f;
-        for (int d = 0; d < D; ++d) acc += go[i * o_row + d] * o[i * o_row + d];
+        for (int d = 0; d < D; ++d) acc += dout[i * D + d] * o[i * o_row + d];
         delta[i] = acc;
     }
-    for (int64_t i0 = 0; i0 < L; i0 += kRows) {
-        const int64_t rows = L - i0 < kRows ? L - i0 : kRows, n = i0 + rows;
-        const float *q[kRows], *dout[kRows];
-        block_rows(h.q, h.row, i0, rows, q);
-        block_rows(go, o_row, i0, rows, dout);
-        row_products<D>(q, kt, round_panel(n), p, ld);
-        row_products<D>(dout, vt, round_panel(n), ds, ld);
-        for (int64_t r = 0; r < kRows; ++r) {
-            float* pr = p + r * ld;
-            float* dr = ds + r * ld;
-            const int64_t valid = r < rows ? i0 + r + 1 : 0;
-            const float l = valid ? lse[i0 + r] : 0.0f, dl = valid ? delta[i0 + r] : 0.0f;
-            for (int64_t j = 0; j < valid; ++j) {
-                pr[j] = std::exp(pr[j] * scale - l);
-                dr[j] = pr[j] * (dr[j] - dl) * scale;
+    for (int64_t c0 = 0; c0 < L; c0 += kChunk) {
+        const int64_t c1 = L - c0 < kChunk ? L : c0 + kChunk;
+        for (int64_t i0 = c0; i0 < c1; i0 += kRows) {
+            const int64_t rows = c1 - i0 < kRows ? c1 - i0 : kRows, n = i0 + rows;
+            const float *qr[kRows], *dr_[kRows];
+            block_rows(q, D, i0, rows, qr);
+            block_rows(dout, D, i0, rows, dr_);
+            float* pb = p + (i0 - c0) * ld;
+            float* db = ds + (i0 - c0) * ld;
+            row_products<D>(qr, kt, round_panel(n), pb, ld);
+            row_products<D>(dr_, vt, round_panel(n), db, ld);
+            for (int64_t r = 0; r < kRows; ++r) {
+                if (r >= rows) break;
+                float* pr = pb + r * ld;
+                float* dr = db + r * ld;
+                const int64_t valid = i0 + r + 1;
+                const float l = lse[i0 + r], dl = delta[i0 + r];
+                // Whole vectors again; the keys past i get P = dS = 0, which is what the products below read.
+                const int64_t span = (valid + kW - 1) / kW * kW;
+                for (int64_t jb = 0; jb < span; jb += kW) {
+                    const vec e = below(vexp(vmin(load(pr + jb) * scale - l, splat(0))), jb, valid, 0.0f);
+                    store(pr + jb, e);
+                    store(dr + jb, e * (load(dr + jb) - dl) * scale);
+                }
             }
-            for (int64_t j = valid; j < n; ++j) pr[j] = dr[j] = 0.0f;
+            float* gq[kRows];
+            for (int64_t r = 0; r < kRows; ++r) gq[r] = r < rows ? g + (i0 + r) * h.row : scratch + r * D;
+            weighted_sum<D, false>(db, ld, 1, 0, n, k, D, gq);
         }
-        rank_update<D>(p, ld, n, dout, gv);
-        rank_update<D>(ds, ld, n, q, gk);
-        float* gq[kRows];
-        float scratch[kRows][D];
-        for (int64_t r = 0; r < kRows; ++r) gq[r] = r < rows ? g + (i0 + r) * h.row : scratch[r];
-        weighted_rows<D>(ds, ld, n, k, D, gq);
+        // dV_j += sum_i P_ij dO_i and dK_j += sum_i dS_ij Q_i over the chunk's rows i >= j.
+        for (int64_t j0 = 0; j0 < c1; j0 += kRows) {
+            const int64_t i_start = j0 > c0 ? j0 : c0;
+            float *gvr[kRows], *gkr[kRows];
+            for (int64_t r = 0; r < kRows; ++r) {
+                const bool real = j0 + r < L;
+                gvr[r] = real ? gv + (j0 + r) * D : scratch + r * D;
+                gkr[r] = real ? gk + (j0 + r) * D : scratch + r * D;
+            }
+            const int64_t first = i_start - c0;
+            weighted_sum<D, true>(p + first * ld + j0, 1, ld, 0, c1 - i_start, dout + i_start * D, D, gvr);
+            weighted_sum<D, true>(ds + first * ld + j0, 1, ld, 0, c1 - i_start, q + i_start * D, D, gkr);
+        }
     }
     for (int64_t j = 0; j < L; ++j) {
         std::memcpy(g + j * h.row + h.kv, gk + j * D, sizeof(float) * D);
@@ -281,6 +383,9 @@ void backward(const float* qkv, const float* out, const float* grad_out, const f
 }  // namespace
 
 extern "C" {
+int attention_head_supported(int64_t D) {
+    return D % kW == 0 && (D == 8 || D == 16 || D == 32 || D == 64 || D == 128);
+}
 int attention_forward_f32(const float* qkv, float* out, float* lse, int64_t B, int64_t L, int64_t H, int64_t D,
                           double scale, int64_t threads) {
     if (D % kW) return 1;
@@ -311,6 +416,8 @@ int attention_backward_f32(const float* qkv, const float* out, const float* grad
 
 def _bind(lib: ctypes.CDLL) -> None:
     p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+    lib.attention_head_supported.argtypes = [i]
+    lib.attention_head_supported.restype = ctypes.c_int
     lib.attention_forward_f32.argtypes = [p, p, p, i, i, i, i, f, i]
     lib.attention_forward_f32.restype = ctypes.c_int
     lib.attention_backward_f32.argtypes = [p, p, p, p, p, i, i, i, i, f, i]
@@ -320,9 +427,9 @@ def _bind(lib: ctypes.CDLL) -> None:
 # -ffast-math is safe here: no infinity or NaN is ever produced on purpose (masked keys are skipped, not
 # set to -inf), and it lets exp() vectorise.
 KERNEL = NativeKernel(
-    "attention", _CPP_SOURCE, _bind, abi_version=1, env_var="GATEDFORMER_ATTENTION_BACKEND",
+    "attention", _CPP_SOURCE, _bind, abi_version=2, env_var="GATEDFORMER_ATTENTION_BACKEND",
     description="the compiled causal attention kernel", fallback="scaled_dot_product_attention",
-    fast_math=True,
+    fast_math=True, avx512=True,
 )
 
 
@@ -333,7 +440,15 @@ def kernel_applies(qkv: Tensor, n_heads: int, dropout: float) -> bool:
     head, rest = divmod(qkv.shape[-1], 3 * n_heads)
     if rest or head not in SUPPORTED_HEAD_SIZES or torch.compiler.is_compiling():
         return False
-    return KERNEL.pick_backend(qkv.device) == "native"
+    return KERNEL.pick_backend(qkv.device) == "native" and head in supported_head_sizes()
+
+
+def supported_head_sizes(lib: ctypes.CDLL | None = None) -> tuple[int, ...]:
+    """The head sizes the loaded build (or ``lib``) takes: empty without a kernel."""
+    lib = lib or KERNEL.library(warn=False)
+    if lib is None:
+        return ()
+    return tuple(h for h in SUPPORTED_HEAD_SIZES if lib.attention_head_supported(h))
 
 
 class _PackedCausalAttention(torch.autograd.Function):
