@@ -27,8 +27,8 @@ from torch import Tensor
 
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 
-__all__ = ["KERNEL", "apply_dropout", "apply_dropout_add", "apply_relu_dropout", "philox4x32_10", "philox_words",
-           "scale_where_positive"]
+__all__ = ["KERNEL", "apply_dropout", "apply_dropout_add", "apply_relu_dropout", "bias_dropout_add_",
+           "bias_relu_dropout_", "philox4x32_10", "philox_words", "scale_where_positive"]
 
 _MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
 _KEY_STEPS = (0x9E3779B9, 0xBB67AE85)
@@ -160,6 +160,41 @@ void masked_scale(const T* base, const T* x, T* y, int64_t n, uint64_t seed, uin
     });
 }
 
+// The epilogue of a linear layer, in place on its product h (rows of `cols`): h[i] = f(h[i] + bias[i % cols])
+// times the mask, plus base[i] when there is a base (a residual connection); f is the ReLU or the identity.
+template <bool ReluToo>
+void bias_epilogue(const float* base, float* h, const float* bias, int64_t n, int64_t cols, uint64_t seed,
+                   uint32_t keep_below, float scale, int64_t threads) {
+    const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    gatedformer::parallel_chunks(n, threads, kDraw, [=](int64_t lo, int64_t hi) {
+        alignas(64) uint32_t words[kDraw];
+        int64_t col = lo % cols;
+        for (int64_t start = lo; start < hi; start += kDraw) {
+            draw_words((uint64_t)start / kTile, k0, k1, words);
+            const int64_t m = hi - start < kDraw ? hi - start : kDraw;
+            for (int64_t j = 0; j < m;) {  // runs of one row, so that the bias is read contiguously
+                const int64_t run = m - j < cols - col ? m - j : cols - col;
+                float* hs = h + start + j;
+                const float* bs = bias + col;
+                const uint32_t* ws = words + j;
+                if (base != nullptr) {
+                    const float* as = base + start + j;
+                    for (int64_t k = 0; k < run; ++k)
+                        hs[k] = as[k] + (hs[k] + bs[k]) * (ws[k] < keep_below ? scale : 0.0f);
+                } else {
+                    for (int64_t k = 0; k < run; ++k) {
+                        const float v = hs[k] + bs[k];
+                        const bool keep = ws[k] < keep_below && (!ReluToo || v > 0.0f);
+                        hs[k] = v * (keep ? scale : 0.0f);
+                    }
+                }
+                j += run;
+                col = col + run == cols ? 0 : col + run;
+            }
+        }
+    });
+}
+
 // g_in[i] = g[i] * scale where y[i] > 0, else 0: the backward pass of relu-then-dropout from its output.
 template <typename T>
 void positive_scale(const T* y, const T* g, T* out, int64_t n, T scale, int64_t threads) {
@@ -189,6 +224,14 @@ extern "C" {
     }
 DROPOUT_DEFINE(float, f32)
 DROPOUT_DEFINE(double, f64)
+void bias_relu_dropout_f32(float* h, const float* bias, int64_t n, int64_t cols, uint64_t seed, uint32_t keep_below,
+                           double scale, int64_t threads) {
+    bias_epilogue<true>(nullptr, h, bias, n, cols, seed, keep_below, (float)scale, threads);
+}
+void bias_dropout_add_f32(const float* base, float* h, const float* bias, int64_t n, int64_t cols, uint64_t seed,
+                          uint32_t keep_below, double scale, int64_t threads) {
+    bias_epilogue<false>(base, h, bias, n, cols, seed, keep_below, (float)scale, threads);
+}
 void dropout_tile_words(uint64_t tile, uint64_t seed, uint32_t* words) {
     tile_words(tile, (uint32_t)seed, (uint32_t)(seed >> 32), words);
 }
@@ -206,12 +249,16 @@ def _bind(lib: ctypes.CDLL) -> None:
         getattr(lib, f"dropout_add_{suffix}").restype = None
         getattr(lib, f"positive_scale_{suffix}").argtypes = [p, p, p, i, f, i]
         getattr(lib, f"positive_scale_{suffix}").restype = None
+    lib.bias_relu_dropout_f32.argtypes = [p, p, i, i, u64, u32, f, i]
+    lib.bias_relu_dropout_f32.restype = None
+    lib.bias_dropout_add_f32.argtypes = [p, p, p, i, i, u64, u32, f, i]
+    lib.bias_dropout_add_f32.restype = None
     lib.dropout_tile_words.argtypes = [u64, u64, p]
     lib.dropout_tile_words.restype = None
 
 
 KERNEL = NativeKernel(
-    "dropout", _CPP_SOURCE, _bind, abi_version=2, env_var="GATEDFORMER_DROPOUT_BACKEND",
+    "dropout", _CPP_SOURCE, _bind, abi_version=3, env_var="GATEDFORMER_DROPOUT_BACKEND",
     description="the compiled dropout kernel", fallback="PyTorch's own dropout",
     # No fused multiply-add, so that ``base + x * scale`` rounds as PyTorch's two operations do.
     extra_cflags=("-ffp-contract=off",), avx512=True,
@@ -302,3 +349,22 @@ def scale_where_positive(y: Tensor, grad: Tensor, scale: float) -> Tensor:
         fn(y.data_ptr(), grad.data_ptr(), out.data_ptr(), y.numel(), scale, kernel_threads(y.numel()))
         return out
     return grad * (y > 0).to(grad.dtype).mul_(scale)
+
+
+def bias_relu_dropout_(h: Tensor, bias: Tensor, seed: int, keep_below: int, scale: float) -> Tensor:
+    """``h <- relu(h + bias)`` times the mask of ``seed``, in place: the epilogue of a linear layer's product ``h``
+    (contiguous float32 rows on the CPU, ``bias`` one row). The mask is the one :func:`apply_relu_dropout` draws."""
+    if _native_ok(h) and h.dtype == torch.float32:
+        KERNEL.library().bias_relu_dropout_f32(h.data_ptr(), bias.data_ptr(), h.numel(), h.shape[-1], seed, keep_below,
+                                               scale, kernel_threads(h.numel()))
+        return h
+    return h.copy_(apply_relu_dropout(h + bias, seed, keep_below, scale))
+
+
+def bias_dropout_add_(h: Tensor, base: Tensor, bias: Tensor, seed: int, keep_below: int, scale: float) -> Tensor:
+    """``h <- base + (h + bias)`` times the mask of ``seed``, in place (see :func:`bias_relu_dropout_`)."""
+    if _native_ok(h) and h.dtype == torch.float32 and base.dtype == h.dtype:
+        KERNEL.library().bias_dropout_add_f32(base.data_ptr(), h.data_ptr(), bias.data_ptr(), h.numel(), h.shape[-1],
+                                              seed, keep_below, scale, kernel_threads(h.numel()))
+        return h
+    return h.copy_(apply_dropout_add(base, h + bias, seed, keep_below, scale))

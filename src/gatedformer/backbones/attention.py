@@ -26,9 +26,17 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Linear(d_model, d_model)
         self.dropout = dropout
 
-    def forward(self, x: Tensor) -> Tensor:
+    @property
+    def output_projection(self) -> nn.Linear:
+        return self.out
+
+    def features(self, x: Tensor) -> Tensor:
+        """The heads' outputs side by side, before the output projection."""
         dropout = self.dropout if self.training else 0.0
-        return self.out(causal_attention_packed(self.qkv(x), self.n_heads, dropout))
+        return causal_attention_packed(self.qkv(x), self.n_heads, dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.features(x))
 
 
 def sinusoidal_positions(length: int, d_model: int, device: torch.device | None = None,

@@ -20,12 +20,18 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from gatedformer.backbones.dropout import Dropout
+from gatedformer.backbones.fused_linear import linear_dropout_add, linear_relu_dropout
 from gatedformer.backbones.placement import SublayerGates
 from gatedformer.gates import EAU, SDU, GatedMHDPA, GatedResidual, GLUFeedForward, HighwayGate
 
 
 class FeedForward(nn.Module):
-    """Position-wise ``W2 · Dropout(ReLU(W1 x + b1)) + b2``."""
+    """Position-wise ``W2 · Dropout(ReLU(W1 x + b1)) + b2``.
+
+    Like every sublayer body that ends in a linear layer, it offers ``features(x)`` (everything before that
+    layer) and ``output_projection`` (the layer), so that :class:`Sublayer` can fuse the layer with its
+    dropout and residual add (:mod:`gatedformer.backbones.fused_linear`).
+    """
 
     def __init__(self, d_model: int, d_ffn: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -33,8 +39,15 @@ class FeedForward(nn.Module):
         self.outer = nn.Linear(d_ffn, d_model)
         self.dropout = Dropout(dropout)
 
+    @property
+    def output_projection(self) -> nn.Linear:
+        return self.outer
+
+    def features(self, x: Tensor) -> Tensor:
+        return linear_relu_dropout(x, self.inner, self.dropout.p, self.training)
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.outer(self.dropout.after_relu(self.inner(x)))  # dropout(relu(.)) in one fused mask
+        return self.outer(self.features(x))
 
 
 def make_ffn(kind: str, d_model: int, d_ffn: int, dropout: float) -> nn.Module:
@@ -59,9 +72,15 @@ class Sublayer(nn.Module):
         self.gated_mix = GatedMHDPA(d_model) if gates.unit == "gated_mhdpa" else None
         self.eau = EAU(d_model) if gates.eau else None
         self.residual_gate = GatedResidual(d_model) if gates.grc else None
+        # With no gate between the body's last linear layer and the residual add, the two can be one pass.
+        self.fuse_output = gates.empty and hasattr(body, "features") and hasattr(body, "output_projection")
 
     def forward(self, x: Tensor, *body_args: object) -> Tensor:
         h = self.norm(x) if self.pre_norm else x
+        if self.fuse_output:
+            y = linear_dropout_add(x, self.body.features(h, *body_args), self.body.output_projection,
+                                   self.dropout.p, self.training)  # x + dropout(W f(h) + b)
+            return y if self.pre_norm else self.norm(y)
         s = self.body(h, *body_args)
         if self.eau is not None:
             s = self.eau(s)

@@ -1,0 +1,110 @@
+"""Linear layers fused with what follows them in a Transformer sublayer, for CPU training.
+
+A sublayer's linear layers are each followed by element-wise work: the FFN's first layer by its ReLU and
+dropout, the last layer of attention and of the FFN by dropout and the residual add. Written as
+``F.linear`` then the element-wise operations, every step reads and writes the whole activation again
+(``addmm`` itself first copies the broadcast bias into its output), and each is one more autograd node.
+On the CPU these passes cost as much as a fifth of a small model's matrix products. Here one autograd
+function per linear layer computes the matrix product without the bias, then adds the bias, applies the
+ReLU, the dropout mask and the residual in one pass over the product, in place (the product is a temporary
+no one else sees). The masks are those of :mod:`gatedformer.backbones.dropout` (Philox, redrawn in the
+backward pass), so a fused and an unfused model with the same seed train alike.
+
+:func:`linear_relu_dropout` and :func:`linear_dropout_add` take that path only where it applies: training
+with ``0 < p < 1``, float32 on the CPU outside ``torch.compile`` and autocast, the compiled dropout kernel
+available, and a plain :class:`torch.nn.Linear` with a bias and no hooks (so that hooks on it still see
+every call). Everything else is computed as written, unfused.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from gatedformer.backbones import dropout as dropout_ops
+from gatedformer.backbones._dropout_kernel import (
+    apply_dropout,
+    bias_dropout_add_,
+    bias_relu_dropout_,
+    scale_where_positive,
+)
+
+__all__ = ["fusion_applies", "linear_dropout_add", "linear_relu_dropout"]
+
+_INT32_VALUES = 2 ** 32
+
+
+def fusion_applies(x: Tensor, linear: nn.Module, p: float, training: bool) -> bool:
+    """Whether :func:`linear_relu_dropout` / :func:`linear_dropout_add` take the fused path for these inputs."""
+    return (training and type(linear) is nn.Linear and linear.bias is not None
+            and not (linear._forward_hooks or linear._forward_pre_hooks or linear._backward_hooks
+                     or linear._backward_pre_hooks)
+            and x.dtype == torch.float32 and linear.weight.dtype == torch.float32
+            and linear.weight.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+            and dropout_ops._fast_path(x, p))
+
+
+def _rows(x: Tensor) -> Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _linear_grads(needed: tuple[bool, ...], grad_pre: Tensor, x: Tensor, weight: Tensor) -> tuple[Tensor | None, ...]:
+    """Gradients of ``x @ weight.T + bias`` for those of (x, weight, bias) ``needed``, from that of its output."""
+    need_x, need_w, need_b = needed
+    return (grad_pre.mm(weight) if need_x else None,
+            grad_pre.t().mm(x) if need_w else None,
+            grad_pre.sum(0) if need_b else None)
+
+
+class _LinearReluDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, seed: int, keep_below: int) -> Tensor:  # type: ignore[override]
+        ctx.scale = _INT32_VALUES / keep_below
+        out = bias_relu_dropout_(x.mm(weight.t()), bias, seed, keep_below, ctx.scale)
+        ctx.save_for_backward(x, weight, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, weight, out = ctx.saved_tensors
+        grad_pre = scale_where_positive(out, grad.contiguous(), ctx.scale)
+        return (*_linear_grads(ctx.needs_input_grad[:3], grad_pre, x, weight), None, None)
+
+
+class _LinearDropoutAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, base: Tensor, x: Tensor, weight: Tensor, bias: Tensor, seed: int,  # type: ignore[override]
+                keep_below: int) -> Tensor:
+        ctx.mask = (seed, keep_below, _INT32_VALUES / keep_below)
+        out = bias_dropout_add_(x.mm(weight.t()), base.contiguous(), bias, *ctx.mask)
+        ctx.save_for_backward(x, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_pre = apply_dropout(grad, *ctx.mask)
+        grads = _linear_grads(ctx.needs_input_grad[1:4], grad_pre, x, weight)
+        return (grad if ctx.needs_input_grad[0] else None, *grads, None, None)
+
+
+def linear_relu_dropout(x: Tensor, linear: nn.Linear, p: float, training: bool = True) -> Tensor:
+    """``dropout(relu(linear(x)), p)``, fused where :func:`fusion_applies`."""
+    if not fusion_applies(x, linear, p, training):
+        return dropout_ops.relu_dropout(linear(x), p, training)
+    out = _LinearReluDropout.apply(_rows(x), linear.weight, linear.bias, dropout_ops._draw_seed(),
+                                   dropout_ops._keep_below(p))
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def linear_dropout_add(base: Tensor, x: Tensor, linear: nn.Linear, p: float, training: bool = True) -> Tensor:
+    """``base + dropout(linear(x), p)`` (a residual connection around a linear layer), fused where
+    :func:`fusion_applies` and ``base`` has the output's shape."""
+    if not fusion_applies(x, linear, p, training) or base.shape != (*x.shape[:-1], linear.out_features) \
+            or base.dtype != x.dtype:
+        return dropout_ops.dropout_add(base, linear(x), p, training)
+    out = _LinearDropoutAdd.apply(_rows(base), _rows(x), linear.weight, linear.bias, dropout_ops._draw_seed(),
+                                  dropout_ops._keep_below(p))
+    return out.view(base.shape)
+

@@ -1,0 +1,131 @@
+"""Linear layers fused with their bias, ReLU, dropout and residual add: the same numbers as the unfused ops."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from gatedformer.backbones import _dropout_kernel, _native, fused_linear
+from gatedformer.backbones.dropout import dropout_add, relu_dropout
+from gatedformer.backbones.fused_linear import fusion_applies, linear_dropout_add, linear_relu_dropout
+from gatedformer.backbones.transformer import TransformerLM
+
+
+def _kernel_or_skip() -> None:
+    if _dropout_kernel.KERNEL.pick_backend(torch.device("cpu")) != "native":
+        pytest.skip(f"the compiled dropout kernel is unavailable here: {_dropout_kernel.KERNEL.error}")
+
+
+def _grads(out: Tensor, grad: Tensor, *inputs: Tensor) -> list[Tensor]:
+    return list(torch.autograd.grad(out, inputs, grad))
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 40), d_in=st.integers(1, 24), d_out=st.integers(1, 150), p=st.sampled_from([0.1, 0.5]),
+       seed=st.integers(0, 2 ** 16))
+def test_fused_linear_relu_dropout_is_the_unfused_computation(rows: int, d_in: int, d_out: int, p: float,
+                                                             seed: int) -> None:
+    _kernel_or_skip()
+    torch.manual_seed(seed)
+    linear = nn.Linear(d_in, d_out)
+    x = torch.randn(2, rows, d_in, requires_grad=True)
+    grad = torch.randn(2, rows, d_out)
+    assert fusion_applies(x, linear, p, True)
+    torch.manual_seed(seed + 1)
+    fused = linear_relu_dropout(x, linear, p)
+    torch.manual_seed(seed + 1)
+    plain = relu_dropout(linear(x), p)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+    assert torch.equal(fused == 0, plain == 0)  # the same mask (and ReLU zeros)
+    params = (x, linear.weight, linear.bias)
+    for a, b in zip(_grads(fused, grad, *params), _grads(plain, grad, *params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 40), d_in=st.integers(1, 24), d_out=st.integers(1, 150), seed=st.integers(0, 2 ** 16))
+def test_fused_linear_dropout_add_is_the_unfused_computation(rows: int, d_in: int, d_out: int, seed: int) -> None:
+    _kernel_or_skip()
+    torch.manual_seed(seed)
+    linear = nn.Linear(d_in, d_out)
+    x = torch.randn(rows, 3, d_in, requires_grad=True)
+    base = torch.randn(rows, 3, d_out, requires_grad=True)
+    grad = torch.randn(rows, 3, d_out)
+    torch.manual_seed(seed + 1)
+    fused = linear_dropout_add(base, x, linear, 0.3)
+    torch.manual_seed(seed + 1)
+    plain = dropout_add(base, linear(x), 0.3)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    params = (base, x, linear.weight, linear.bias)
+    for a, b in zip(_grads(fused, grad, *params), _grads(plain, grad, *params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", _native.ISAS)
+def test_epilogue_kernels_match_the_reference_masks(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-place bias epilogues draw the masks of the NumPy Philox reference, row by row of any width."""
+    _kernel_or_skip()
+    try:
+        monkeypatch.setattr(_dropout_kernel.KERNEL, "_lib", _dropout_kernel.KERNEL.library_for(isa))
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    keep_below, seed = round(0.8 * 2 ** 32), 12345
+    scale = 2 ** 32 / keep_below
+    h, base, bias = torch.randn(7, 37), torch.randn(7, 37), torch.randn(37)
+    keep = torch.from_numpy(_dropout_kernel.philox_words(h.numel(), seed) < np.uint32(keep_below)).view(7, 37)
+    relu = _dropout_kernel.bias_relu_dropout_(h.clone(), bias, seed, keep_below, scale)
+    pre = h + bias
+    assert torch.equal(relu, pre * ((keep & (pre > 0)).float() * scale))
+    added = _dropout_kernel.bias_dropout_add_(h.clone(), base, bias, seed, keep_below, scale)
+    assert torch.equal(added, base + pre * (keep.float() * scale))
+
+
+@pytest.mark.parametrize("case", ["eval", "float64", "hooked", "no bias", "p=0"])
+def test_everything_else_is_computed_unfused(case: str) -> None:
+    linear = nn.Linear(4, 6, bias=case != "no bias")
+    x = torch.randn(3, 4)
+    p, training = (0.0 if case == "p=0" else 0.2), case != "eval"
+    if case == "float64":
+        linear, x = linear.double(), x.double()
+    seen: list[Tensor] = []
+    if case == "hooked":
+        linear.register_forward_hook(lambda module, args, out: seen.append(out))
+    assert not fusion_applies(x, linear, p, training)
+    torch.manual_seed(0)
+    out = linear_relu_dropout(x, linear, p, training)
+    torch.manual_seed(0)
+    assert torch.equal(out, relu_dropout(linear(x), p, training))
+    if case == "hooked":
+        assert len(seen) == 2  # the hook saw the layer's call inside linear_relu_dropout too
+
+
+def test_sublayers_fuse_only_where_no_gate_stands_between() -> None:
+    model = TransformerLM(vocab_size=11, d_model=16, n_layers=2, n_heads=2, d_ffn=32, gates="+EAU L1")
+    fused = {name: module.fuse_output for name, module in model.named_modules() if hasattr(module, "fuse_output")}
+    assert fused == {"layers.0.attn": False, "layers.0.ffn": True, "layers.1.attn": True, "layers.1.ffn": True}
+
+
+def test_language_model_trains_the_same_fused_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    _kernel_or_skip()
+    torch.manual_seed(0)
+    model = TransformerLM(vocab_size=30, d_model=32, n_layers=2, n_heads=2, d_ffn=64, dropout=0.2)
+    tokens = torch.randint(0, 30, (3, 17))
+
+    def loss_and_grads() -> tuple[Tensor, list[Tensor]]:
+        model.zero_grad()
+        torch.manual_seed(5)
+        logits, _ = model(tokens)
+        loss = logits.square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    fused_loss, fused_grads = loss_and_grads()
+    monkeypatch.setattr(fused_linear, "fusion_applies", lambda *args: False)
+    plain_loss, plain_grads = loss_and_grads()
+    torch.testing.assert_close(fused_loss, plain_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(fused_grads, plain_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
