@@ -129,3 +129,23 @@ def test_language_model_trains_the_same_fused_or_not(monkeypatch: pytest.MonkeyP
     torch.testing.assert_close(fused_loss, plain_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(fused_grads, plain_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_relu_gradient_with_column_sums_is_exact_and_thread_independent(threads: int,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    _kernel_or_skip()
+    y, grad = torch.randn(200, 37).relu(), torch.randn(200, 37)
+    reference = _dropout_kernel.scale_where_positive(y, grad, 1.25)
+    before = torch.get_num_threads()
+    monkeypatch.setattr(_native, "_ELEMENTS_PER_THREAD", 1)
+    torch.set_num_threads(threads)
+    try:
+        out, sums = _dropout_kernel.scale_where_positive_with_sums(y, grad, 1.25)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out, reference)
+    torch.testing.assert_close(sums, reference.sum(0), rtol=1e-5, atol=1e-5)
+    one, _ = _dropout_kernel.scale_where_positive_with_sums(y, grad, 1.25)
+    assert torch.equal(_dropout_kernel.scale_where_positive_with_sums(y, grad, 1.25)[1], sums)  # blocks, not threads
+    assert torch.equal(one, out)

@@ -28,7 +28,8 @@ from torch import Tensor
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 
 __all__ = ["KERNEL", "apply_dropout", "apply_dropout_add", "apply_relu_dropout", "bias_dropout_add_",
-           "bias_relu_dropout_", "philox4x32_10", "philox_words", "scale_where_positive"]
+           "bias_relu_dropout_", "philox4x32_10", "philox_words", "scale_where_positive",
+           "scale_where_positive_with_sums"]
 
 _MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
 _KEY_STEPS = (0x9E3779B9, 0xBB67AE85)
@@ -39,6 +40,7 @@ _CPP_SOURCE = r"""
 // Dropout with Philox4x32-10 masks; see gatedformer/backbones/_dropout_kernel.py for the layout.
 // Generated and compiled by gatedformer.
 #include <cstdint>
+#include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -203,6 +205,37 @@ void positive_scale(const T* y, const T* g, T* out, int64_t n, T scale, int64_t 
     });
 }
 
+// positive_scale on rows of `cols`, also summing each column of the result into colsum (the gradient of a
+// bias before the ReLU). Rows are summed in fixed blocks, then the blocks in order: the same sums whatever
+// the number of threads.
+constexpr int64_t kSumRows = 64;
+
+void positive_scale_colsum(const float* y, const float* g, float* out, float* colsum, int64_t rows, int64_t cols,
+                           float scale, int64_t threads) {
+    const int64_t blocks = (rows + kSumRows - 1) / kSumRows;
+    std::vector<float> partial(blocks * cols, 0.0f);
+    float* partials = partial.data();
+    gatedformer::parallel_chunks(blocks, threads, 1, [=](int64_t lo, int64_t hi) {
+        for (int64_t b = lo; b < hi; ++b) {
+            float* acc = partials + b * cols;
+            const int64_t end = (b + 1) * kSumRows < rows ? (b + 1) * kSumRows : rows;
+            for (int64_t r = b * kSumRows; r < end; ++r) {
+                const float* yr = y + r * cols;
+                const float* gr = g + r * cols;
+                float* orow = out + r * cols;
+                for (int64_t c = 0; c < cols; ++c) {
+                    const float v = gr[c] * (yr[c] > 0.0f ? scale : 0.0f);
+                    orow[c] = v;
+                    acc[c] += v;
+                }
+            }
+        }
+    });
+    for (int64_t c = 0; c < cols; ++c) colsum[c] = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b)
+        for (int64_t c = 0; c < cols; ++c) colsum[c] += partials[b * cols + c];
+}
+
 }  // namespace
 
 extern "C" {
@@ -232,6 +265,10 @@ void bias_dropout_add_f32(const float* base, float* h, const float* bias, int64_
                           uint32_t keep_below, double scale, int64_t threads) {
     bias_epilogue<false>(base, h, bias, n, cols, seed, keep_below, (float)scale, threads);
 }
+void positive_scale_colsum_f32(const float* y, const float* g, float* out, float* colsum, int64_t rows, int64_t cols,
+                               double scale, int64_t threads) {
+    positive_scale_colsum(y, g, out, colsum, rows, cols, (float)scale, threads);
+}
 void dropout_tile_words(uint64_t tile, uint64_t seed, uint32_t* words) {
     tile_words(tile, (uint32_t)seed, (uint32_t)(seed >> 32), words);
 }
@@ -253,12 +290,14 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.bias_relu_dropout_f32.restype = None
     lib.bias_dropout_add_f32.argtypes = [p, p, p, i, i, u64, u32, f, i]
     lib.bias_dropout_add_f32.restype = None
+    lib.positive_scale_colsum_f32.argtypes = [p, p, p, p, i, i, f, i]
+    lib.positive_scale_colsum_f32.restype = None
     lib.dropout_tile_words.argtypes = [u64, u64, p]
     lib.dropout_tile_words.restype = None
 
 
 KERNEL = NativeKernel(
-    "dropout", _CPP_SOURCE, _bind, abi_version=3, env_var="GATEDFORMER_DROPOUT_BACKEND",
+    "dropout", _CPP_SOURCE, _bind, abi_version=4, env_var="GATEDFORMER_DROPOUT_BACKEND",
     description="the compiled dropout kernel", fallback="PyTorch's own dropout",
     # No fused multiply-add, so that ``base + x * scale`` rounds as PyTorch's two operations do.
     extra_cflags=("-ffp-contract=off",), avx512=True,
@@ -368,3 +407,16 @@ def bias_dropout_add_(h: Tensor, base: Tensor, bias: Tensor, seed: int, keep_bel
                                               seed, keep_below, scale, kernel_threads(h.numel()))
         return h
     return h.copy_(apply_dropout_add(base, h + bias, seed, keep_below, scale))
+
+
+def scale_where_positive_with_sums(y: Tensor, grad: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """:func:`scale_where_positive` of 2-d ``y`` and ``grad``, and the sums of its columns (in one pass natively)."""
+    if _native_ok(y) and y.dtype == torch.float32 and grad.dtype == y.dtype:
+        grad = grad.contiguous()
+        out = torch.empty_like(y)
+        sums = y.new_empty(y.shape[1])
+        KERNEL.library().positive_scale_colsum_f32(y.data_ptr(), grad.data_ptr(), out.data_ptr(), sums.data_ptr(),
+                                                   y.shape[0], y.shape[1], scale, kernel_threads(y.numel()))
+        return out, sums
+    out = scale_where_positive(y, grad, scale)
+    return out, out.sum(0)

@@ -27,6 +27,7 @@ from gatedformer.backbones._dropout_kernel import (
     bias_dropout_add_,
     bias_relu_dropout_,
     scale_where_positive,
+    scale_where_positive_with_sums,
 )
 
 __all__ = ["fusion_applies", "linear_dropout_add", "linear_relu_dropout"]
@@ -48,12 +49,14 @@ def _rows(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _linear_grads(needed: tuple[bool, ...], grad_pre: Tensor, x: Tensor, weight: Tensor) -> tuple[Tensor | None, ...]:
-    """Gradients of ``x @ weight.T + bias`` for those of (x, weight, bias) ``needed``, from that of its output."""
+def _linear_grads(needed: tuple[bool, ...], grad_pre: Tensor, x: Tensor, weight: Tensor,
+                  grad_bias: Tensor | None = None) -> tuple[Tensor | None, ...]:
+    """Gradients of ``x @ weight.T + bias`` for those of (x, weight, bias) ``needed``, from that of its output
+    (and the bias gradient when it is already summed)."""
     need_x, need_w, need_b = needed
     return (grad_pre.mm(weight) if need_x else None,
             grad_pre.t().mm(x) if need_w else None,
-            grad_pre.sum(0) if need_b else None)
+            (grad_pre.sum(0) if grad_bias is None else grad_bias) if need_b else None)
 
 
 class _LinearReluDropout(torch.autograd.Function):
@@ -67,8 +70,11 @@ class _LinearReluDropout(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, weight, out = ctx.saved_tensors
-        grad_pre = scale_where_positive(out, grad.contiguous(), ctx.scale)
-        return (*_linear_grads(ctx.needs_input_grad[:3], grad_pre, x, weight), None, None)
+        if ctx.needs_input_grad[2]:  # the bias gradient summed in the same pass
+            grad_pre, grad_bias = scale_where_positive_with_sums(out, grad, ctx.scale)
+        else:
+            grad_pre, grad_bias = scale_where_positive(out, grad.contiguous(), ctx.scale), None
+        return (*_linear_grads(ctx.needs_input_grad[:3], grad_pre, x, weight, grad_bias), None, None)
 
 
 class _LinearDropoutAdd(torch.autograd.Function):
