@@ -624,7 +624,8 @@ class _LMRunner:
 
     def train_step(self, eager: bool = False) -> None:
         """One training step; ``eager=True`` bypasses ``torch.compile`` (for the memory probe)."""
-        self.model.train()
+        if not self.model.training:  # as a training loop, which does not walk every module each step
+            self.model.train()
         with self._autocast():
             logits, _ = (self.model if eager else self.forward)(self.x, self.state)
         loss = self._loss(logits)
@@ -637,7 +638,8 @@ class _LMRunner:
             self.optimizer.step()
 
     def eval_step(self) -> None:
-        self.model.eval()
+        if self.model.training:
+            self.model.eval()
         with torch.no_grad(), self._autocast():
             logits, _ = self.forward(self.x, self.state)
             self._loss(logits)

@@ -176,6 +176,9 @@ class NativeKernel:
 
     def pick_backend(self, device: torch.device, backend: str | None = None) -> str:
         """``"native"`` or ``"torch"`` for tensors on ``device``; ``backend`` overrides the environment."""
+        if backend is None and self._lib is not None and device.type == "cpu" \
+                and os.environ.get(self.env_var, "auto") in ("auto", "native"):
+            return "native"  # the common case, asked several times per layer and step: no more checks needed
         backend = backend or self.requested_backend()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be auto, native or torch, got {backend!r}")
