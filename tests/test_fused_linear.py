@@ -77,9 +77,10 @@ def test_epilogue_kernels_match_the_reference_masks(isa: str, monkeypatch: pytes
     scale = 2 ** 32 / keep_below
     h, base, bias = torch.randn(7, 37), torch.randn(7, 37), torch.randn(37)
     keep = torch.from_numpy(_dropout_kernel.philox_words(h.numel(), seed) < np.uint32(keep_below)).view(7, 37)
-    relu = _dropout_kernel.bias_relu_dropout_(h.clone(), bias, seed, keep_below, scale)
+    relu, positive = _dropout_kernel.bias_relu_dropout_(h.clone(), bias, seed, keep_below, scale)
     pre = h + bias
     assert torch.equal(relu, pre * ((keep & (pre > 0)).float() * scale))
+    assert torch.equal(positive, _dropout_kernel._pack_bits(relu.reshape(-1) > 0))
     added = _dropout_kernel.bias_dropout_add_(h.clone(), base, bias, seed, keep_below, scale)
     assert torch.equal(added, base + pre * (keep.float() * scale))
 
@@ -132,20 +133,26 @@ def test_language_model_trains_the_same_fused_or_not(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_relu_gradient_with_column_sums_is_exact_and_thread_independent(threads: int,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_relu_gradient_from_bits_with_column_sums(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The epilogue's sign bits give the gradient of scale_where_positive, and the column sums do not depend
+    on the threads; the NumPy fallback packs and reads the same bits."""
     _kernel_or_skip()
-    y, grad = torch.randn(200, 37).relu(), torch.randn(200, 37)
-    reference = _dropout_kernel.scale_where_positive(y, grad, 1.25)
+    keep_below, seed, scale = round(0.7 * 2 ** 32), 99, 2 ** 32 / round(0.7 * 2 ** 32)
+    h, bias, grad = torch.randn(200, 37), torch.randn(37), torch.randn(200, 37)
     before = torch.get_num_threads()
     monkeypatch.setattr(_native, "_ELEMENTS_PER_THREAD", 1)
     torch.set_num_threads(threads)
     try:
-        out, sums = _dropout_kernel.scale_where_positive_with_sums(y, grad, 1.25)
+        out, positive = _dropout_kernel.bias_relu_dropout_(h.clone(), bias, seed, keep_below, scale)
+        grad_pre, sums = _dropout_kernel.scale_where_positive_with_sums(positive, grad, scale)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(out, reference)
-    torch.testing.assert_close(sums, reference.sum(0), rtol=1e-5, atol=1e-5)
-    one, _ = _dropout_kernel.scale_where_positive_with_sums(y, grad, 1.25)
-    assert torch.equal(_dropout_kernel.scale_where_positive_with_sums(y, grad, 1.25)[1], sums)  # blocks, not threads
-    assert torch.equal(one, out)
+    assert positive.dtype == torch.int32 and positive.numel() == -(-h.numel() // 32)
+    assert torch.equal(grad_pre, _dropout_kernel.scale_where_positive(out, grad, scale))
+    torch.testing.assert_close(sums, grad_pre.sum(0), rtol=1e-5, atol=1e-5)
+    assert torch.equal(_dropout_kernel.scale_where_positive_with_sums(positive, grad, scale)[1], sums)
+    assert torch.equal(_dropout_kernel._pack_bits(out.reshape(-1) > 0), positive)
+    monkeypatch.setenv("GATEDFORMER_DROPOUT_BACKEND", "torch")
+    fallback_pre, fallback_sums = _dropout_kernel.scale_where_positive_with_sums(positive, grad, scale)
+    assert torch.equal(fallback_pre, grad_pre)
+    torch.testing.assert_close(fallback_sums, sums, rtol=1e-5, atol=1e-5)

@@ -164,9 +164,33 @@ void masked_scale(const T* base, const T* x, T* y, int64_t n, uint64_t seed, uin
 
 // The epilogue of a linear layer, in place on its product h (rows of `cols`): h[i] = f(h[i] + bias[i % cols])
 // times the mask, plus base[i] when there is a base (a residual connection); f is the ReLU or the identity.
+// Bit k set where x[k] > 0, for k < count <= 32.
+inline uint32_t positive_bits(const float* x, int64_t count) {
+    if (count == 32) {
+#if defined(__AVX512F__)
+        const __m512 zero = _mm512_setzero_ps();
+        return (uint32_t)_mm512_cmp_ps_mask(_mm512_loadu_ps(x), zero, _CMP_GT_OQ)
+             | (uint32_t)_mm512_cmp_ps_mask(_mm512_loadu_ps(x + 16), zero, _CMP_GT_OQ) << 16;
+#elif defined(__AVX2__)
+        const __m256 zero = _mm256_setzero_ps();
+        uint32_t bits = 0;
+        for (int q = 0; q < 4; ++q) {
+            const __m256 above = _mm256_cmp_ps(_mm256_loadu_ps(x + 8 * q), zero, _CMP_GT_OQ);
+            bits |= (uint32_t)_mm256_movemask_ps(above) << (8 * q);
+        }
+        return bits;
+#endif
+    }
+    uint32_t bits = 0;
+    for (int64_t k = 0; k < count; ++k) bits |= (uint32_t)(x[k] > 0.0f) << k;
+    return bits;
+}
+
+// With `positive`, bit i % 32 of positive[i / 32] is set where the result is > 0 (what the backward pass of
+// the ReLU form needs, 32 times smaller than the result).
 template <bool ReluToo>
 void bias_epilogue(const float* base, float* h, const float* bias, int64_t n, int64_t cols, uint64_t seed,
-                   uint32_t keep_below, float scale, int64_t threads) {
+                   uint32_t keep_below, float scale, int64_t threads, uint32_t* positive = nullptr) {
     const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
     gatedformer::parallel_chunks(n, threads, kDraw, [=](int64_t lo, int64_t hi) {
         alignas(64) uint32_t words[kDraw];
@@ -193,6 +217,9 @@ void bias_epilogue(const float* base, float* h, const float* bias, int64_t n, in
                 j += run;
                 col = col + run == cols ? 0 : col + run;
             }
+            if (positive != nullptr)  // draws start at multiples of 32: each word is one thread's
+                for (int64_t w = 0; w * 32 < m; ++w)
+                    positive[(start >> 5) + w] = positive_bits(h + start + 32 * w, m - 32 * w < 32 ? m - 32 * w : 32);
         }
     });
 }
@@ -205,13 +232,17 @@ void positive_scale(const T* y, const T* g, T* out, int64_t n, T scale, int64_t 
     });
 }
 
-// positive_scale on rows of `cols`, also summing each column of the result into colsum (the gradient of a
-// bias before the ReLU). Rows are summed in fixed blocks, then the blocks in order: the same sums whatever
-// the number of threads.
+// out = g * scale where the bit of element i in `positive` is set (else 0), on rows of `cols`, also summing each
+// column of out into colsum (the gradient of a bias before the ReLU). Rows are summed in fixed blocks, then the
+// blocks in order: the same sums whatever the number of threads.
 constexpr int64_t kSumRows = 64;
+typedef float v16f __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+constexpr v16u kLaneBits = {1u << 0, 1u << 1, 1u << 2, 1u << 3, 1u << 4, 1u << 5, 1u << 6, 1u << 7,
+                            1u << 8, 1u << 9, 1u << 10, 1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15};
 
-void positive_scale_colsum(const float* y, const float* g, float* out, float* colsum, int64_t rows, int64_t cols,
-                           float scale, int64_t threads) {
+void positive_scale_colsum(const uint32_t* positive, const float* g, float* out, float* colsum, int64_t rows,
+                           int64_t cols, float scale, int64_t threads) {
     const int64_t blocks = (rows + kSumRows - 1) / kSumRows;
     std::vector<float> partial(blocks * cols, 0.0f);
     float* partials = partial.data();
@@ -220,11 +251,21 @@ void positive_scale_colsum(const float* y, const float* g, float* out, float* co
             float* acc = partials + b * cols;
             const int64_t end = (b + 1) * kSumRows < rows ? (b + 1) * kSumRows : rows;
             for (int64_t r = b * kSumRows; r < end; ++r) {
-                const float* yr = y + r * cols;
                 const float* gr = g + r * cols;
                 float* orow = out + r * cols;
-                for (int64_t c = 0; c < cols; ++c) {
-                    const float v = gr[c] * (yr[c] > 0.0f ? scale : 0.0f);
+                const int64_t first = r * cols;
+                int64_t c = 0;
+                if (first % 16 == 0)  // whole words' halves: sixteen lanes test their bits at once
+                    for (; c + 16 <= cols; c += 16) {
+                        const uint32_t half = positive[(first + c) >> 5] >> ((first + c) & 16);
+                        const v16u set = (v16u{} + half) & kLaneBits;
+                        const v16f v = set != 0 ? *reinterpret_cast<const v16f*>(gr + c) * scale : v16f{};
+                        *reinterpret_cast<v16f*>(orow + c) = v;
+                        *reinterpret_cast<v16f*>(acc + c) += v;
+                    }
+                for (; c < cols; ++c) {
+                    const int64_t i = first + c;
+                    const float v = gr[c] * ((positive[i >> 5] >> (i & 31)) & 1u ? scale : 0.0f);
                     orow[c] = v;
                     acc[c] += v;
                 }
@@ -258,16 +299,16 @@ extern "C" {
 DROPOUT_DEFINE(float, f32)
 DROPOUT_DEFINE(double, f64)
 void bias_relu_dropout_f32(float* h, const float* bias, int64_t n, int64_t cols, uint64_t seed, uint32_t keep_below,
-                           double scale, int64_t threads) {
-    bias_epilogue<true>(nullptr, h, bias, n, cols, seed, keep_below, (float)scale, threads);
+                           double scale, int64_t threads, uint32_t* positive) {
+    bias_epilogue<true>(nullptr, h, bias, n, cols, seed, keep_below, (float)scale, threads, positive);
 }
 void bias_dropout_add_f32(const float* base, float* h, const float* bias, int64_t n, int64_t cols, uint64_t seed,
                           uint32_t keep_below, double scale, int64_t threads) {
     bias_epilogue<false>(base, h, bias, n, cols, seed, keep_below, (float)scale, threads);
 }
-void positive_scale_colsum_f32(const float* y, const float* g, float* out, float* colsum, int64_t rows, int64_t cols,
-                               double scale, int64_t threads) {
-    positive_scale_colsum(y, g, out, colsum, rows, cols, (float)scale, threads);
+void positive_scale_colsum_f32(const uint32_t* positive, const float* g, float* out, float* colsum, int64_t rows,
+                               int64_t cols, double scale, int64_t threads) {
+    positive_scale_colsum(positive, g, out, colsum, rows, cols, (float)scale, threads);
 }
 void dropout_tile_words(uint64_t tile, uint64_t seed, uint32_t* words) {
     tile_words(tile, (uint32_t)seed, (uint32_t)(seed >> 32), words);
@@ -286,7 +327,7 @@ def _bind(lib: ctypes.CDLL) -> None:
         getattr(lib, f"dropout_add_{suffix}").restype = None
         getattr(lib, f"positive_scale_{suffix}").argtypes = [p, p, p, i, f, i]
         getattr(lib, f"positive_scale_{suffix}").restype = None
-    lib.bias_relu_dropout_f32.argtypes = [p, p, i, i, u64, u32, f, i]
+    lib.bias_relu_dropout_f32.argtypes = [p, p, i, i, u64, u32, f, i, p]
     lib.bias_relu_dropout_f32.restype = None
     lib.bias_dropout_add_f32.argtypes = [p, p, p, i, i, u64, u32, f, i]
     lib.bias_dropout_add_f32.restype = None
@@ -297,7 +338,7 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 KERNEL = NativeKernel(
-    "dropout", _CPP_SOURCE, _bind, abi_version=4, env_var="GATEDFORMER_DROPOUT_BACKEND",
+    "dropout", _CPP_SOURCE, _bind, abi_version=5, env_var="GATEDFORMER_DROPOUT_BACKEND",
     description="the compiled dropout kernel", fallback="PyTorch's own dropout",
     # No fused multiply-add, so that ``base + x * scale`` rounds as PyTorch's two operations do.
     extra_cflags=("-ffp-contract=off",), avx512=True,
@@ -390,14 +431,30 @@ def scale_where_positive(y: Tensor, grad: Tensor, scale: float) -> Tensor:
     return grad * (y > 0).to(grad.dtype).mul_(scale)
 
 
-def bias_relu_dropout_(h: Tensor, bias: Tensor, seed: int, keep_below: int, scale: float) -> Tensor:
+def bias_relu_dropout_(h: Tensor, bias: Tensor, seed: int, keep_below: int, scale: float) -> tuple[Tensor, Tensor]:
     """``h <- relu(h + bias)`` times the mask of ``seed``, in place: the epilogue of a linear layer's product ``h``
-    (contiguous float32 rows on the CPU, ``bias`` one row). The mask is the one :func:`apply_relu_dropout` draws."""
+    (contiguous float32 rows on the CPU, ``bias`` one row). The mask is the one :func:`apply_relu_dropout` draws.
+
+    Also returns where the result is positive, one bit per element (``int32`` words, element ``i`` at bit
+    ``i % 32`` of word ``i // 32``): all that :func:`scale_where_positive_with_sums` needs of it.
+    """
+    positive = torch.empty(-(-h.numel() // 32), dtype=torch.int32)
     if _native_ok(h) and h.dtype == torch.float32:
         KERNEL.library().bias_relu_dropout_f32(h.data_ptr(), bias.data_ptr(), h.numel(), h.shape[-1], seed, keep_below,
-                                               scale, kernel_threads(h.numel()))
-        return h
-    return h.copy_(apply_relu_dropout(h + bias, seed, keep_below, scale))
+                                               scale, kernel_threads(h.numel()), positive.data_ptr())
+        return h, positive
+    h.copy_(apply_relu_dropout(h + bias, seed, keep_below, scale))
+    return h, _pack_bits(h.reshape(-1) > 0)
+
+
+def _pack_bits(flags: Tensor) -> Tensor:
+    padded = np.zeros(-(-flags.numel() // 32) * 32, dtype=np.uint8)
+    padded[:flags.numel()] = flags.numpy()
+    return torch.from_numpy(np.packbits(padded, bitorder="little").view(np.int32).copy())
+
+
+def _unpack_bits(positive: Tensor, count: int) -> Tensor:
+    return torch.from_numpy(np.unpackbits(positive.numpy().view(np.uint8), bitorder="little")[:count].astype(bool))
 
 
 def bias_dropout_add_(h: Tensor, base: Tensor, bias: Tensor, seed: int, keep_below: int, scale: float) -> Tensor:
@@ -409,14 +466,17 @@ def bias_dropout_add_(h: Tensor, base: Tensor, bias: Tensor, seed: int, keep_bel
     return h.copy_(apply_dropout_add(base, h + bias, seed, keep_below, scale))
 
 
-def scale_where_positive_with_sums(y: Tensor, grad: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """:func:`scale_where_positive` of 2-d ``y`` and ``grad``, and the sums of its columns (in one pass natively)."""
-    if _native_ok(y) and y.dtype == torch.float32 and grad.dtype == y.dtype:
+def scale_where_positive_with_sums(positive: Tensor, grad: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """``grad * scale`` where the bits of ``positive`` (from :func:`bias_relu_dropout_`) are set, else 0, for 2-d
+    ``grad``; and the sums of its columns (one pass natively)."""
+    if _native_ok(grad) and grad.dtype == torch.float32:
         grad = grad.contiguous()
-        out = torch.empty_like(y)
-        sums = y.new_empty(y.shape[1])
-        KERNEL.library().positive_scale_colsum_f32(y.data_ptr(), grad.data_ptr(), out.data_ptr(), sums.data_ptr(),
-                                                   y.shape[0], y.shape[1], scale, kernel_threads(y.numel()))
+        out = torch.empty_like(grad)
+        sums = grad.new_empty(grad.shape[1])
+        KERNEL.library().positive_scale_colsum_f32(positive.data_ptr(), grad.data_ptr(), out.data_ptr(),
+                                                   sums.data_ptr(), grad.shape[0], grad.shape[1], scale,
+                                                   kernel_threads(grad.numel()))
         return out, sums
-    out = scale_where_positive(y, grad, scale)
+    keep = _unpack_bits(positive, grad.numel()).view(grad.shape)
+    out = grad * keep.to(grad.dtype) * scale
     return out, out.sum(0)

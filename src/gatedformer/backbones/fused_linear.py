@@ -26,7 +26,6 @@ from gatedformer.backbones._dropout_kernel import (
     apply_dropout,
     bias_dropout_add_,
     bias_relu_dropout_,
-    scale_where_positive,
     scale_where_positive_with_sums,
 )
 
@@ -63,17 +62,14 @@ class _LinearReluDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, seed: int, keep_below: int) -> Tensor:  # type: ignore[override]
         ctx.scale = _INT32_VALUES / keep_below
-        out = bias_relu_dropout_(x.mm(weight.t()), bias, seed, keep_below, ctx.scale)
-        ctx.save_for_backward(x, weight, out)
+        out, positive = bias_relu_dropout_(x.mm(weight.t()), bias, seed, keep_below, ctx.scale)
+        ctx.save_for_backward(x, weight, positive)  # a bit per element: the output's pass is not read again
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, weight, out = ctx.saved_tensors
-        if ctx.needs_input_grad[2]:  # the bias gradient summed in the same pass
-            grad_pre, grad_bias = scale_where_positive_with_sums(out, grad, ctx.scale)
-        else:
-            grad_pre, grad_bias = scale_where_positive(out, grad.contiguous(), ctx.scale), None
+        x, weight, positive = ctx.saved_tensors
+        grad_pre, grad_bias = scale_where_positive_with_sums(positive, grad, ctx.scale)  # bias gradient: same pass
         return (*_linear_grads(ctx.needs_input_grad[:3], grad_pre, x, weight, grad_bias), None, None)
 
 
