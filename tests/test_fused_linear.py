@@ -65,6 +65,43 @@ def test_fused_linear_dropout_add_is_the_unfused_computation(rows: int, d_in: in
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 70), d_in=st.integers(1, 24), d_out=st.integers(8, 150), seed=st.integers(0, 2 ** 16))
+def test_fused_post_norm_tail_is_the_unfused_computation(rows: int, d_in: int, d_out: int, seed: int) -> None:
+    """LayerNorm(base + dropout(linear(x))) in one kernel each way: values, every gradient, the same mask.
+    (Rows of at least 8: over fewer the norm's gradient is too ill-conditioned to compare two float32 orders.)"""
+    _kernel_or_skip()
+    torch.manual_seed(seed)
+    linear, norm = nn.Linear(d_in, d_out), nn.LayerNorm(d_out)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(rows, 2, d_in, requires_grad=True)
+    base = torch.randn(rows, 2, d_out, requires_grad=True)
+    grad = torch.randn(rows, 2, d_out)
+    torch.manual_seed(seed + 1)
+    fused = fused_linear.linear_dropout_add_norm(base, x, linear, 0.25, norm)
+    torch.manual_seed(seed + 1)
+    plain = norm(dropout_add(base, linear(x), 0.25))
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
+    params = (base, x, linear.weight, linear.bias, norm.weight, norm.bias)
+    for a, b in zip(_grads(fused, grad, *params), _grads(plain, grad, *params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_hooked_or_unusual_norm_is_applied_unfused() -> None:
+    linear, x, base = nn.Linear(4, 6), torch.randn(3, 4), torch.randn(3, 6)
+    seen: list[Tensor] = []
+    for norm in (nn.LayerNorm(6, elementwise_affine=False), nn.LayerNorm(6)):
+        if norm.weight is not None:
+            norm.register_forward_hook(lambda module, args, out: seen.append(out))
+        torch.manual_seed(0)
+        out = fused_linear.linear_dropout_add_norm(base, x, linear, 0.2, norm)
+        torch.manual_seed(0)
+        torch.testing.assert_close(out, norm(dropout_add(base, linear(x), 0.2)))
+    assert len(seen) == 2
+
+
 @pytest.mark.parametrize("isa", _native.ISAS)
 def test_epilogue_kernels_match_the_reference_masks(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The in-place bias epilogues draw the masks of the NumPy Philox reference, row by row of any width."""
@@ -83,6 +120,22 @@ def test_epilogue_kernels_match_the_reference_masks(isa: str, monkeypatch: pytes
     assert torch.equal(positive, _dropout_kernel._pack_bits(relu.reshape(-1) > 0))
     added = _dropout_kernel.bias_dropout_add_(h.clone(), base, bias, seed, keep_below, scale)
     assert torch.equal(added, base + pre * (keep.float() * scale))
+    # The post-LN tail: the same mask, torch's LayerNorm and its gradients.
+    gamma, beta, grad = torch.rand(37) + 0.5, torch.randn(37), torch.randn(7, 37)
+    xhat = h.clone()
+    normed, rstd, keep_bits = _dropout_kernel.dropout_add_norm(xhat, base, bias, gamma, beta, 1e-5, seed, keep_below,
+                                                               scale)
+    summed = (base + pre * (keep.float() * scale)).requires_grad_()
+    reference = torch.nn.functional.layer_norm(summed, (37,), gamma, beta, 1e-5)
+    torch.testing.assert_close(normed, reference, rtol=1e-5, atol=1e-5)
+    grad_sum, grad_pre, grad_gamma, grad_beta, grad_bias = _dropout_kernel.dropout_add_norm_backward(
+        grad, xhat, rstd, gamma, keep_bits, scale)
+    (expected,) = torch.autograd.grad(reference, summed, grad)
+    torch.testing.assert_close(grad_sum, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad_pre, expected * keep.float() * scale, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad_bias, grad_pre.sum(0), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad_beta, grad.sum(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_gamma, (grad * xhat).sum(0), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["eval", "float64", "hooked", "no bias", "p=0"])

@@ -28,8 +28,8 @@ from torch import Tensor
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 
 __all__ = ["KERNEL", "apply_dropout", "apply_dropout_add", "apply_relu_dropout", "bias_dropout_add_",
-           "bias_relu_dropout_", "philox4x32_10", "philox_words", "scale_where_positive",
-           "scale_where_positive_with_sums"]
+           "bias_relu_dropout_", "dropout_add_norm", "dropout_add_norm_backward", "philox4x32_10", "philox_words",
+           "scale_where_positive", "scale_where_positive_with_sums"]
 
 _MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
 _KEY_STEPS = (0x9E3779B9, 0xBB67AE85)
@@ -39,6 +39,7 @@ _TILE = 4 * _LANES
 _CPP_SOURCE = r"""
 // Dropout with Philox4x32-10 masks; see gatedformer/backbones/_dropout_kernel.py for the layout.
 // Generated and compiled by gatedformer.
+#include <cmath>
 #include <cstdint>
 #include <vector>
 #if defined(__AVX2__)
@@ -277,6 +278,168 @@ void positive_scale_colsum(const uint32_t* positive, const float* g, float* out,
         for (int64_t c = 0; c < cols; ++c) colsum[c] += partials[b * cols + c];
 }
 
+// The mask words of elements first .. first + count - 1 into out[0 .. count).
+inline void range_words(uint64_t first, int64_t count, uint32_t k0, uint32_t k1, uint32_t* out) {
+    alignas(64) uint32_t words[kDraw];
+    uint64_t at = first / kDraw * kDraw;  // draws start at multiples of kDraw (what draw_words takes)
+    for (int64_t written = 0; written < count; at += kDraw) {
+        draw_words(at / kTile, k0, k1, words);
+        const int64_t skip = (int64_t)(first + written - at);
+        const int64_t take = kDraw - skip < count - written ? kDraw - skip : count - written;
+        for (int64_t k = 0; k < take; ++k) out[written + k] = words[skip + k];
+        written += take;
+    }
+}
+
+// Vector pieces of the row kernels below: 16 lanes (one AVX-512 register, two AVX2 ones). Sums keep 16
+// partial sums and add them up in a fixed order, so results do not depend on the threads.
+inline v16f load16(const float* p) { return *reinterpret_cast<const v16f*>(p); }
+inline void store16(float* p, v16f x) { *reinterpret_cast<v16f*>(p) = x; }
+inline float lanes_sum(v16f x) {
+    float total = 0.0f;
+    for (int k = 0; k < 16; ++k) total += x[k];
+    return total;
+}
+inline v16f keep_factor(const uint32_t* words, uint32_t keep_below, float scale) {
+    v16u w;
+    for (int k = 0; k < 16; ++k) w[k] = words[k];
+    return w < (v16u{} + keep_below) ? v16f{} + scale : v16f{};
+}
+
+// Bit k set where words[k] < keep_below, for k < count <= 32.
+inline uint32_t keep_bits32(const uint32_t* words, int64_t count, uint32_t keep_below) {
+#if defined(__AVX512F__)
+    if (count == 32) {
+        const __m512i limit = _mm512_set1_epi32((int)keep_below);
+        return (uint32_t)_mm512_cmplt_epu32_mask(_mm512_loadu_si512(words), limit)
+             | (uint32_t)_mm512_cmplt_epu32_mask(_mm512_loadu_si512(words + 16), limit) << 16;
+    }
+#endif
+    uint32_t bits = 0;
+    for (int64_t k = 0; k < count; ++k) bits |= (uint32_t)(words[k] < keep_below) << k;
+    return bits;
+}
+
+// A post-LN residual sublayer's tail, row by row (rows of `cols`): v = base + (h + bias) * mask, then
+// y = (v - mean) * rstd * gamma + beta with rstd = 1 / sqrt(var + eps). h is overwritten with the normalised
+// rows (v - mean) * rstd and rstd is kept per row, and the mask as bits (row r's element c at bit c % 32 of
+// keep_bits[r * row_words(cols) + c / 32]): what the backward pass needs, without drawing the mask again.
+inline int64_t row_words(int64_t cols) { return (cols + 31) / 32; }
+
+void dropout_add_norm(const float* base, float* h, const float* bias, const float* gamma, const float* beta,
+                      float* y, float* rstd, uint32_t* keep_bits, int64_t rows, int64_t cols, float eps,
+                      uint64_t seed, uint32_t keep_below, float scale, int64_t threads) {
+    const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    const int64_t whole = cols / 16 * 16;
+    gatedformer::parallel_chunks(rows, threads, 1, [=](int64_t lo, int64_t hi) {
+        std::vector<uint32_t> words(cols);
+        for (int64_t r = lo; r < hi; ++r) {
+            range_words((uint64_t)(r * cols), cols, k0, k1, words.data());
+            uint32_t* bits = keep_bits + r * row_words(cols);
+            for (int64_t w = 0; w < row_words(cols); ++w)
+                bits[w] = keep_bits32(&words[32 * w], cols - 32 * w < 32 ? cols - 32 * w : 32, keep_below);
+            float* hr = h + r * cols;
+            const float* br = base + r * cols;
+            float* yr = y + r * cols;
+            v16f sums{};
+            float sum = 0.0f;
+            for (int64_t c = 0; c < whole; c += 16) {
+                const v16f kept = (load16(hr + c) + load16(bias + c)) * keep_factor(&words[c], keep_below, scale);
+                const v16f v = load16(br + c) + kept;
+                store16(hr + c, v);
+                sums += v;
+            }
+            for (int64_t c = whole; c < cols; ++c) {
+                hr[c] = br[c] + (hr[c] + bias[c]) * (words[c] < keep_below ? scale : 0.0f);
+                sum += hr[c];
+            }
+            const float mean = (lanes_sum(sums) + sum) / (float)cols;
+            v16f squares_v{};
+            float squares = 0.0f;
+            for (int64_t c = 0; c < whole; c += 16) {
+                const v16f d = load16(hr + c) - mean;
+                squares_v += d * d;
+            }
+            for (int64_t c = whole; c < cols; ++c) squares += (hr[c] - mean) * (hr[c] - mean);
+            const float inv = 1.0f / std::sqrt((lanes_sum(squares_v) + squares) / (float)cols + eps);
+            for (int64_t c = 0; c < whole; c += 16) {
+                const v16f xhat = (load16(hr + c) - mean) * inv;
+                store16(hr + c, xhat);
+                store16(yr + c, xhat * load16(gamma + c) + load16(beta + c));
+            }
+            for (int64_t c = whole; c < cols; ++c) {
+                hr[c] = (hr[c] - mean) * inv;
+                yr[c] = hr[c] * gamma[c] + beta[c];
+            }
+            rstd[r] = inv;
+        }
+    });
+}
+
+// Its backward pass from dy: with a = dy * gamma, dv = rstd * (a - mean(a) - xhat * mean(a * xhat)) (the
+// residual's gradient) and dh = dv * mask (the linear layer's); sums[0 .. cols) gets the gradient of gamma
+// (sum of dy * xhat), sums[cols .. 2 cols) that of beta (sum of dy) and sums[2 cols ..) that of the bias
+// (sum of dh), in fixed blocks of rows as positive_scale_colsum.
+void dropout_add_norm_backward(const float* dy, const float* xhat, const float* rstd, const float* gamma,
+                               const uint32_t* keep_bits, float* dv, float* dh, float* sums, int64_t rows,
+                               int64_t cols, float scale, int64_t threads) {
+    const int64_t blocks = (rows + kSumRows - 1) / kSumRows, whole = cols / 16 * 16;
+    std::vector<float> partial(blocks * 3 * cols, 0.0f);
+    float* partials = partial.data();
+    gatedformer::parallel_chunks(blocks, threads, 1, [=](int64_t lo, int64_t hi) {
+        for (int64_t b = lo; b < hi; ++b) {
+            float* acc_gamma = partials + b * 3 * cols;
+            float* acc_beta = acc_gamma + cols;
+            float* acc_bias = acc_beta + cols;
+            const int64_t end = (b + 1) * kSumRows < rows ? (b + 1) * kSumRows : rows;
+            for (int64_t r = b * kSumRows; r < end; ++r) {
+                const uint32_t* bits = keep_bits + r * row_words(cols);
+                const float* gr = dy + r * cols;
+                const float* xr = xhat + r * cols;
+                float* vr = dv + r * cols;
+                float* hr = dh + r * cols;
+                v16f a_v{}, ax_v{};
+                float mean_a = 0.0f, mean_ax = 0.0f;
+                for (int64_t c = 0; c < whole; c += 16) {
+                    const v16f a = load16(gr + c) * load16(gamma + c);
+                    a_v += a;
+                    ax_v += a * load16(xr + c);
+                }
+                for (int64_t c = whole; c < cols; ++c) {
+                    mean_a += gr[c] * gamma[c];
+                    mean_ax += gr[c] * gamma[c] * xr[c];
+                }
+                mean_a = (lanes_sum(a_v) + mean_a) / (float)cols;
+                mean_ax = (lanes_sum(ax_v) + mean_ax) / (float)cols;
+                const float inv = rstd[r];
+                for (int64_t c = 0; c < whole; c += 16) {
+                    const v16f g = load16(gr + c), x = load16(xr + c);
+                    const v16f v = (g * load16(gamma + c) - mean_a - x * mean_ax) * inv;
+                    const v16u set = (v16u{} + (bits[c >> 5] >> (c & 16))) & kLaneBits;
+                    const v16f d = set != 0 ? v * scale : v16f{};
+                    store16(vr + c, v);
+                    store16(hr + c, d);
+                    store16(acc_gamma + c, load16(acc_gamma + c) + g * x);
+                    store16(acc_beta + c, load16(acc_beta + c) + g);
+                    store16(acc_bias + c, load16(acc_bias + c) + d);
+                }
+                for (int64_t c = whole; c < cols; ++c) {
+                    const float v = inv * (gr[c] * gamma[c] - mean_a - xr[c] * mean_ax);
+                    const float d = v * ((bits[c >> 5] >> (c & 31)) & 1u ? scale : 0.0f);
+                    vr[c] = v;
+                    hr[c] = d;
+                    acc_gamma[c] += gr[c] * xr[c];
+                    acc_beta[c] += gr[c];
+                    acc_bias[c] += d;
+                }
+            }
+        }
+    });
+    for (int64_t c = 0; c < 3 * cols; ++c) sums[c] = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b)
+        for (int64_t c = 0; c < 3 * cols; ++c) sums[c] += partials[b * 3 * cols + c];
+}
+
 }  // namespace
 
 extern "C" {
@@ -310,6 +473,17 @@ void positive_scale_colsum_f32(const uint32_t* positive, const float* g, float* 
                                int64_t cols, double scale, int64_t threads) {
     positive_scale_colsum(positive, g, out, colsum, rows, cols, (float)scale, threads);
 }
+void dropout_add_norm_f32(const float* base, float* h, const float* bias, const float* gamma, const float* beta,
+                          float* y, float* rstd, uint32_t* keep_bits, int64_t rows, int64_t cols, double eps,
+                          uint64_t seed, uint32_t keep_below, double scale, int64_t threads) {
+    dropout_add_norm(base, h, bias, gamma, beta, y, rstd, keep_bits, rows, cols, (float)eps, seed, keep_below,
+                     (float)scale, threads);
+}
+void dropout_add_norm_backward_f32(const float* dy, const float* xhat, const float* rstd, const float* gamma,
+                                   const uint32_t* keep_bits, float* dv, float* dh, float* sums, int64_t rows,
+                                   int64_t cols, double scale, int64_t threads) {
+    dropout_add_norm_backward(dy, xhat, rstd, gamma, keep_bits, dv, dh, sums, rows, cols, (float)scale, threads);
+}
 void dropout_tile_words(uint64_t tile, uint64_t seed, uint32_t* words) {
     tile_words(tile, (uint32_t)seed, (uint32_t)(seed >> 32), words);
 }
@@ -333,12 +507,16 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.bias_dropout_add_f32.restype = None
     lib.positive_scale_colsum_f32.argtypes = [p, p, p, p, i, i, f, i]
     lib.positive_scale_colsum_f32.restype = None
+    lib.dropout_add_norm_f32.argtypes = [p, p, p, p, p, p, p, p, i, i, f, u64, u32, f, i]
+    lib.dropout_add_norm_f32.restype = None
+    lib.dropout_add_norm_backward_f32.argtypes = [p, p, p, p, p, p, p, p, i, i, f, i]
+    lib.dropout_add_norm_backward_f32.restype = None
     lib.dropout_tile_words.argtypes = [u64, u64, p]
     lib.dropout_tile_words.restype = None
 
 
 KERNEL = NativeKernel(
-    "dropout", _CPP_SOURCE, _bind, abi_version=5, env_var="GATEDFORMER_DROPOUT_BACKEND",
+    "dropout", _CPP_SOURCE, _bind, abi_version=6, env_var="GATEDFORMER_DROPOUT_BACKEND",
     description="the compiled dropout kernel", fallback="PyTorch's own dropout",
     # No fused multiply-add, so that ``base + x * scale`` rounds as PyTorch's two operations do.
     extra_cflags=("-ffp-contract=off",), avx512=True,
@@ -480,3 +658,32 @@ def scale_where_positive_with_sums(positive: Tensor, grad: Tensor, scale: float)
     keep = _unpack_bits(positive, grad.numel()).view(grad.shape)
     out = grad * keep.to(grad.dtype) * scale
     return out, out.sum(0)
+
+
+def dropout_add_norm(h: Tensor, base: Tensor, bias: Tensor, gamma: Tensor, beta: Tensor, eps: float, seed: int,
+                     keep_below: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``LayerNorm(base + (h + bias) * mask)`` over the rows of 2-d float32 ``h`` (the mask of ``seed``, as in
+    :func:`apply_dropout_add`). Returns the result, each row's ``1 / sqrt(var + eps)`` and the mask as bits
+    (``int32`` words, ``ceil(cols / 32)`` a row); ``h`` is overwritten with the normalised rows. Needs the
+    compiled kernel."""
+    rows, cols = h.shape
+    y, rstd = torch.empty_like(h), h.new_empty(rows)
+    keep_bits = torch.empty(rows, -(-cols // 32), dtype=torch.int32)
+    KERNEL.library().dropout_add_norm_f32(base.data_ptr(), h.data_ptr(), bias.data_ptr(), gamma.data_ptr(),
+                                          beta.data_ptr(), y.data_ptr(), rstd.data_ptr(), keep_bits.data_ptr(), rows,
+                                          cols, eps, seed, keep_below, scale, kernel_threads(h.numel()))
+    return y, rstd, keep_bits
+
+
+def dropout_add_norm_backward(grad: Tensor, xhat: Tensor, rstd: Tensor, gamma: Tensor, keep_bits: Tensor,
+                              scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of :func:`dropout_add_norm` from that of its result: the residual's, the linear layer's
+    (before the mask), and the sums over rows for gamma, beta and the bias."""
+    rows, cols = xhat.shape
+    grad = grad.contiguous()
+    dv, dh, sums = torch.empty_like(xhat), torch.empty_like(xhat), xhat.new_empty(3, cols)
+    KERNEL.library().dropout_add_norm_backward_f32(grad.data_ptr(), xhat.data_ptr(), rstd.data_ptr(),
+                                                   gamma.data_ptr(), keep_bits.data_ptr(), dv.data_ptr(),
+                                                   dh.data_ptr(), sums.data_ptr(), rows, cols, scale,
+                                                   kernel_threads(grad.numel()))
+    return dv, dh, sums[0], sums[1], sums[2]

@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from gatedformer.backbones.dropout import Dropout
-from gatedformer.backbones.fused_linear import linear_dropout_add, linear_relu_dropout
+from gatedformer.backbones.fused_linear import linear_dropout_add, linear_dropout_add_norm, linear_relu_dropout
 from gatedformer.backbones.placement import SublayerGates
 from gatedformer.gates import EAU, SDU, GatedMHDPA, GatedResidual, GLUFeedForward, HighwayGate
 
@@ -77,10 +77,12 @@ class Sublayer(nn.Module):
 
     def forward(self, x: Tensor, *body_args: object) -> Tensor:
         h = self.norm(x) if self.pre_norm else x
-        if self.fuse_output:
-            y = linear_dropout_add(x, self.body.features(h, *body_args), self.body.output_projection,
-                                   self.dropout.p, self.training)  # x + dropout(W f(h) + b)
-            return y if self.pre_norm else self.norm(y)
+        if self.fuse_output:  # x + dropout(W f(h) + b), then the LayerNorm with post-LN
+            features = self.body.features(h, *body_args)
+            if self.pre_norm:
+                return linear_dropout_add(x, features, self.body.output_projection, self.dropout.p, self.training)
+            return linear_dropout_add_norm(x, features, self.body.output_projection, self.dropout.p, self.norm,
+                                           self.training)
         s = self.body(h, *body_args)
         if self.eau is not None:
             s = self.eau(s)

@@ -26,10 +26,12 @@ from gatedformer.backbones._dropout_kernel import (
     apply_dropout,
     bias_dropout_add_,
     bias_relu_dropout_,
+    dropout_add_norm,
+    dropout_add_norm_backward,
     scale_where_positive_with_sums,
 )
 
-__all__ = ["fusion_applies", "linear_dropout_add", "linear_relu_dropout"]
+__all__ = ["fusion_applies", "linear_dropout_add", "linear_dropout_add_norm", "linear_relu_dropout"]
 
 _INT32_VALUES = 2 ** 32
 
@@ -91,6 +93,35 @@ class _LinearDropoutAdd(torch.autograd.Function):
         return (grad if ctx.needs_input_grad[0] else None, *grads, None, None)
 
 
+class _LinearDropoutAddNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, base: Tensor, x: Tensor, weight: Tensor, bias: Tensor, gamma: Tensor,  # type: ignore[override]
+                beta: Tensor, eps: float, seed: int, keep_below: int) -> Tensor:
+        ctx.scale = _INT32_VALUES / keep_below
+        xhat = x.mm(weight.t())  # overwritten with the normalised rows
+        out, rstd, keep_bits = dropout_add_norm(xhat, base.contiguous(), bias, gamma, beta, eps, seed, keep_below,
+                                                ctx.scale)
+        ctx.save_for_backward(x, weight, gamma, xhat, rstd, keep_bits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, weight, gamma, xhat, rstd, keep_bits = ctx.saved_tensors
+        grad_base, grad_pre, grad_gamma, grad_beta, grad_bias = dropout_add_norm_backward(grad, xhat, rstd, gamma,
+                                                                                          keep_bits, ctx.scale)
+        grads = _linear_grads(ctx.needs_input_grad[1:4], grad_pre, x, weight, grad_bias)
+        return (grad_base if ctx.needs_input_grad[0] else None, *grads,
+                grad_gamma if ctx.needs_input_grad[4] else None, grad_beta if ctx.needs_input_grad[5] else None,
+                None, None, None)
+
+
+def _plain_layer_norm(norm: nn.Module, width: int) -> bool:
+    return (type(norm) is nn.LayerNorm and norm.normalized_shape == (width,) and norm.weight is not None
+            and norm.bias is not None and norm.weight.dtype == torch.float32
+            and not (norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks
+                     or norm._backward_pre_hooks))
+
+
 def linear_relu_dropout(x: Tensor, linear: nn.Linear, p: float, training: bool = True) -> Tensor:
     """``dropout(relu(linear(x)), p)``, fused where :func:`fusion_applies`."""
     if not fusion_applies(x, linear, p, training):
@@ -110,3 +141,15 @@ def linear_dropout_add(base: Tensor, x: Tensor, linear: nn.Linear, p: float, tra
                                   dropout_ops._keep_below(p))
     return out.view(base.shape)
 
+
+
+def linear_dropout_add_norm(base: Tensor, x: Tensor, linear: nn.Linear, p: float, norm: nn.LayerNorm,
+                            training: bool = True) -> Tensor:
+    """``norm(base + dropout(linear(x), p))``: a post-LN residual sublayer's tail, fused where
+    :func:`fusion_applies` and ``norm`` is a plain :class:`torch.nn.LayerNorm` over the last dimension."""
+    if not fusion_applies(x, linear, p, training) or base.shape != (*x.shape[:-1], linear.out_features) \
+            or base.dtype != x.dtype or not _plain_layer_norm(norm, linear.out_features):
+        return norm(linear_dropout_add(base, x, linear, p, training))
+    out = _LinearDropoutAddNorm.apply(_rows(base), _rows(x), linear.weight, linear.bias, norm.weight, norm.bias,
+                                      norm.eps, dropout_ops._draw_seed(), dropout_ops._keep_below(p))
+    return out.view(base.shape)
