@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from gatedformer.backbones import _dropout_kernel, _native, fused_linear
+from gatedformer.backbones import _dropout_kernel, _native, fused_gates, fused_linear
 from gatedformer.backbones.dropout import dropout_add, relu_dropout
 from gatedformer.backbones.fused_linear import fusion_applies, linear_dropout_add, linear_relu_dropout
 from gatedformer.backbones.transformer import TransformerLM
@@ -122,9 +122,8 @@ def test_epilogue_kernels_match_the_reference_masks(isa: str, monkeypatch: pytes
     assert torch.equal(added, base + pre * (keep.float() * scale))
     # The post-LN tail: the same mask, torch's LayerNorm and its gradients.
     gamma, beta, grad = torch.rand(37) + 0.5, torch.randn(37), torch.randn(7, 37)
-    xhat = h.clone()
-    normed, rstd, keep_bits = _dropout_kernel.dropout_add_norm(xhat, base, bias, gamma, beta, 1e-5, seed, keep_below,
-                                                               scale)
+    normed, xhat, rstd, keep_bits = _dropout_kernel.dropout_add_norm(h, base, bias, gamma, beta, 1e-5, seed,
+                                                                     keep_below, scale)
     summed = (base + pre * (keep.float() * scale)).requires_grad_()
     reference = torch.nn.functional.layer_norm(summed, (37,), gamma, beta, 1e-5)
     torch.testing.assert_close(normed, reference, rtol=1e-5, atol=1e-5)
@@ -158,15 +157,18 @@ def test_everything_else_is_computed_unfused(case: str) -> None:
 
 
 def test_sublayers_fuse_only_where_no_gate_stands_between() -> None:
-    model = TransformerLM(vocab_size=11, d_model=16, n_layers=2, n_heads=2, d_ffn=32, gates="+EAU L1")
-    fused = {name: module.fuse_output for name, module in model.named_modules() if hasattr(module, "fuse_output")}
-    assert fused == {"layers.0.attn": False, "layers.0.ffn": True, "layers.1.attn": True, "layers.1.ffn": True}
+    model = TransformerLM(vocab_size=11, d_model=16, n_layers=3, n_heads=2, d_ffn=32,
+                          gates="+EAU L1 + highway L2 + σ L3/ffn")
+    fused = {name: module.fuse_linear for name, module in model.named_modules() if hasattr(module, "fuse_linear")}
+    assert fused == {"layers.0.attn": False, "layers.0.ffn": True, "layers.1.attn": True, "layers.1.ffn": True,
+                     "layers.2.attn": True, "layers.2.ffn": False}
 
 
-def test_language_model_trains_the_same_fused_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("gates", ["", "+σ SDU", "+highway gate", "+gated MHDPA", "+EAU", "+GRC", "+EAU+GRC"])
+def test_language_model_trains_the_same_fused_or_not(gates: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _kernel_or_skip()
     torch.manual_seed(0)
-    model = TransformerLM(vocab_size=30, d_model=32, n_layers=2, n_heads=2, d_ffn=64, dropout=0.2)
+    model = TransformerLM(vocab_size=30, d_model=32, n_layers=2, n_heads=2, d_ffn=64, dropout=0.2, gates=gates)
     tokens = torch.randint(0, 30, (3, 17))
 
     def loss_and_grads() -> tuple[Tensor, list[Tensor]]:
@@ -179,6 +181,8 @@ def test_language_model_trains_the_same_fused_or_not(monkeypatch: pytest.MonkeyP
 
     fused_loss, fused_grads = loss_and_grads()
     monkeypatch.setattr(fused_linear, "fusion_applies", lambda *args: False)
+    monkeypatch.setattr(fused_linear, "_plain_layer_norm", lambda *args: False)
+    monkeypatch.setattr(fused_gates, "tail_applies", lambda *args: False)
     plain_loss, plain_grads = loss_and_grads()
     torch.testing.assert_close(fused_loss, plain_loss, rtol=1e-5, atol=1e-6)
     for a, b in zip(fused_grads, plain_grads, strict=True):

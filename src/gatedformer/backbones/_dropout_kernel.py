@@ -321,14 +321,14 @@ inline uint32_t keep_bits32(const uint32_t* words, int64_t count, uint32_t keep_
 }
 
 // A post-LN residual sublayer's tail, row by row (rows of `cols`): v = base + (h + bias) * mask, then
-// y = (v - mean) * rstd * gamma + beta with rstd = 1 / sqrt(var + eps). h is overwritten with the normalised
-// rows (v - mean) * rstd and rstd is kept per row, and the mask as bits (row r's element c at bit c % 32 of
+// y = (v - mean) * rstd * gamma + beta with rstd = 1 / sqrt(var + eps). xhat (which may be h itself) gets the
+// normalised rows (v - mean) * rstd, rstd is kept per row, and the mask as bits (row r's element c at bit c % 32 of
 // keep_bits[r * row_words(cols) + c / 32]): what the backward pass needs, without drawing the mask again.
 inline int64_t row_words(int64_t cols) { return (cols + 31) / 32; }
 
-void dropout_add_norm(const float* base, float* h, const float* bias, const float* gamma, const float* beta,
-                      float* y, float* rstd, uint32_t* keep_bits, int64_t rows, int64_t cols, float eps,
-                      uint64_t seed, uint32_t keep_below, float scale, int64_t threads) {
+void dropout_add_norm(const float* base, const float* h, const float* bias, float* xhat, const float* gamma,
+                      const float* beta, float* y, float* rstd, uint32_t* keep_bits, int64_t rows, int64_t cols,
+                      float eps, uint64_t seed, uint32_t keep_below, float scale, int64_t threads) {
     const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
     const int64_t whole = cols / 16 * 16;
     gatedformer::parallel_chunks(rows, threads, 1, [=](int64_t lo, int64_t hi) {
@@ -338,7 +338,8 @@ void dropout_add_norm(const float* base, float* h, const float* bias, const floa
             uint32_t* bits = keep_bits + r * row_words(cols);
             for (int64_t w = 0; w < row_words(cols); ++w)
                 bits[w] = keep_bits32(&words[32 * w], cols - 32 * w < 32 ? cols - 32 * w : 32, keep_below);
-            float* hr = h + r * cols;
+            const float* hr = h + r * cols;
+            float* xr = xhat + r * cols;
             const float* br = base + r * cols;
             float* yr = y + r * cols;
             v16f sums{};
@@ -346,30 +347,30 @@ void dropout_add_norm(const float* base, float* h, const float* bias, const floa
             for (int64_t c = 0; c < whole; c += 16) {
                 const v16f kept = (load16(hr + c) + load16(bias + c)) * keep_factor(&words[c], keep_below, scale);
                 const v16f v = load16(br + c) + kept;
-                store16(hr + c, v);
+                store16(xr + c, v);
                 sums += v;
             }
             for (int64_t c = whole; c < cols; ++c) {
-                hr[c] = br[c] + (hr[c] + bias[c]) * (words[c] < keep_below ? scale : 0.0f);
-                sum += hr[c];
+                xr[c] = br[c] + (hr[c] + bias[c]) * (words[c] < keep_below ? scale : 0.0f);
+                sum += xr[c];
             }
             const float mean = (lanes_sum(sums) + sum) / (float)cols;
             v16f squares_v{};
             float squares = 0.0f;
             for (int64_t c = 0; c < whole; c += 16) {
-                const v16f d = load16(hr + c) - mean;
+                const v16f d = load16(xr + c) - mean;
                 squares_v += d * d;
             }
-            for (int64_t c = whole; c < cols; ++c) squares += (hr[c] - mean) * (hr[c] - mean);
+            for (int64_t c = whole; c < cols; ++c) squares += (xr[c] - mean) * (xr[c] - mean);
             const float inv = 1.0f / std::sqrt((lanes_sum(squares_v) + squares) / (float)cols + eps);
             for (int64_t c = 0; c < whole; c += 16) {
-                const v16f xhat = (load16(hr + c) - mean) * inv;
-                store16(hr + c, xhat);
-                store16(yr + c, xhat * load16(gamma + c) + load16(beta + c));
+                const v16f normed = (load16(xr + c) - mean) * inv;
+                store16(xr + c, normed);
+                store16(yr + c, normed * load16(gamma + c) + load16(beta + c));
             }
             for (int64_t c = whole; c < cols; ++c) {
-                hr[c] = (hr[c] - mean) * inv;
-                yr[c] = hr[c] * gamma[c] + beta[c];
+                xr[c] = (xr[c] - mean) * inv;
+                yr[c] = xr[c] * gamma[c] + beta[c];
             }
             rstd[r] = inv;
         }
@@ -473,10 +474,10 @@ void positive_scale_colsum_f32(const uint32_t* positive, const float* g, float* 
                                int64_t cols, double scale, int64_t threads) {
     positive_scale_colsum(positive, g, out, colsum, rows, cols, (float)scale, threads);
 }
-void dropout_add_norm_f32(const float* base, float* h, const float* bias, const float* gamma, const float* beta,
-                          float* y, float* rstd, uint32_t* keep_bits, int64_t rows, int64_t cols, double eps,
-                          uint64_t seed, uint32_t keep_below, double scale, int64_t threads) {
-    dropout_add_norm(base, h, bias, gamma, beta, y, rstd, keep_bits, rows, cols, (float)eps, seed, keep_below,
+void dropout_add_norm_f32(const float* base, const float* h, const float* bias, float* xhat, const float* gamma,
+                          const float* beta, float* y, float* rstd, uint32_t* keep_bits, int64_t rows, int64_t cols,
+                          double eps, uint64_t seed, uint32_t keep_below, double scale, int64_t threads) {
+    dropout_add_norm(base, h, bias, xhat, gamma, beta, y, rstd, keep_bits, rows, cols, (float)eps, seed, keep_below,
                      (float)scale, threads);
 }
 void dropout_add_norm_backward_f32(const float* dy, const float* xhat, const float* rstd, const float* gamma,
@@ -507,7 +508,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.bias_dropout_add_f32.restype = None
     lib.positive_scale_colsum_f32.argtypes = [p, p, p, p, i, i, f, i]
     lib.positive_scale_colsum_f32.restype = None
-    lib.dropout_add_norm_f32.argtypes = [p, p, p, p, p, p, p, p, i, i, f, u64, u32, f, i]
+    lib.dropout_add_norm_f32.argtypes = [p, p, p, p, p, p, p, p, p, i, i, f, u64, u32, f, i]
     lib.dropout_add_norm_f32.restype = None
     lib.dropout_add_norm_backward_f32.argtypes = [p, p, p, p, p, p, p, p, i, i, f, i]
     lib.dropout_add_norm_backward_f32.restype = None
@@ -635,12 +636,17 @@ def _unpack_bits(positive: Tensor, count: int) -> Tensor:
     return torch.from_numpy(np.unpackbits(positive.numpy().view(np.uint8), bitorder="little")[:count].astype(bool))
 
 
-def bias_dropout_add_(h: Tensor, base: Tensor, bias: Tensor, seed: int, keep_below: int, scale: float) -> Tensor:
-    """``h <- base + (h + bias)`` times the mask of ``seed``, in place (see :func:`bias_relu_dropout_`)."""
-    if _native_ok(h) and h.dtype == torch.float32 and base.dtype == h.dtype:
-        KERNEL.library().bias_dropout_add_f32(base.data_ptr(), h.data_ptr(), bias.data_ptr(), h.numel(), h.shape[-1],
-                                              seed, keep_below, scale, kernel_threads(h.numel()))
+def bias_dropout_add_(h: Tensor, base: Tensor | None, bias: Tensor, seed: int, keep_below: int,
+                      scale: float) -> Tensor:
+    """``h <- base + (h + bias)`` times the mask of ``seed``, in place (see :func:`bias_relu_dropout_`); without
+    a ``base``, only the bias and the mask."""
+    if _native_ok(h) and h.dtype == torch.float32 and (base is None or base.dtype == h.dtype):
+        KERNEL.library().bias_dropout_add_f32(None if base is None else base.data_ptr(), h.data_ptr(),
+                                              bias.data_ptr(), h.numel(), h.shape[-1], seed, keep_below, scale,
+                                              kernel_threads(h.numel()))
         return h
+    if base is None:
+        return h.copy_(apply_dropout(h + bias, seed, keep_below, scale))
     return h.copy_(apply_dropout_add(base, h + bias, seed, keep_below, scale))
 
 
@@ -660,19 +666,22 @@ def scale_where_positive_with_sums(positive: Tensor, grad: Tensor, scale: float)
     return out, out.sum(0)
 
 
-def dropout_add_norm(h: Tensor, base: Tensor, bias: Tensor, gamma: Tensor, beta: Tensor, eps: float, seed: int,
-                     keep_below: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def dropout_add_norm(h: Tensor, base: Tensor, bias: Tensor | None, gamma: Tensor, beta: Tensor, eps: float, seed: int,
+                     keep_below: int, scale: float, in_place: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``LayerNorm(base + (h + bias) * mask)`` over the rows of 2-d float32 ``h`` (the mask of ``seed``, as in
-    :func:`apply_dropout_add`). Returns the result, each row's ``1 / sqrt(var + eps)`` and the mask as bits
-    (``int32`` words, ``ceil(cols / 32)`` a row); ``h`` is overwritten with the normalised rows. Needs the
-    compiled kernel."""
+    :func:`apply_dropout_add`; no bias: ``None``). Returns the result, the normalised rows (written over ``h``
+    with ``in_place``), each row's ``1 / sqrt(var + eps)`` and the mask as bits (``int32`` words,
+    ``ceil(cols / 32)`` a row). Needs the compiled kernel."""
     rows, cols = h.shape
     y, rstd = torch.empty_like(h), h.new_empty(rows)
+    xhat = h if in_place else torch.empty_like(h)
+    bias = h.new_zeros(cols) if bias is None else bias
     keep_bits = torch.empty(rows, -(-cols // 32), dtype=torch.int32)
-    KERNEL.library().dropout_add_norm_f32(base.data_ptr(), h.data_ptr(), bias.data_ptr(), gamma.data_ptr(),
-                                          beta.data_ptr(), y.data_ptr(), rstd.data_ptr(), keep_bits.data_ptr(), rows,
-                                          cols, eps, seed, keep_below, scale, kernel_threads(h.numel()))
-    return y, rstd, keep_bits
+    KERNEL.library().dropout_add_norm_f32(base.data_ptr(), h.data_ptr(), bias.data_ptr(), xhat.data_ptr(),
+                                          gamma.data_ptr(), beta.data_ptr(), y.data_ptr(), rstd.data_ptr(),
+                                          keep_bits.data_ptr(), rows, cols, eps, seed, keep_below, scale,
+                                          kernel_threads(h.numel()))
+    return y, xhat, rstd, keep_bits
 
 
 def dropout_add_norm_backward(grad: Tensor, xhat: Tensor, rstd: Tensor, gamma: Tensor, keep_bits: Tensor,

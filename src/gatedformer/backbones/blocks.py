@@ -20,7 +20,21 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from gatedformer.backbones.dropout import Dropout
-from gatedformer.backbones.fused_linear import linear_dropout_add, linear_dropout_add_norm, linear_relu_dropout
+from gatedformer.backbones.fused_gates import (
+    apply_eau,
+    apply_grc,
+    apply_highway,
+    apply_sdu,
+    gated_mix,
+    grc_dropout_norm,
+)
+from gatedformer.backbones.fused_linear import (
+    dropout_add_layer_norm,
+    linear_dropout,
+    linear_dropout_add,
+    linear_dropout_add_norm,
+    linear_relu_dropout,
+)
 from gatedformer.backbones.placement import SublayerGates
 from gatedformer.gates import EAU, SDU, GatedMHDPA, GatedResidual, GLUFeedForward, HighwayGate
 
@@ -72,27 +86,39 @@ class Sublayer(nn.Module):
         self.gated_mix = GatedMHDPA(d_model) if gates.unit == "gated_mhdpa" else None
         self.eau = EAU(d_model) if gates.eau else None
         self.residual_gate = GatedResidual(d_model) if gates.grc else None
-        # With no gate between the body's last linear layer and the residual add, the two can be one pass.
-        self.fuse_output = gates.empty and hasattr(body, "features") and hasattr(body, "output_projection")
+        # With no gate on the body's output between its last linear layer and the residual add (a highway gate
+        # only changes the stream), the two can be one pass (gatedformer.backbones.fused_linear).
+        splits = hasattr(body, "features") and hasattr(body, "output_projection")
+        self.fuse_linear = gates.unit in (None, "highway") and not gates.eau and not gates.grc and splits
+        # With pre-LN, before a gated residual connection only the body's last layer and the dropout can be one pass.
+        self.fuse_dropout = gates.unit is None and not gates.eau and gates.grc and splits and self.pre_norm
 
     def forward(self, x: Tensor, *body_args: object) -> Tensor:
+        # The gates are applied through gatedformer.backbones.fused_gates: their own forward, with the
+        # element-wise end in one pass where that applies.
         h = self.norm(x) if self.pre_norm else x
-        if self.fuse_output:  # x + dropout(W f(h) + b), then the LayerNorm with post-LN
+        stream = apply_highway(self.highway, x) if self.highway is not None else x
+        if self.fuse_linear:  # stream + dropout(W f(h) + b), then the LayerNorm with post-LN
             features = self.body.features(h, *body_args)
+            projection = self.body.output_projection
             if self.pre_norm:
-                return linear_dropout_add(x, features, self.body.output_projection, self.dropout.p, self.training)
-            return linear_dropout_add_norm(x, features, self.body.output_projection, self.dropout.p, self.norm,
-                                           self.training)
+                return linear_dropout_add(stream, features, projection, self.dropout.p, self.training)
+            return linear_dropout_add_norm(stream, features, projection, self.dropout.p, self.norm, self.training)
+        if self.fuse_dropout:
+            dropped = linear_dropout(self.body.features(h, *body_args), self.body.output_projection, self.dropout.p,
+                                     self.training)
+            return apply_grc(self.residual_gate, stream, dropped)
         s = self.body(h, *body_args)
         if self.eau is not None:
-            s = self.eau(s)
+            s = apply_eau(self.eau, s)
         if self.sdu is not None:
-            s = self.sdu(h, add_to=s)  # s + SDU(h), the add fused into the SDU's product
+            s = apply_sdu(self.sdu, h, add_to=s)  # s + SDU(h)
         if self.gated_mix is not None:
-            s = self.gated_mix(h, s)
-        stream = self.highway(x) if self.highway is not None else x
+            s = gated_mix(self.gated_mix, s, h)
         if self.residual_gate is not None:
-            y = self.residual_gate(stream, self.dropout(s))
-        else:
-            y = self.dropout.add_to(stream, s)  # stream + dropout(s) in one pass
-        return y if self.pre_norm else self.norm(y)
+            if self.pre_norm:
+                return apply_grc(self.residual_gate, stream, self.dropout(s))
+            return grc_dropout_norm(self.residual_gate, stream, s, self.dropout.p, self.norm, self.training)
+        if self.pre_norm:
+            return self.dropout.add_to(stream, s)  # stream + dropout(s) in one pass
+        return dropout_add_layer_norm(stream, s, self.dropout.p, self.norm, self.training)

@@ -31,7 +31,8 @@ from gatedformer.backbones._dropout_kernel import (
     scale_where_positive_with_sums,
 )
 
-__all__ = ["fusion_applies", "linear_dropout_add", "linear_dropout_add_norm", "linear_relu_dropout"]
+__all__ = ["dropout_add_layer_norm", "fusion_applies", "linear_dropout", "linear_dropout_add",
+           "linear_dropout_add_norm", "linear_relu_dropout"]
 
 _INT32_VALUES = 2 ** 32
 
@@ -93,14 +94,28 @@ class _LinearDropoutAdd(torch.autograd.Function):
         return (grad if ctx.needs_input_grad[0] else None, *grads, None, None)
 
 
+class _LinearDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, seed: int, keep_below: int) -> Tensor:  # type: ignore[override]
+        ctx.mask = (seed, keep_below, _INT32_VALUES / keep_below)
+        out = bias_dropout_add_(x.mm(weight.t()), None, bias, *ctx.mask)
+        ctx.save_for_backward(x, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        grad_pre = apply_dropout(grad.contiguous(), *ctx.mask)
+        return (*_linear_grads(ctx.needs_input_grad[:3], grad_pre, x, weight), None, None)
+
+
 class _LinearDropoutAddNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, base: Tensor, x: Tensor, weight: Tensor, bias: Tensor, gamma: Tensor,  # type: ignore[override]
                 beta: Tensor, eps: float, seed: int, keep_below: int) -> Tensor:
         ctx.scale = _INT32_VALUES / keep_below
-        xhat = x.mm(weight.t())  # overwritten with the normalised rows
-        out, rstd, keep_bits = dropout_add_norm(xhat, base.contiguous(), bias, gamma, beta, eps, seed, keep_below,
-                                                ctx.scale)
+        out, xhat, rstd, keep_bits = dropout_add_norm(x.mm(weight.t()), base.contiguous(), bias, gamma, beta, eps,
+                                                      seed, keep_below, ctx.scale, in_place=True)
         ctx.save_for_backward(x, weight, gamma, xhat, rstd, keep_bits)
         return out
 
@@ -113,6 +128,26 @@ class _LinearDropoutAddNorm(torch.autograd.Function):
         return (grad_base if ctx.needs_input_grad[0] else None, *grads,
                 grad_gamma if ctx.needs_input_grad[4] else None, grad_beta if ctx.needs_input_grad[5] else None,
                 None, None, None)
+
+
+class _DropoutAddNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, base: Tensor, x: Tensor, gamma: Tensor, beta: Tensor, eps: float, seed: int,  # type: ignore[override]
+                keep_below: int) -> Tensor:
+        ctx.scale = _INT32_VALUES / keep_below
+        out, xhat, rstd, keep_bits = dropout_add_norm(x.contiguous(), base.contiguous(), None, gamma, beta, eps, seed,
+                                                      keep_below, ctx.scale)
+        ctx.save_for_backward(gamma, xhat, rstd, keep_bits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        gamma, xhat, rstd, keep_bits = ctx.saved_tensors
+        grad_base, grad_x, grad_gamma, grad_beta, _ = dropout_add_norm_backward(grad, xhat, rstd, gamma, keep_bits,
+                                                                                ctx.scale)
+        needed = ctx.needs_input_grad
+        return (grad_base if needed[0] else None, grad_x if needed[1] else None,
+                grad_gamma if needed[2] else None, grad_beta if needed[3] else None, None, None, None)
 
 
 def _plain_layer_norm(norm: nn.Module, width: int) -> bool:
@@ -153,3 +188,25 @@ def linear_dropout_add_norm(base: Tensor, x: Tensor, linear: nn.Linear, p: float
     out = _LinearDropoutAddNorm.apply(_rows(base), _rows(x), linear.weight, linear.bias, norm.weight, norm.bias,
                                       norm.eps, dropout_ops._draw_seed(), dropout_ops._keep_below(p))
     return out.view(base.shape)
+
+
+def dropout_add_layer_norm(base: Tensor, x: Tensor, p: float, norm: nn.LayerNorm, training: bool = True) -> Tensor:
+    """``norm(base + dropout(x, p))`` (a post-LN residual connection around any sublayer output ``x``), in one
+    kernel each way where the dropout's fast path applies, outside autocast, for a plain
+    :class:`torch.nn.LayerNorm` over the last dimension and ``base`` of ``x``'s shape."""
+    if not (training and dropout_ops._fast_path(x, p) and x.dtype == torch.float32 and base.shape == x.shape
+            and base.dtype == x.dtype and not torch.is_autocast_enabled("cpu")
+            and _plain_layer_norm(norm, x.shape[-1])):
+        return norm(dropout_ops.dropout_add(base, x, p, training))
+    out = _DropoutAddNorm.apply(_rows(base), _rows(x), norm.weight, norm.bias, norm.eps, dropout_ops._draw_seed(),
+                                dropout_ops._keep_below(p))
+    return out.view(base.shape)
+
+
+def linear_dropout(x: Tensor, linear: nn.Linear, p: float, training: bool = True) -> Tensor:
+    """``dropout(linear(x), p)``, fused where :func:`fusion_applies` (e.g. before a gated residual connection)."""
+    if not fusion_applies(x, linear, p, training):
+        return dropout_ops.dropout(linear(x), p, training)
+    out = _LinearDropout.apply(_rows(x), linear.weight, linear.bias, dropout_ops._draw_seed(),
+                               dropout_ops._keep_below(p))
+    return out.view(*x.shape[:-1], out.shape[-1])
