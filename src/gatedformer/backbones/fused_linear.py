@@ -1,19 +1,30 @@
 """Linear layers fused with what follows them in a Transformer sublayer, for CPU training.
 
 A sublayer's linear layers are each followed by element-wise work: the FFN's first layer by its ReLU and
-dropout, the last layer of attention and of the FFN by dropout and the residual add. Written as
-``F.linear`` then the element-wise operations, every step reads and writes the whole activation again
-(``addmm`` itself first copies the broadcast bias into its output), and each is one more autograd node.
-On the CPU these passes cost as much as a fifth of a small model's matrix products. Here one autograd
-function per linear layer computes the matrix product without the bias, then adds the bias, applies the
-ReLU, the dropout mask and the residual in one pass over the product, in place (the product is a temporary
-no one else sees). The masks are those of :mod:`gatedformer.backbones.dropout` (Philox, redrawn in the
-backward pass), so a fused and an unfused model with the same seed train alike.
+dropout, the last layer of attention and of the FFN by dropout, the residual add and (post-LN) the
+LayerNorm. Written as ``F.linear`` then the element-wise operations, every step reads and writes the whole
+activation again (``addmm`` itself first copies the broadcast bias into its output), and each is one more
+autograd node. On the CPU these passes cost as much as a fifth of a small model's matrix products. Here one
+autograd function per linear layer computes the matrix product without the bias, then adds the bias and
+applies the ReLU, the dropout mask, the residual and the LayerNorm in one pass over the product, in place
+(the product is a temporary no one else sees):
 
-:func:`linear_relu_dropout` and :func:`linear_dropout_add` take that path only where it applies: training
-with ``0 < p < 1``, float32 on the CPU outside ``torch.compile`` and autocast, the compiled dropout kernel
-available, and a plain :class:`torch.nn.Linear` with a bias and no hooks (so that hooks on it still see
-every call). Everything else is computed as written, unfused.
+* :func:`linear_relu_dropout`: ``dropout(relu(linear(x)))``; keeps one bit per element (where the result is
+  positive) for the backward pass, which also sums the bias gradient;
+* :func:`linear_dropout_add_norm`: ``norm(base + dropout(linear(x)))``, row by row; keeps the normalised rows,
+  ``1/std`` per row and the mask as bits;
+* :func:`linear_dropout_add` (pre-LN) and :func:`linear_dropout` (before a gated residual): the mask is
+  drawn again in the backward pass;
+* :func:`dropout_add_layer_norm`: ``norm(base + dropout(s))`` for a sublayer output ``s`` that a gate has
+  changed, so that no linear layer comes right before it.
+
+The masks are those of :mod:`gatedformer.backbones.dropout` (Philox, keyed by a seed from torch's generator,
+one draw per call), so a fused and an unfused model with the same seed train alike.
+
+Each takes its fused path only where it applies: training with ``0 < p < 1``, float32 on the CPU outside
+``torch.compile`` and autocast, the compiled dropout kernel available, and a plain :class:`torch.nn.Linear`
+with a bias and a plain :class:`torch.nn.LayerNorm`, without hooks (so that hooks on them still see every
+call). Everything else is computed as written, unfused.
 """
 
 from __future__ import annotations
