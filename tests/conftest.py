@@ -21,6 +21,21 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
 
 
 @pytest.fixture
+def kernel_build(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """``use(kernel, isa)`` loads that instruction set's build of a compiled kernel in place of the one this CPU
+    picks, for the rest of the test (and skips the test where the CPU or compiler lacks it)."""
+    def use(kernel, isa: str):  # noqa: ANN001, ANN202
+        try:
+            lib = kernel.library_for(isa)
+        except RuntimeError as err:
+            pytest.skip(str(err))
+        monkeypatch.setattr(kernel, "_lib", lib)
+        return lib
+
+    return use
+
+
+@pytest.fixture
 def text_corpus(tmp_path: Path) -> str:
     """A ``text:`` corpus of a few thousand characters with learnable structure."""
     words = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "park", "in", "sun"]

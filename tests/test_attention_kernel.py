@@ -50,15 +50,10 @@ def test_matches_scaled_dot_product_attention(batch: int, length: int, heads: in
 
 
 @pytest.mark.parametrize("isa", _native.ISAS)
-def test_every_instruction_set_build_matches_scaled_dot_product_attention(isa: str,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_instruction_set_build_matches_scaled_dot_product_attention(isa: str, kernel_build) -> None:  # noqa: ANN001
     """The scalar, AVX2 and AVX-512 code paths (this CPU runs only one of them by default)."""
     _native_or_skip()
-    try:
-        lib = _attention_kernel.KERNEL.library_for(isa)
-    except RuntimeError as err:
-        pytest.skip(str(err))
-    monkeypatch.setattr(_attention_kernel.KERNEL, "_lib", lib)
+    lib = kernel_build(_attention_kernel.KERNEL, isa)
     assert 16 in supported_head_sizes(lib) and 32 in supported_head_sizes(lib)
     generator = torch.Generator().manual_seed(3)
     for length, heads, head in [(1, 1, 16), (37, 2, 32), (70, 1, 64), (130, 2, 16), (19, 1, 128), (45, 3, 8)]:

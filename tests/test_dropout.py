@@ -103,14 +103,11 @@ def test_native_words_match_reference(tile: int) -> None:
     assert np.array_equal(words, _dropout_kernel.philox_words(32, seed, start=tile * 32))
 
 
-@pytest.mark.parametrize("isa", ["baseline", "avx2", "avx512"])
-def test_every_instruction_set_build_draws_the_reference_masks(isa: str) -> None:
+@pytest.mark.parametrize("isa", _native.ISAS)
+def test_every_instruction_set_build_draws_the_reference_masks(isa: str, kernel_build) -> None:  # noqa: ANN001
     """The scalar, AVX2 (8 blocks) and AVX-512 (16 blocks) generators are one stream, whatever the build."""
     _native_or_skip()
-    try:
-        lib = _dropout_kernel.KERNEL.library_for(isa)
-    except RuntimeError as err:
-        pytest.skip(str(err))
+    lib = kernel_build(_dropout_kernel.KERNEL, isa)
     seed, scale = (1 << 40) + 7, 2 ** 32 / _KEEP_90
     x = torch.randn(64 * 5 + 33)  # odd tails of both the 32- and the 64-element draws
     base = torch.randn_like(x)

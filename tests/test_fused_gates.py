@@ -64,12 +64,9 @@ def test_every_gate_tail_matches_the_gate_module(rows: int, d: int, seed: int) -
 
 
 @pytest.mark.parametrize("isa", _native.ISAS)
-def test_every_instruction_set_build_computes_the_tails(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_instruction_set_build_computes_the_tails(isa: str, kernel_build) -> None:  # noqa: ANN001
     _kernel_or_skip()
-    try:
-        monkeypatch.setattr(_gate_kernel.KERNEL, "_lib", _gate_kernel.KERNEL.library_for(isa))
-    except RuntimeError as err:
-        pytest.skip(str(err))
+    kernel_build(_gate_kernel.KERNEL, isa)
     torch.manual_seed(1)
     for _, module, fused, plain in _cases(37):
         x, s = torch.randn(5, 37, requires_grad=True), torch.randn(5, 37, requires_grad=True)

@@ -103,13 +103,10 @@ def test_a_hooked_or_unusual_norm_is_applied_unfused() -> None:
 
 
 @pytest.mark.parametrize("isa", _native.ISAS)
-def test_epilogue_kernels_match_the_reference_masks(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_epilogue_kernels_match_the_reference_masks(isa: str, kernel_build) -> None:  # noqa: ANN001
     """The in-place bias epilogues draw the masks of the NumPy Philox reference, row by row of any width."""
     _kernel_or_skip()
-    try:
-        monkeypatch.setattr(_dropout_kernel.KERNEL, "_lib", _dropout_kernel.KERNEL.library_for(isa))
-    except RuntimeError as err:
-        pytest.skip(str(err))
+    kernel_build(_dropout_kernel.KERNEL, isa)
     keep_below, seed = round(0.8 * 2 ** 32), 12345
     scale = 2 ** 32 / keep_below
     h, base, bias = torch.randn(7, 37), torch.randn(7, 37), torch.randn(37)

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from gatedformer.backbones._gate_kernel import KERNEL, tail_backward, tail_forward
 from gatedformer.backbones.dropout import dropout
-from gatedformer.backbones.fused_linear import dropout_add_layer_norm
+from gatedformer.backbones.fused_linear import dropout_add_layer_norm, unhooked
 from gatedformer.gates import EAU, SDU, GatedResidual, HighwayGate
 from gatedformer.gates._transform_gate import TransformGate
 
@@ -25,8 +25,7 @@ __all__ = ["apply_eau", "apply_grc", "apply_highway", "apply_sdu", "gated_mix", 
 
 def tail_applies(gate: nn.Module, *tensors: Tensor) -> bool:
     """Whether the fused tail replaces ``gate``'s own forward for these inputs."""
-    return (not (gate._forward_hooks or gate._forward_pre_hooks or gate._backward_hooks or gate._backward_pre_hooks)
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    return (unhooked(gate) and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
             and KERNEL.pick_backend(tensors[0].device) == "native")
 

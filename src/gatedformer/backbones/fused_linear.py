@@ -48,11 +48,15 @@ __all__ = ["dropout_add_layer_norm", "fusion_applies", "linear_dropout", "linear
 _INT32_VALUES = 2 ** 32
 
 
+def unhooked(module: nn.Module) -> bool:
+    """Whether ``module`` has no hooks of its own: only then may a fused path compute it without calling it."""
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
 def fusion_applies(x: Tensor, linear: nn.Module, p: float, training: bool) -> bool:
     """Whether :func:`linear_relu_dropout` / :func:`linear_dropout_add` take the fused path for these inputs."""
-    return (training and type(linear) is nn.Linear and linear.bias is not None
-            and not (linear._forward_hooks or linear._forward_pre_hooks or linear._backward_hooks
-                     or linear._backward_pre_hooks)
+    return (training and type(linear) is nn.Linear and linear.bias is not None and unhooked(linear)
             and x.dtype == torch.float32 and linear.weight.dtype == torch.float32
             and linear.weight.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
             and dropout_ops._fast_path(x, p))
@@ -60,6 +64,12 @@ def fusion_applies(x: Tensor, linear: nn.Module, p: float, training: bool) -> bo
 
 def _rows(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1])
+
+
+def _on_rows(function: type[torch.autograd.Function], x: Tensor, linear: nn.Linear, p: float) -> Tensor:
+    """``function`` of ``x``'s rows, ``linear``'s parameters and a fresh mask seed, back in ``x``'s shape."""
+    out = function.apply(_rows(x), linear.weight, linear.bias, dropout_ops._draw_seed(), dropout_ops._keep_below(p))
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _linear_grads(needed: tuple[bool, ...], grad_pre: Tensor, x: Tensor, weight: Tensor,
@@ -163,18 +173,14 @@ class _DropoutAddNorm(torch.autograd.Function):
 
 def _plain_layer_norm(norm: nn.Module, width: int) -> bool:
     return (type(norm) is nn.LayerNorm and norm.normalized_shape == (width,) and norm.weight is not None
-            and norm.bias is not None and norm.weight.dtype == torch.float32
-            and not (norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks
-                     or norm._backward_pre_hooks))
+            and norm.bias is not None and norm.weight.dtype == torch.float32 and unhooked(norm))
 
 
 def linear_relu_dropout(x: Tensor, linear: nn.Linear, p: float, training: bool = True) -> Tensor:
     """``dropout(relu(linear(x)), p)``, fused where :func:`fusion_applies`."""
     if not fusion_applies(x, linear, p, training):
         return dropout_ops.relu_dropout(linear(x), p, training)
-    out = _LinearReluDropout.apply(_rows(x), linear.weight, linear.bias, dropout_ops._draw_seed(),
-                                   dropout_ops._keep_below(p))
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return _on_rows(_LinearReluDropout, x, linear, p)
 
 
 def linear_dropout_add(base: Tensor, x: Tensor, linear: nn.Linear, p: float, training: bool = True) -> Tensor:
@@ -186,7 +192,6 @@ def linear_dropout_add(base: Tensor, x: Tensor, linear: nn.Linear, p: float, tra
     out = _LinearDropoutAdd.apply(_rows(base), _rows(x), linear.weight, linear.bias, dropout_ops._draw_seed(),
                                   dropout_ops._keep_below(p))
     return out.view(base.shape)
-
 
 
 def linear_dropout_add_norm(base: Tensor, x: Tensor, linear: nn.Linear, p: float, norm: nn.LayerNorm,
@@ -218,6 +223,4 @@ def linear_dropout(x: Tensor, linear: nn.Linear, p: float, training: bool = True
     """``dropout(linear(x), p)``, fused where :func:`fusion_applies` (e.g. before a gated residual connection)."""
     if not fusion_applies(x, linear, p, training):
         return dropout_ops.dropout(linear(x), p, training)
-    out = _LinearDropout.apply(_rows(x), linear.weight, linear.bias, dropout_ops._draw_seed(),
-                               dropout_ops._keep_below(p))
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return _on_rows(_LinearDropout, x, linear, p)
