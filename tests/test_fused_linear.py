@@ -9,10 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from gatedformer.backbones import _dropout_kernel, _native, fused_gates, fused_linear
+from gatedformer.backbones import _dropout_kernel, _native, build_model, fused_gates, fused_linear
 from gatedformer.backbones.dropout import dropout_add, relu_dropout
 from gatedformer.backbones.fused_linear import fusion_applies, linear_dropout_add, linear_relu_dropout
 from gatedformer.backbones.transformer import TransformerLM
+from gatedformer.config import ModelConfig
 
 
 def _kernel_or_skip() -> None:
@@ -161,17 +162,27 @@ def test_sublayers_fuse_only_where_no_gate_stands_between() -> None:
                      "layers.2.attn": True, "layers.2.ffn": False}
 
 
-@pytest.mark.parametrize("gates", ["", "+σ SDU", "+highway gate", "+gated MHDPA", "+EAU", "+GRC", "+EAU+GRC"])
-def test_language_model_trains_the_same_fused_or_not(gates: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("backbone", "gates", "norm"), [
+    *[("transformer", gates, "post") for gates in ["", "+σ SDU", "+highway gate", "+gated MHDPA", "+EAU", "+GRC",
+                                                    "+EAU+GRC"]],
+    *[("transformer", gates, "pre") for gates in ["", "+highway gate", "+EAU+GRC"]],
+    ("rtransformer", "+σ SDU", "post"), ("transformer-xl", "+EAU+GRC", "post"), ("sru-transformer", "", "post"),
+])
+def test_language_model_trains_the_same_fused_or_not(backbone: str, gates: str, norm: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every sublayer form (post- and pre-LN, each gate, each backbone built on Sublayer): the fused passes
+    give the loss and every gradient of the model computed as written."""
     _kernel_or_skip()
     torch.manual_seed(0)
-    model = TransformerLM(vocab_size=30, d_model=32, n_layers=2, n_heads=2, d_ffn=64, dropout=0.2, gates=gates)
+    cfg = ModelConfig(backbone=backbone, d_model=32, n_layers=2, n_heads=2, d_ffn=64, dropout=0.2, gates=gates,
+                      norm=norm, rnn_window=3, mem_len=8)
+    model = build_model(cfg, 30)
     tokens = torch.randint(0, 30, (3, 17))
 
     def loss_and_grads() -> tuple[Tensor, list[Tensor]]:
         model.zero_grad()
         torch.manual_seed(5)
-        logits, _ = model(tokens)
+        logits = model(tokens)[0]
         loss = logits.square().mean()
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
