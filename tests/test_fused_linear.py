@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from gatedformer.backbones import _dropout_kernel, _native, build_model, fused_gates, fused_linear
+from gatedformer.backbones import _dropout_kernel, _epilogue_kernel, _native, build_model, fused_gates, fused_linear
 from gatedformer.backbones.dropout import dropout_add, relu_dropout
 from gatedformer.backbones.fused_linear import fusion_applies, linear_dropout_add, linear_relu_dropout
 from gatedformer.backbones.transformer import TransformerLM
@@ -17,8 +17,9 @@ from gatedformer.config import ModelConfig
 
 
 def _kernel_or_skip() -> None:
-    if _dropout_kernel.KERNEL.pick_backend(torch.device("cpu")) != "native":
-        pytest.skip(f"the compiled dropout kernel is unavailable here: {_dropout_kernel.KERNEL.error}")
+    for kernel in (_dropout_kernel.KERNEL, _epilogue_kernel.KERNEL):
+        if kernel.pick_backend(torch.device("cpu")) != "native":
+            pytest.skip(f"{kernel.description} is unavailable here: {kernel.error}")
 
 
 def _grads(out: Tensor, grad: Tensor, *inputs: Tensor) -> list[Tensor]:
@@ -107,25 +108,25 @@ def test_a_hooked_or_unusual_norm_is_applied_unfused() -> None:
 def test_epilogue_kernels_match_the_reference_masks(isa: str, kernel_build) -> None:  # noqa: ANN001
     """The in-place bias epilogues draw the masks of the NumPy Philox reference, row by row of any width."""
     _kernel_or_skip()
-    kernel_build(_dropout_kernel.KERNEL, isa)
+    kernel_build(_epilogue_kernel.KERNEL, isa)
     keep_below, seed = round(0.8 * 2 ** 32), 12345
     scale = 2 ** 32 / keep_below
     h, base, bias = torch.randn(7, 37), torch.randn(7, 37), torch.randn(37)
     keep = torch.from_numpy(_dropout_kernel.philox_words(h.numel(), seed) < np.uint32(keep_below)).view(7, 37)
-    relu, positive = _dropout_kernel.bias_relu_dropout_(h.clone(), bias, seed, keep_below, scale)
+    relu, positive = _epilogue_kernel.bias_relu_dropout_(h.clone(), bias, seed, keep_below, scale)
     pre = h + bias
     assert torch.equal(relu, pre * ((keep & (pre > 0)).float() * scale))
-    assert torch.equal(positive, _dropout_kernel._pack_bits(relu.reshape(-1) > 0))
-    added = _dropout_kernel.bias_dropout_add_(h.clone(), base, bias, seed, keep_below, scale)
+    assert torch.equal(positive, _epilogue_kernel._pack_bits(relu.reshape(-1) > 0))
+    added = _epilogue_kernel.bias_dropout_add_(h.clone(), base, bias, seed, keep_below, scale)
     assert torch.equal(added, base + pre * (keep.float() * scale))
     # The post-LN tail: the same mask, torch's LayerNorm and its gradients.
     gamma, beta, grad = torch.rand(37) + 0.5, torch.randn(37), torch.randn(7, 37)
-    normed, xhat, rstd, keep_bits = _dropout_kernel.dropout_add_norm(h, base, bias, gamma, beta, 1e-5, seed,
+    normed, xhat, rstd, keep_bits = _epilogue_kernel.dropout_add_norm(h, base, bias, gamma, beta, 1e-5, seed,
                                                                      keep_below, scale)
     summed = (base + pre * (keep.float() * scale)).requires_grad_()
     reference = torch.nn.functional.layer_norm(summed, (37,), gamma, beta, 1e-5)
     torch.testing.assert_close(normed, reference, rtol=1e-5, atol=1e-5)
-    grad_sum, grad_pre, grad_gamma, grad_beta, grad_bias = _dropout_kernel.dropout_add_norm_backward(
+    grad_sum, grad_pre, grad_gamma, grad_beta, grad_bias = _epilogue_kernel.dropout_add_norm_backward(
         grad, xhat, rstd, gamma, keep_bits, scale)
     (expected,) = torch.autograd.grad(reference, summed, grad)
     torch.testing.assert_close(grad_sum, expected, rtol=1e-4, atol=1e-5)
@@ -208,16 +209,16 @@ def test_relu_gradient_from_bits_with_column_sums(threads: int, monkeypatch: pyt
     monkeypatch.setattr(_native, "_ELEMENTS_PER_THREAD", 1)
     torch.set_num_threads(threads)
     try:
-        out, positive = _dropout_kernel.bias_relu_dropout_(h.clone(), bias, seed, keep_below, scale)
-        grad_pre, sums = _dropout_kernel.scale_where_positive_with_sums(positive, grad, scale)
+        out, positive = _epilogue_kernel.bias_relu_dropout_(h.clone(), bias, seed, keep_below, scale)
+        grad_pre, sums = _epilogue_kernel.scale_where_positive_with_sums(positive, grad, scale)
     finally:
         torch.set_num_threads(before)
     assert positive.dtype == torch.int32 and positive.numel() == -(-h.numel() // 32)
     assert torch.equal(grad_pre, _dropout_kernel.scale_where_positive(out, grad, scale))
     torch.testing.assert_close(sums, grad_pre.sum(0), rtol=1e-5, atol=1e-5)
-    assert torch.equal(_dropout_kernel.scale_where_positive_with_sums(positive, grad, scale)[1], sums)
-    assert torch.equal(_dropout_kernel._pack_bits(out.reshape(-1) > 0), positive)
+    assert torch.equal(_epilogue_kernel.scale_where_positive_with_sums(positive, grad, scale)[1], sums)
+    assert torch.equal(_epilogue_kernel._pack_bits(out.reshape(-1) > 0), positive)
     monkeypatch.setenv("GATEDFORMER_DROPOUT_BACKEND", "torch")
-    fallback_pre, fallback_sums = _dropout_kernel.scale_where_positive_with_sums(positive, grad, scale)
+    fallback_pre, fallback_sums = _epilogue_kernel.scale_where_positive_with_sums(positive, grad, scale)
     assert torch.equal(fallback_pre, grad_pre)
     torch.testing.assert_close(fallback_sums, sums, rtol=1e-5, atol=1e-5)

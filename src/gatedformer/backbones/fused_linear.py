@@ -22,7 +22,8 @@ The masks are those of :mod:`gatedformer.backbones.dropout` (Philox, keyed by a 
 one draw per call), so a fused and an unfused model with the same seed train alike.
 
 Each takes its fused path only where it applies: training with ``0 < p < 1``, float32 on the CPU outside
-``torch.compile`` and autocast, the compiled dropout kernel available, and a plain :class:`torch.nn.Linear`
+``torch.compile`` and autocast, the compiled dropout and epilogue kernels available
+(:mod:`gatedformer.backbones._epilogue_kernel`), and a plain :class:`torch.nn.Linear`
 with a bias and a plain :class:`torch.nn.LayerNorm`, without hooks (so that hooks on them still see every
 call). Everything else is computed as written, unfused.
 """
@@ -33,8 +34,9 @@ import torch
 from torch import Tensor, nn
 
 from gatedformer.backbones import dropout as dropout_ops
-from gatedformer.backbones._dropout_kernel import (
-    apply_dropout,
+from gatedformer.backbones._dropout_kernel import apply_dropout
+from gatedformer.backbones._epilogue_kernel import (
+    KERNEL,
     bias_dropout_add_,
     bias_relu_dropout_,
     dropout_add_norm,
@@ -59,7 +61,7 @@ def fusion_applies(x: Tensor, linear: nn.Module, p: float, training: bool) -> bo
     return (training and type(linear) is nn.Linear and linear.bias is not None and unhooked(linear)
             and x.dtype == torch.float32 and linear.weight.dtype == torch.float32
             and linear.weight.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
-            and dropout_ops._fast_path(x, p))
+            and dropout_ops._fast_path(x, p) and KERNEL.pick_backend(x.device) == "native")
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -210,7 +212,8 @@ def dropout_add_layer_norm(base: Tensor, x: Tensor, p: float, norm: nn.LayerNorm
     """``norm(base + dropout(x, p))`` (a post-LN residual connection around any sublayer output ``x``), in one
     kernel each way where the dropout's fast path applies, outside autocast, for a plain
     :class:`torch.nn.LayerNorm` over the last dimension and ``base`` of ``x``'s shape."""
-    if not (training and dropout_ops._fast_path(x, p) and x.dtype == torch.float32 and base.shape == x.shape
+    if not (training and dropout_ops._fast_path(x, p) and KERNEL.pick_backend(x.device) == "native"
+            and x.dtype == torch.float32 and base.shape == x.shape
             and base.dtype == x.dtype and not torch.is_autocast_enabled("cpu")
             and _plain_layer_norm(norm, x.shape[-1])):
         return norm(dropout_ops.dropout_add(base, x, p, training))
