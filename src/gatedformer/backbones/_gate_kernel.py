@@ -83,27 +83,29 @@ void forward(const float* c, const float* a, int64_t a_row, const float* b, int6
     });
 }
 
+// One row of the backward pass. The rows are parameters of their own function: GCC honours `__restrict` on
+// parameters, but not on pointers computed inside the threads' lambda, and without it the lerp tail's loop
+// (with the carry's two rows) was left scalar.
+template <int F, int G, bool Lerp>
+inline void backward_row(const float* __restrict d, const float* __restrict cr, const float* __restrict ar,
+                         const float* __restrict br, float* __restrict dcr, float* __restrict dar,
+                         float* __restrict dbr, int64_t cols) {
+    for (int64_t j = 0; j < cols; ++j) {
+        const float fa = apply<F>(ar[j]), gb = apply<G>(br[j]);
+        dar[j] = d[j] * (Lerp ? gb - cr[j] : gb) * slope<F>(fa);
+        dbr[j] = d[j] * fa * slope<G>(gb);
+        if (Lerp) dcr[j] = d[j] * (1.0f - fa);
+    }
+}
+
 template <int F, int G, bool Lerp>
 void backward(const float* dout, const float* c, const float* a, int64_t a_row, const float* b, int64_t b_row,
               float* dc, float* da, int64_t da_row, float* db, int64_t db_row, int64_t rows, int64_t cols,
               int64_t threads) {
     gatedformer::parallel_chunks(rows, threads, 1, [=](int64_t lo, int64_t hi) {
-        for (int64_t r = lo; r < hi; ++r) {
-            const float* __restrict d = dout + r * cols;
-            const float* __restrict cr = Lerp ? c + r * cols : nullptr;
-            const float* __restrict ar = a + r * a_row;
-            const float* __restrict br = b + r * b_row;
-            float* __restrict dcr = Lerp ? dc + r * cols : nullptr;
-            float* __restrict dar = da + r * da_row;
-            float* __restrict dbr = db + r * db_row;
-            for (int64_t j = 0; j < cols; ++j) {
-                const float fa = apply<F>(ar[j]), gb = apply<G>(br[j]);
-                const float moved = Lerp ? gb - cr[j] : gb;
-                dar[j] = d[j] * moved * slope<F>(fa);
-                dbr[j] = d[j] * fa * slope<G>(gb);
-                if (Lerp) dcr[j] = d[j] * (1.0f - fa);
-            }
-        }
+        for (int64_t r = lo; r < hi; ++r)
+            backward_row<F, G, Lerp>(dout + r * cols, Lerp ? c + r * cols : nullptr, a + r * a_row, b + r * b_row,
+                                     Lerp ? dc + r * cols : nullptr, da + r * da_row, db + r * db_row, cols);
     });
 }
 
