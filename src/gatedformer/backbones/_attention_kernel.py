@@ -123,25 +123,52 @@ struct Head {
 };
 
 // S[r][j] = sum_d A_r[d] * X_j[d] for r < kRows and j < n (a multiple of kPanel), with the keys X packed in
-// panels of kPanel (see pack_panels): kRows x kPanelVecs independent accumulators keep both FMA units busy.
-template <int D>
-void row_products(const float* const a[kRows], const float* panels, int64_t n, float* s, int64_t lds) {
-    for (int64_t j = 0; j < n; j += kPanel) {
-        const float* panel = panels + j * D;
-        vec acc[kRows][kPanelVecs];
-        for (int r = 0; r < kRows; ++r)
-            for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = splat(0);
-        for (int d = 0; d < D; ++d) {
-            vec b[kPanelVecs];
-            for (int v = 0; v < kPanelVecs; ++v) b[v] = load(panel + d * kPanel + v * kW);
-            for (int r = 0; r < kRows; ++r) {
-                const vec ar = splat(a[r][d]);
-                for (int v = 0; v < kPanelVecs; ++v) acc[r][v] += ar * b[v];
-            }
+// panels of kPanel (see pack_panels): kRows x P x kPanelVecs independent accumulators keep both FMA units busy.
+// Two panels at a time where n allows and the registers suffice (twice the accumulators per broadcast of A),
+// one for the rest. With
+// `row_max`, row r's largest S[r][j] over its keys j < first_key + r + 1 (the causal ones) goes there too.
+template <int D, int P>
+inline void panel_products(const float* const a[kRows], const float* panel, float* s, int64_t lds, int64_t j,
+                           float* row_max, int64_t first_key) {
+    vec acc[kRows][P * kPanelVecs];
+    for (int r = 0; r < kRows; ++r)
+        for (int v = 0; v < P * kPanelVecs; ++v) acc[r][v] = splat(0);
+    for (int d = 0; d < D; ++d) {
+        vec b[P * kPanelVecs];
+        for (int q = 0; q < P; ++q)
+            for (int v = 0; v < kPanelVecs; ++v)
+                b[q * kPanelVecs + v] = load(panel + q * D * kPanel + d * kPanel + v * kW);
+        for (int r = 0; r < kRows; ++r) {
+            const vec ar = splat(a[r][d]);
+            for (int v = 0; v < P * kPanelVecs; ++v) acc[r][v] += ar * b[v];
         }
-        for (int r = 0; r < kRows; ++r)
-            for (int v = 0; v < kPanelVecs; ++v) store(s + r * lds + j + v * kW, acc[r][v]);
     }
+    for (int r = 0; r < kRows; ++r) {
+        vec m = splat(-FLT_MAX);
+        for (int q = 0; q < P; ++q)
+            for (int v = 0; v < kPanelVecs; ++v) {
+                const int64_t at = j + q * kPanel + v * kW;
+                store(s + r * lds + at, acc[r][q * kPanelVecs + v]);
+                if (row_max != nullptr) m = vmax(m, below(acc[r][q * kPanelVecs + v], at, first_key + r + 1, -FLT_MAX));
+            }
+        if (row_max != nullptr) {
+            float top = row_max[r];
+            for (int k = 0; k < kW; ++k) top = m[k] > top ? m[k] : top;
+            row_max[r] = top;
+        }
+    }
+}
+
+template <int D>
+void row_products(const float* const a[kRows], const float* panels, int64_t n, float* s, int64_t lds,
+                  float* row_max = nullptr, int64_t first_key = 0) {
+    if (row_max != nullptr)
+        for (int r = 0; r < kRows; ++r) row_max[r] = -FLT_MAX;
+    int64_t j = 0;
+    if (kRows * 2 * kPanelVecs <= kAccs)  // only where the accumulators of two panels fit in registers
+        for (; j + 2 * kPanel <= n; j += 2 * kPanel)
+            panel_products<D, 2>(a, panels + j * D, s, lds, j, row_max, first_key);
+    for (; j < n; j += kPanel) panel_products<D, 1>(a, panels + j * D, s, lds, j, row_max, first_key);
 }
 
 // out_r (+)= sum_{j0 <= j < n} W(r, j) * X_j for r < kRows, with W(r, j) = w[r * wr + j * wc] and X_j = x + j * stride
@@ -240,21 +267,20 @@ void forward_head(const Head& h, int64_t L, float scale, float* o, int64_t o_row
         const int64_t rows = L - i0 < kRows ? L - i0 : kRows, n = i0 + rows;
         const float* q[kRows];
         block_rows(h.q, h.row, i0, rows, q);
-        row_products<D>(q, kt, round_panel(n), s, ld);
+        float row_max[kRows], inv[kRows];
+        row_products<D>(q, kt, round_panel(n), s, ld, row_max, i0);
         for (int64_t r = 0; r < kRows; ++r) {
             float* p = s + r * ld;
             const int64_t valid = r < rows ? i0 + r + 1 : 0;  // keys 0 .. i
             if (valid == 0) {  // a row past the end: its output is discarded
                 for (int64_t j = 0; j < n; ++j) p[j] = 0.0f;
+                inv[r] = 0.0f;
                 continue;
             }
-            // Whole vectors up to `span` (<= the panels computed), the keys past i masked out.
+            // Whole vectors up to `span` (<= the panels computed), the keys past i masked out. The rows of P are
+            // left unnormalised: the output rows are scaled by 1 / sum instead, after the product with V.
             const int64_t span = (valid + kW - 1) / kW * kW;
-            vec vm = splat(-FLT_MAX);
-            for (int64_t jb = 0; jb < span; jb += kW) vm = vmax(vm, below(load(p + jb), jb, valid, -FLT_MAX));
-            float m = vm[0];
-            for (int k = 1; k < kW; ++k) m = vm[k] > m ? vm[k] : m;
-            m *= scale;
+            const float m = row_max[r] * scale;
             vec vsum = splat(0);
             for (int64_t jb = 0; jb < span; jb += kW) {
                 const vec e = below(vexp(vmin(load(p + jb) * scale - m, splat(0))), jb, valid, 0.0f);
@@ -263,8 +289,7 @@ void forward_head(const Head& h, int64_t L, float scale, float* o, int64_t o_row
             }
             float sum = 0.0f;
             for (int k = 0; k < kW; ++k) sum += vsum[k];
-            const float inv = 1.0f / sum;
-            for (int64_t jb = 0; jb < span; jb += kW) store(p + jb, load(p + jb) * inv);
+            inv[r] = 1.0f / sum;
             for (int64_t j = span; j < n; ++j) p[j] = 0.0f;
             if (lse != nullptr) lse[i0 + r] = m + std::log(sum);
         }
@@ -272,6 +297,8 @@ void forward_head(const Head& h, int64_t L, float scale, float* o, int64_t o_row
         float scratch[kRows][D];
         for (int64_t r = 0; r < kRows; ++r) out[r] = r < rows ? o + (i0 + r) * o_row : scratch[r];
         weighted_sum<D, false>(s, ld, 1, 0, n, v, D, out);
+        for (int64_t r = 0; r < rows; ++r)
+            for (int d = 0; d < D; d += kW) store(out[r] + d, load(out[r] + d) * inv[r]);
     }
 }
 
