@@ -9,7 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from gatedformer.backbones import _dropout_kernel, _epilogue_kernel, _native, build_model, fused_gates, fused_linear
+from gatedformer.backbones import (
+    _attention_kernel,
+    _dropout_kernel,
+    _epilogue_kernel,
+    _native,
+    build_model,
+    fused_gates,
+    fused_linear,
+)
+from gatedformer.backbones.attention import CausalSelfAttention
+from gatedformer.backbones.blocks import FeedForward
 from gatedformer.backbones.dropout import dropout_add, relu_dropout
 from gatedformer.backbones.fused_linear import fusion_applies, linear_dropout_add, linear_relu_dropout
 from gatedformer.backbones.transformer import TransformerLM
@@ -134,6 +144,96 @@ def test_epilogue_kernels_match_the_reference_masks(isa: str, kernel_build) -> N
     torch.testing.assert_close(grad_bias, grad_pre.sum(0), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(grad_beta, grad.sum(0), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad_gamma, (grad * xhat).sum(0), rtol=1e-5, atol=1e-5)
+
+
+def _affine_norm(width: int) -> nn.LayerNorm:
+    norm = nn.LayerNorm(width)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    return norm
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(8, 60), d_model=st.integers(8, 40), d_ffn=st.integers(1, 90),
+       p=st.sampled_from([(0.1, 0.1), (0.3, 0.2)]), seed=st.integers(0, 2 ** 16))
+def test_feed_forward_sublayer_in_one_function_is_the_unfused_computation(rows: int, d_model: int, d_ffn: int,
+                                                                          p: tuple[float, float], seed: int) -> None:
+    """norm(x + dropout(FFN(x))) as one autograd function: the values, every gradient and both masks (drawn in
+    the unfused order) of the sublayer computed piece by piece. (Rows of at least 8, as for the tail above.)"""
+    _kernel_or_skip()
+    inner_p, outer_p = p
+    torch.manual_seed(seed)
+    ffn, norm = FeedForward(d_model, d_ffn, inner_p), _affine_norm(d_model)
+    x = torch.randn(rows, 2, d_model, requires_grad=True)
+    grad = torch.randn(rows, 2, d_model)
+    torch.manual_seed(seed + 1)
+    fused = ffn.add_norm(x, outer_p, norm)
+    assert fused is not None
+    torch.manual_seed(seed + 1)
+    plain = norm(dropout_add(x, ffn.outer(relu_dropout(ffn.inner(x), inner_p)), outer_p))
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
+    params = (x, *ffn.parameters(), *norm.parameters())
+    for a, b in zip(_grads(fused, grad, *params), _grads(plain, grad, *params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=15, deadline=None)
+@given(batch=st.integers(1, 3), length=st.integers(8, 40), heads=st.sampled_from([1, 2]),
+       head=st.sampled_from([16, 32]), seed=st.integers(0, 2 ** 16))
+def test_attention_sublayer_in_one_function_is_the_unfused_computation(batch: int, length: int, heads: int,
+                                                                       head: int, seed: int) -> None:
+    """norm(x + dropout(Att(x))) as one autograd function around the attention kernel: the values and every
+    gradient of the sublayer computed piece by piece."""
+    _kernel_or_skip()
+    if head not in _attention_kernel.supported_head_sizes():
+        pytest.skip(f"the attention kernel here does not take heads of {head}")
+    d_model = heads * head
+    torch.manual_seed(seed)
+    attention, norm = CausalSelfAttention(d_model, heads), _affine_norm(d_model)
+    x = torch.randn(batch, length, d_model, requires_grad=True)
+    grad = torch.randn(batch, length, d_model)
+    torch.manual_seed(seed + 1)
+    fused = attention.add_norm(x, 0.2, norm)
+    assert fused is not None
+    torch.manual_seed(seed + 1)
+    plain = norm(dropout_add(x, attention(x), 0.2))
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
+    params = (x, *attention.parameters(), *norm.parameters())
+    for a, b in zip(_grads(fused, grad, *params), _grads(plain, grad, *params), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["eval", "hooked", "attention dropout", "frozen"])
+def test_a_sublayer_in_one_function_only_where_it_applies(case: str) -> None:
+    """Not training, a hooked layer or attention-weight dropout: ``add_norm`` declines (the sublayer then runs
+    its pieces). With frozen weights it applies and gives only the gradients asked for."""
+    _kernel_or_skip()
+    attention = CausalSelfAttention(32, 2, dropout=0.1 if case == "attention dropout" else 0.0)
+    ffn, norm = FeedForward(32, 48, 0.1), nn.LayerNorm(32)
+    x = torch.randn(2, 9, 32, requires_grad=True)
+    if case == "eval":
+        attention.eval(), ffn.eval()
+    if case == "hooked":
+        attention.out.register_forward_hook(lambda module, args, out: None)
+        ffn.inner.register_forward_hook(lambda module, args, out: None)
+    if case == "frozen":
+        for parameter in (*attention.parameters(), *ffn.parameters()):
+            parameter.requires_grad_(False)
+        out = ffn.add_norm(attention.add_norm(x, 0.1, norm), 0.1, norm)
+        out.sum().backward()
+        assert x.grad is not None and all(p.grad is None for p in (*attention.parameters(), *ffn.parameters()))
+        return
+    assert ffn.add_norm(x, 0.1, norm) is None or case == "attention dropout"
+    assert attention.add_norm(x, 0.1, norm) is None
+
+
+def test_only_ungated_post_norm_sublayers_run_as_one_function() -> None:
+    model = TransformerLM(vocab_size=11, d_model=16, n_layers=2, n_heads=2, d_ffn=32, gates="+highway L1 + σ L2/ffn")
+    whole = {name: module.fuse_sublayer for name, module in model.named_modules() if hasattr(module, "fuse_sublayer")}
+    assert whole == {"layers.0.attn": False, "layers.0.ffn": False, "layers.1.attn": True, "layers.1.ffn": False}
+    pre_norm = TransformerLM(vocab_size=11, d_model=16, n_layers=1, n_heads=2, d_ffn=32, norm="pre")
+    assert not any(getattr(module, "fuse_sublayer", False) for module in pre_norm.modules())
 
 
 @pytest.mark.parametrize("case", ["eval", "float64", "hooked", "no bias", "p=0"])

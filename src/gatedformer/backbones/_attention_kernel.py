@@ -36,7 +36,7 @@ from torch.nn import functional as F
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 
 __all__ = ["KERNEL", "SUPPORTED_HEAD_SIZES", "causal_attention_packed", "causal_attention_reference",
-           "kernel_applies", "supported_head_sizes"]
+           "kernel_applies", "kernel_takes", "packed_backward", "packed_forward", "supported_head_sizes"]
 
 SUPPORTED_HEAD_SIZES = (8, 16, 32, 64, 128)
 """Head sizes the kernel is written for; a build takes those that are whole vectors (the AVX-512 build: 16 up)."""
@@ -462,12 +462,17 @@ KERNEL = NativeKernel(
 
 def kernel_applies(qkv: Tensor, n_heads: int, dropout: float) -> bool:
     """Whether :func:`causal_attention_packed` runs the compiled kernel for this input."""
-    if qkv.device.type != "cpu" or qkv.dtype != torch.float32 or dropout > 0.0 or qkv.dim() != 3:
+    return qkv.dim() == 3 and kernel_takes(qkv.shape[-1], n_heads, dropout, qkv.device, qkv.dtype)
+
+
+def kernel_takes(width: int, n_heads: int, dropout: float, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the compiled kernel takes packed projections ``width = 3·H·D`` wide of this device and dtype."""
+    if device.type != "cpu" or dtype != torch.float32 or dropout > 0.0:
         return False
-    head, rest = divmod(qkv.shape[-1], 3 * n_heads)
+    head, rest = divmod(width, 3 * n_heads)
     if rest or head not in SUPPORTED_HEAD_SIZES or torch.compiler.is_compiling():
         return False
-    return KERNEL.pick_backend(qkv.device) == "native" and head in supported_head_sizes()
+    return KERNEL.pick_backend(device) == "native" and head in supported_head_sizes()
 
 
 def supported_head_sizes(lib: ctypes.CDLL | None = None) -> tuple[int, ...]:
@@ -478,20 +483,42 @@ def supported_head_sizes(lib: ctypes.CDLL | None = None) -> tuple[int, ...]:
     return tuple(h for h in SUPPORTED_HEAD_SIZES if lib.attention_head_supported(h))
 
 
+def packed_forward(qkv: Tensor, n_heads: int, keep_lse: bool = True) -> tuple[Tensor, Tensor | None]:
+    """The kernel's forward pass on contiguous ``(B, L, 3·H·D)`` projections: the ``(B, L, H·D)`` output and,
+    with ``keep_lse``, the log-sum-exp of every row that :func:`packed_backward` needs."""
+    batch, length, width = qkv.shape
+    head = width // (3 * n_heads)
+    out = qkv.new_empty(batch, length, n_heads * head)
+    lse = qkv.new_empty(batch, n_heads, length) if keep_lse else None
+    failed = KERNEL.library().attention_forward_f32(
+        qkv.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(), batch, length, n_heads, head,
+        1.0 / math.sqrt(head), kernel_threads(qkv.numel()),
+    )
+    if failed:
+        raise RuntimeError(f"the attention kernel does not take heads of {head}")
+    return out, lse
+
+
+def packed_backward(qkv: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, n_heads: int) -> Tensor:
+    """The gradient of the projections from that of :func:`packed_forward`'s output (any layout)."""
+    batch, length, width = qkv.shape
+    head = width // (3 * n_heads)
+    grad_out = grad_out.contiguous()
+    grad_qkv = torch.empty_like(qkv)
+    failed = KERNEL.library().attention_backward_f32(
+        qkv.data_ptr(), out.data_ptr(), grad_out.data_ptr(), lse.data_ptr(), grad_qkv.data_ptr(),
+        batch, length, n_heads, head, 1.0 / math.sqrt(head), kernel_threads(qkv.numel()),
+    )
+    if failed:
+        raise RuntimeError(f"the attention kernel does not take heads of {head}")
+    return grad_qkv
+
+
 class _PackedCausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv: Tensor, n_heads: int) -> Tensor:  # type: ignore[override]
-        batch, length, width = qkv.shape
-        head = width // (3 * n_heads)
         qkv = qkv.contiguous()
-        out = qkv.new_empty(batch, length, n_heads * head)
-        lse = qkv.new_empty(batch, n_heads, length) if ctx.needs_input_grad[0] else None
-        failed = KERNEL.library().attention_forward_f32(
-            qkv.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(), batch, length, n_heads, head,
-            1.0 / math.sqrt(head), kernel_threads(qkv.numel()),
-        )
-        if failed:
-            raise RuntimeError(f"the attention kernel does not take heads of {head}")
+        out, lse = packed_forward(qkv, n_heads, keep_lse=ctx.needs_input_grad[0])
         if lse is not None:
             ctx.save_for_backward(qkv, out, lse)
         ctx.n_heads = n_heads
@@ -500,17 +527,7 @@ class _PackedCausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
         qkv, out, lse = ctx.saved_tensors
-        batch, length, width = qkv.shape
-        head = width // (3 * ctx.n_heads)
-        grad_out = grad_out.contiguous()
-        grad_qkv = torch.empty_like(qkv)
-        failed = KERNEL.library().attention_backward_f32(
-            qkv.data_ptr(), out.data_ptr(), grad_out.data_ptr(), lse.data_ptr(), grad_qkv.data_ptr(),
-            batch, length, ctx.n_heads, head, 1.0 / math.sqrt(head), kernel_threads(qkv.numel()),
-        )
-        if failed:
-            raise RuntimeError(f"the attention kernel does not take heads of {head}")
-        return grad_qkv, None
+        return packed_backward(qkv, out, grad_out, lse, ctx.n_heads), None
 
 
 def causal_attention_reference(qkv: Tensor, n_heads: int, dropout: float = 0.0) -> Tensor:

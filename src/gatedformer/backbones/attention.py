@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from gatedformer.backbones._attention_kernel import causal_attention_packed
+from gatedformer.backbones.fused_linear import attention_add_norm
 
 
 class CausalSelfAttention(nn.Module):
@@ -37,6 +38,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.out(self.features(x))
+
+    def add_norm(self, x: Tensor, p: float, norm: nn.LayerNorm) -> Tensor | None:
+        """``norm(x + dropout(self(x), p))`` as one autograd function where that applies
+        (:func:`~gatedformer.backbones.fused_linear.attention_add_norm`), else ``None``."""
+        return attention_add_norm(x, self.qkv, self.out, self.n_heads, self.dropout if self.training else 0.0, p,
+                                  norm, self.training)
 
 
 def sinusoidal_positions(length: int, d_model: int, device: torch.device | None = None,

@@ -30,6 +30,7 @@ from gatedformer.backbones.fused_gates import (
 )
 from gatedformer.backbones.fused_linear import (
     dropout_add_layer_norm,
+    feed_forward_add_norm,
     linear_dropout,
     linear_dropout_add,
     linear_dropout_add_norm,
@@ -63,6 +64,11 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.outer(self.features(x))
 
+    def add_norm(self, x: Tensor, p: float, norm: nn.LayerNorm) -> Tensor | None:
+        """``norm(x + dropout(self(x), p))`` as one autograd function where that applies
+        (:func:`~gatedformer.backbones.fused_linear.feed_forward_add_norm`), else ``None``."""
+        return feed_forward_add_norm(x, self.inner, self.outer, self.dropout.p, p, norm, self.training)
+
 
 def make_ffn(kind: str, d_model: int, d_ffn: int, dropout: float) -> nn.Module:
     if kind == "glu":
@@ -90,12 +96,19 @@ class Sublayer(nn.Module):
         # only changes the stream), the two can be one pass (gatedformer.backbones.fused_linear).
         splits = hasattr(body, "features") and hasattr(body, "output_projection")
         self.fuse_linear = gates.unit in (None, "highway") and not gates.eau and not gates.grc and splits
+        # With post-LN and no gate at all, a body that offers add_norm computes the whole sublayer in one autograd
+        # function (the residual's gradient then joins x's inside a matrix product).
+        self.fuse_sublayer = self.fuse_linear and gates.unit is None and not self.pre_norm and hasattr(body, "add_norm")
         # With pre-LN, before a gated residual connection only the body's last layer and the dropout can be one pass.
         self.fuse_dropout = gates.unit is None and not gates.eau and gates.grc and splits and self.pre_norm
 
     def forward(self, x: Tensor, *body_args: object) -> Tensor:
         # The gates are applied through gatedformer.backbones.fused_gates: their own forward, with the
         # element-wise end in one pass where that applies.
+        if self.fuse_sublayer and not body_args:
+            whole = self.body.add_norm(x, self.dropout.p, self.norm)
+            if whole is not None:
+                return whole
         h = self.norm(x) if self.pre_norm else x
         stream = apply_highway(self.highway, x) if self.highway is not None else x
         if self.fuse_linear:  # stream + dropout(W f(h) + b), then the LayerNorm with post-LN

@@ -16,7 +16,12 @@ applies the ReLU, the dropout mask, the residual and the LayerNorm in one pass o
 * :func:`linear_dropout_add` (pre-LN) and :func:`linear_dropout` (before a gated residual): the mask is
   drawn again in the backward pass;
 * :func:`dropout_add_layer_norm`: ``norm(base + dropout(s))`` for a sublayer output ``s`` that a gate has
-  changed, so that no linear layer comes right before it.
+  changed, so that no linear layer comes right before it;
+* :func:`feed_forward_add_norm` and :func:`attention_add_norm`: a whole ungated post-LN sublayer,
+  ``norm(x + dropout(F(x)))`` for the FFN and for attention on the compiled kernel, as one autograd function.
+  Besides saving the graph nodes between the pieces above, it adds the residual's gradient to x's in the
+  product that computes the body's share (``addmm`` into it), where autograd would add the two in a pass of
+  its own.
 
 The masks are those of :mod:`gatedformer.backbones.dropout` (Philox, keyed by a seed from torch's generator,
 one draw per call), so a fused and an unfused model with the same seed train alike.
@@ -33,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from gatedformer.backbones import _attention_kernel
 from gatedformer.backbones import dropout as dropout_ops
 from gatedformer.backbones._dropout_kernel import apply_dropout
 from gatedformer.backbones._epilogue_kernel import (
@@ -44,8 +50,8 @@ from gatedformer.backbones._epilogue_kernel import (
     scale_where_positive_with_sums,
 )
 
-__all__ = ["dropout_add_layer_norm", "fusion_applies", "linear_dropout", "linear_dropout_add",
-           "linear_dropout_add_norm", "linear_relu_dropout"]
+__all__ = ["attention_add_norm", "dropout_add_layer_norm", "feed_forward_add_norm", "fusion_applies",
+           "linear_dropout", "linear_dropout_add", "linear_dropout_add_norm", "linear_relu_dropout"]
 
 _INT32_VALUES = 2 ** 32
 
@@ -173,6 +179,69 @@ class _DropoutAddNorm(torch.autograd.Function):
                 grad_gamma if needed[2] else None, grad_beta if needed[3] else None, None, None, None)
 
 
+class _FeedForwardAddNorm(torch.autograd.Function):
+    """``norm(x + dropout(W2 dropout(relu(W1 x + b1)) + b2))``: the two functions above in one."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, gamma: Tensor,  # type: ignore[override]
+                beta: Tensor, eps: float, inner_mask: tuple[int, int], outer_mask: tuple[int, int]) -> Tensor:
+        ctx.scales = (_INT32_VALUES / inner_mask[1], _INT32_VALUES / outer_mask[1])
+        x = x.contiguous()
+        hidden, positive = bias_relu_dropout_(x.mm(w1.t()), b1, *inner_mask, ctx.scales[0])
+        out, xhat, rstd, keep_bits = dropout_add_norm(hidden.mm(w2.t()), x, b2, gamma, beta, eps, *outer_mask,
+                                                      ctx.scales[1], in_place=True)
+        ctx.save_for_backward(x, w1, positive, hidden, w2, gamma, xhat, rstd, keep_bits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, w1, positive, hidden, w2, gamma, xhat, rstd, keep_bits = ctx.saved_tensors
+        grad_x, grad_outer, grad_gamma, grad_beta, grad_b2 = dropout_add_norm_backward(grad, xhat, rstd, gamma,
+                                                                                       keep_bits, ctx.scales[1])
+        grad_inner, grad_b1 = scale_where_positive_with_sums(positive, grad_outer.mm(w2), ctx.scales[0])
+        needed = ctx.needs_input_grad
+        if needed[0]:
+            grad_x.addmm_(grad_inner, w1)  # the residual's gradient plus the body's, in the product
+        grad_w1 = grad_inner.t().mm(x) if needed[1] else None
+        grad_w2 = grad_outer.t().mm(hidden) if needed[3] else None
+        grads = (grad_x, grad_w1, grad_b1, grad_w2, grad_b2, grad_gamma, grad_beta)
+        return (*(g if need else None for g, need in zip(grads, needed, strict=False)), None, None, None)
+
+
+class _AttentionAddNorm(torch.autograd.Function):
+    """``norm(x + dropout(Wo attention(Wqkv x + bqkv) + bo))`` with the compiled attention kernel."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w_qkv: Tensor, b_qkv: Tensor, w_out: Tensor, b_out: Tensor,  # type: ignore[override]
+                gamma: Tensor, beta: Tensor, eps: float, batch: int, n_heads: int, mask: tuple[int, int]) -> Tensor:
+        ctx.scale, ctx.n_heads = _INT32_VALUES / mask[1], n_heads
+        x = x.contiguous()
+        qkv = torch.addmm(b_qkv, x, w_qkv.t()).view(batch, -1, w_qkv.shape[0])
+        attended, lse = _attention_kernel.packed_forward(qkv, n_heads)
+        attended = attended.view(x.shape[0], -1)
+        out, xhat, rstd, keep_bits = dropout_add_norm(attended.mm(w_out.t()), x, b_out, gamma, beta, eps, *mask,
+                                                      ctx.scale, in_place=True)
+        ctx.save_for_backward(x, w_qkv, qkv, attended, lse, w_out, gamma, xhat, rstd, keep_bits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, w_qkv, qkv, attended, lse, w_out, gamma, xhat, rstd, keep_bits = ctx.saved_tensors
+        grad_x, grad_projected, grad_gamma, grad_beta, grad_b_out = dropout_add_norm_backward(grad, xhat, rstd, gamma,
+                                                                                              keep_bits, ctx.scale)
+        grad_attended = grad_projected.mm(w_out).view(qkv.shape[0], qkv.shape[1], -1)
+        grad_qkv = _attention_kernel.packed_backward(qkv, attended.view(grad_attended.shape), grad_attended, lse,
+                                                     ctx.n_heads).view(x.shape[0], -1)
+        needed = ctx.needs_input_grad
+        if needed[0]:
+            grad_x.addmm_(grad_qkv, w_qkv)  # the residual's gradient plus the body's, in the product
+        grad_w_qkv = grad_qkv.t().mm(x) if needed[1] else None
+        grad_b_qkv = grad_qkv.sum(0) if needed[2] else None
+        grad_w_out = grad_projected.t().mm(attended) if needed[3] else None
+        grads = (grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, grad_gamma, grad_beta)
+        return (*(g if need else None for g, need in zip(grads, needed, strict=False)), None, None, None, None)
+
+
 def _plain_layer_norm(norm: nn.Module, width: int) -> bool:
     return (type(norm) is nn.LayerNorm and norm.normalized_shape == (width,) and norm.weight is not None
             and norm.bias is not None and norm.weight.dtype == torch.float32 and unhooked(norm))
@@ -227,3 +296,37 @@ def linear_dropout(x: Tensor, linear: nn.Linear, p: float, training: bool = True
     if not fusion_applies(x, linear, p, training):
         return dropout_ops.dropout(linear(x), p, training)
     return _on_rows(_LinearDropout, x, linear, p)
+
+
+def _mask(p: float) -> tuple[int, int]:
+    return dropout_ops._draw_seed(), dropout_ops._keep_below(p)
+
+
+def feed_forward_add_norm(x: Tensor, inner: nn.Linear, outer: nn.Linear, inner_p: float, p: float,
+                          norm: nn.LayerNorm, training: bool = True) -> Tensor | None:
+    """``norm(x + dropout(outer(dropout(relu(inner(x)), inner_p)), p))``, a post-LN FFN sublayer, as one autograd
+    function where both linear layers fuse (:func:`fusion_applies`) and ``norm`` is a plain LayerNorm; ``None``
+    where it does not apply. The masks are drawn in the order of the unfused sublayer."""
+    if not (fusion_applies(x, inner, inner_p, training) and fusion_applies(x, outer, p, training)
+            and outer.in_features == inner.out_features and outer.out_features == x.shape[-1]
+            and _plain_layer_norm(norm, x.shape[-1])):
+        return None
+    inner_mask = _mask(inner_p)
+    out = _FeedForwardAddNorm.apply(_rows(x), inner.weight, inner.bias, outer.weight, outer.bias, norm.weight,
+                                    norm.bias, norm.eps, inner_mask, _mask(p))
+    return out.view(x.shape)
+
+
+def attention_add_norm(x: Tensor, qkv: nn.Linear, out: nn.Linear, n_heads: int, attention_dropout: float, p: float,
+                       norm: nn.LayerNorm, training: bool = True) -> Tensor | None:
+    """``norm(x + dropout(out(attention(qkv(x))), p))``, a post-LN causal self-attention sublayer on ``(B, L, d)``
+    rows, as one autograd function where both linear layers fuse (:func:`fusion_applies`), the compiled
+    attention kernel takes the heads and ``norm`` is a plain LayerNorm; ``None`` where it does not apply."""
+    if not (x.dim() == 3 and fusion_applies(x, qkv, p, training) and fusion_applies(x, out, p, training)
+            and out.out_features == x.shape[-1] and qkv.out_features == 3 * out.in_features
+            and _attention_kernel.kernel_takes(qkv.out_features, n_heads, attention_dropout, x.device, x.dtype)
+            and _plain_layer_norm(norm, x.shape[-1])):
+        return None
+    result = _AttentionAddNorm.apply(_rows(x), qkv.weight, qkv.bias, out.weight, out.bias, norm.weight, norm.bias,
+                                     norm.eps, x.shape[0], n_heads, _mask(p))
+    return result.view(x.shape)
