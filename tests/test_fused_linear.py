@@ -13,6 +13,7 @@ from gatedformer.backbones import (
     _attention_kernel,
     _dropout_kernel,
     _epilogue_kernel,
+    _gate_kernel,
     _native,
     build_model,
     fused_gates,
@@ -20,10 +21,11 @@ from gatedformer.backbones import (
 )
 from gatedformer.backbones.attention import CausalSelfAttention
 from gatedformer.backbones.blocks import FeedForward
-from gatedformer.backbones.dropout import dropout_add, relu_dropout
+from gatedformer.backbones.dropout import dropout, dropout_add, relu_dropout
 from gatedformer.backbones.fused_linear import fusion_applies, linear_dropout_add, linear_relu_dropout
 from gatedformer.backbones.transformer import TransformerLM
 from gatedformer.config import ModelConfig
+from gatedformer.gates import GatedResidual
 
 
 def _kernel_or_skip() -> None:
@@ -144,6 +146,31 @@ def test_epilogue_kernels_match_the_reference_masks(isa: str, kernel_build) -> N
     torch.testing.assert_close(grad_bias, grad_pre.sum(0), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(grad_beta, grad.sum(0), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad_gamma, (grad * xhat).sum(0), rtol=1e-5, atol=1e-5)
+    # With a GRC's gate g = sigmoid(a): LayerNorm(base + g * dropout(h + bias)), and the gradient of a.
+    a = torch.randn(7, 37)
+    gate = torch.sigmoid(a)
+    normed, xhat, rstd, keep_bits = _epilogue_kernel.dropout_add_norm(h, base, bias, gamma, beta, 1e-5, seed,
+                                                                     keep_below, scale, gate=gate)
+    a_ = a.clone().requires_grad_()
+    dropped = (h + bias) * (keep.float() * scale)
+    reference = torch.nn.functional.layer_norm(base + torch.sigmoid(a_) * dropped, (37,), gamma, beta, 1e-5)
+    torch.testing.assert_close(normed, reference, rtol=1e-5, atol=1e-5)
+    grad_sum, grad_pre, grad_a, _, _, grad_bias, grad_gate_bias = _epilogue_kernel.gated_dropout_add_norm_backward(
+        grad, xhat, rstd, gamma, keep_bits, scale, gate, h, bias)
+    (expected_a,) = torch.autograd.grad(reference, a_, grad)
+    torch.testing.assert_close(grad_a, expected_a, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad_pre, grad_sum * gate * keep.float() * scale, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad_bias, grad_pre.sum(0), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad_gate_bias, grad_a.sum(0), rtol=1e-4, atol=1e-5)
+    sigmoid = _gate_kernel.bias_sigmoid_(a.clone(), bias[:37])
+    torch.testing.assert_close(sigmoid, torch.sigmoid(a + bias), rtol=1e-6, atol=1e-6)
+
+
+def _random_gate(width: int) -> GatedResidual:
+    gate = GatedResidual(width)
+    with torch.no_grad():
+        gate.gate_proj.bias.uniform_(-1.0, 1.0)  # it starts at zero
+    return gate
 
 
 def _affine_norm(width: int) -> nn.LayerNorm:
@@ -156,50 +183,55 @@ def _affine_norm(width: int) -> nn.LayerNorm:
 
 @settings(max_examples=15, deadline=None)
 @given(rows=st.integers(8, 60), d_model=st.integers(8, 40), d_ffn=st.integers(1, 90),
-       p=st.sampled_from([(0.1, 0.1), (0.3, 0.2)]), seed=st.integers(0, 2 ** 16))
+       p=st.sampled_from([(0.1, 0.1), (0.3, 0.2)]), gated=st.booleans(), seed=st.integers(0, 2 ** 16))
 def test_feed_forward_sublayer_in_one_function_is_the_unfused_computation(rows: int, d_model: int, d_ffn: int,
-                                                                          p: tuple[float, float], seed: int) -> None:
-    """norm(x + dropout(FFN(x))) as one autograd function: the values, every gradient and both masks (drawn in
-    the unfused order) of the sublayer computed piece by piece. (Rows of at least 8, as for the tail above.)"""
+                                                                          p: tuple[float, float], gated: bool,
+                                                                          seed: int) -> None:
+    """norm(x + dropout(FFN(x))), or with a GRC norm(x + σ(Wg x + bg) ⊙ dropout(FFN(x))), as one autograd
+    function: the values, every gradient and both masks (drawn in the unfused order) of the sublayer computed
+    piece by piece. (Rows of at least 8, as for the tail above.)"""
     _kernel_or_skip()
     inner_p, outer_p = p
     torch.manual_seed(seed)
     ffn, norm = FeedForward(d_model, d_ffn, inner_p), _affine_norm(d_model)
+    gate = _random_gate(d_model) if gated else None
     x = torch.randn(rows, 2, d_model, requires_grad=True)
     grad = torch.randn(rows, 2, d_model)
     torch.manual_seed(seed + 1)
-    fused = ffn.add_norm(x, outer_p, norm)
+    fused = ffn.add_norm(x, outer_p, norm, gate)
     assert fused is not None
     torch.manual_seed(seed + 1)
-    plain = norm(dropout_add(x, ffn.outer(relu_dropout(ffn.inner(x), inner_p)), outer_p))
+    body = ffn.outer(relu_dropout(ffn.inner(x), inner_p))
+    plain = norm(gate(x, dropout(body, outer_p)) if gated else dropout_add(x, body, outer_p))
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
-    params = (x, *ffn.parameters(), *norm.parameters())
+    params = (x, *ffn.parameters(), *norm.parameters(), *(gate.parameters() if gated else ()))
     for a, b in zip(_grads(fused, grad, *params), _grads(plain, grad, *params), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @settings(max_examples=15, deadline=None)
 @given(batch=st.integers(1, 3), length=st.integers(8, 40), heads=st.sampled_from([1, 2]),
-       head=st.sampled_from([16, 32]), seed=st.integers(0, 2 ** 16))
+       head=st.sampled_from([16, 32]), gated=st.booleans(), seed=st.integers(0, 2 ** 16))
 def test_attention_sublayer_in_one_function_is_the_unfused_computation(batch: int, length: int, heads: int,
-                                                                       head: int, seed: int) -> None:
-    """norm(x + dropout(Att(x))) as one autograd function around the attention kernel: the values and every
-    gradient of the sublayer computed piece by piece."""
+                                                                       head: int, gated: bool, seed: int) -> None:
+    """norm(x + dropout(Att(x))) (or with a GRC) as one autograd function around the attention kernel: the values
+    and every gradient of the sublayer computed piece by piece."""
     _kernel_or_skip()
     if head not in _attention_kernel.supported_head_sizes():
         pytest.skip(f"the attention kernel here does not take heads of {head}")
     d_model = heads * head
     torch.manual_seed(seed)
     attention, norm = CausalSelfAttention(d_model, heads), _affine_norm(d_model)
+    gate = _random_gate(d_model) if gated else None
     x = torch.randn(batch, length, d_model, requires_grad=True)
     grad = torch.randn(batch, length, d_model)
     torch.manual_seed(seed + 1)
-    fused = attention.add_norm(x, 0.2, norm)
+    fused = attention.add_norm(x, 0.2, norm, gate)
     assert fused is not None
     torch.manual_seed(seed + 1)
-    plain = norm(dropout_add(x, attention(x), 0.2))
+    plain = norm(gate(x, dropout(attention(x), 0.2)) if gated else dropout_add(x, attention(x), 0.2))
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
-    params = (x, *attention.parameters(), *norm.parameters())
+    params = (x, *attention.parameters(), *norm.parameters(), *(gate.parameters() if gated else ()))
     for a, b in zip(_grads(fused, grad, *params), _grads(plain, grad, *params), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
@@ -228,10 +260,27 @@ def test_a_sublayer_in_one_function_only_where_it_applies(case: str) -> None:
     assert attention.add_norm(x, 0.1, norm) is None
 
 
-def test_only_ungated_post_norm_sublayers_run_as_one_function() -> None:
-    model = TransformerLM(vocab_size=11, d_model=16, n_layers=2, n_heads=2, d_ffn=32, gates="+highway L1 + σ L2/ffn")
-    whole = {name: module.fuse_sublayer for name, module in model.named_modules() if hasattr(module, "fuse_sublayer")}
-    assert whole == {"layers.0.attn": False, "layers.0.ffn": False, "layers.1.attn": True, "layers.1.ffn": False}
+def test_a_hooked_gated_residual_connection_is_called_as_written() -> None:
+    """Gate statistics record a GRC through its forward hooks: a hooked GRC keeps the sublayer in pieces."""
+    _kernel_or_skip()
+    model = TransformerLM(vocab_size=11, d_model=32, n_layers=1, n_heads=2, d_ffn=48, gates="+GRC")
+    seen: list[Tensor] = []
+    for module in model.modules():
+        if isinstance(module, GatedResidual):
+            module.register_forward_hook(lambda module, args, out: seen.append(out))
+    model(torch.randint(0, 11, (2, 9)))
+    assert len(seen) == 2
+
+
+def test_only_post_norm_sublayers_without_a_gate_but_a_grc_run_as_one_function() -> None:
+    def whole(gates: str, layers: int) -> dict[str, bool]:
+        model = TransformerLM(vocab_size=11, d_model=16, n_layers=layers, n_heads=2, d_ffn=32, gates=gates)
+        return {name: sub.fuse_sublayer for name, sub in model.named_modules() if hasattr(sub, "fuse_sublayer")}
+
+    assert whole("+highway L1 + σ L2/ffn + GRC L3", 3) == {
+        "layers.0.attn": False, "layers.0.ffn": False, "layers.1.attn": True, "layers.1.ffn": False,
+        "layers.2.attn": True, "layers.2.ffn": True}
+    assert whole("+EAU+GRC", 1) == {"layers.0.attn": False, "layers.0.ffn": True}  # the EAU stands between
     pre_norm = TransformerLM(vocab_size=11, d_model=16, n_layers=1, n_heads=2, d_ffn=32, norm="pre")
     assert not any(getattr(module, "fuse_sublayer", False) for module in pre_norm.modules())
 

@@ -8,7 +8,9 @@ would draw for the same seed and element. It works in place on a linear layer's 
   positive; ``scale_where_positive_with_sums`` is its backward pass from those bits, summing the bias gradient;
 * ``bias_dropout_add_``: ``base + (h + bias)`` times the mask (no ``base``: only the bias and the mask);
 * ``dropout_add_norm``: ``LayerNorm(base + (h + bias) * mask)`` row by row, keeping what its backward pass,
-  ``dropout_add_norm_backward``, needs (the normalised rows, ``1/std`` per row and the mask as bits).
+  ``dropout_add_norm_backward``, needs (the normalised rows, ``1/std`` per row and the mask as bits); with a
+  gated residual connection's gate ``g``, ``LayerNorm(base + g * (h + bias) * mask)``
+  (``gated_dropout_add_norm_backward``).
 
 Column sums are taken in fixed blocks of rows, so results do not depend on the number of threads. It follows
 the dropout kernel's switch, ``GATEDFORMER_DROPOUT_BACKEND``; without the kernel the callers compute unfused.
@@ -32,7 +34,7 @@ from gatedformer.backbones._dropout_kernel import (
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 
 __all__ = ["KERNEL", "bias_dropout_add_", "bias_relu_dropout_", "dropout_add_norm", "dropout_add_norm_backward",
-           "scale_where_positive_with_sums"]
+           "gated_dropout_add_norm_backward", "scale_where_positive_with_sums"]
 
 _CPP_SOURCE = PHILOX_CPP + r"""
 // Linear-layer epilogues with dropout masks; see gatedformer/backbones/_epilogue_kernel.py.
@@ -191,9 +193,9 @@ inline uint32_t keep_bits32(const uint32_t* words, int64_t count, uint32_t keep_
 // keep_bits[r * row_words(cols) + c / 32]): what the backward pass needs, without drawing the mask again.
 inline int64_t row_words(int64_t cols) { return (cols + 31) / 32; }
 
-void dropout_add_norm(const float* base, const float* h, const float* bias, float* xhat, const float* gamma,
-                      const float* beta, float* y, float* rstd, uint32_t* keep_bits, int64_t rows, int64_t cols,
-                      float eps, uint64_t seed, uint32_t keep_below, float scale, int64_t threads) {
+void dropout_add_norm(const float* base, const float* h, const float* bias, const float* gate, float* xhat,
+                      const float* gamma, const float* beta, float* y, float* rstd, uint32_t* keep_bits, int64_t rows,
+                      int64_t cols, float eps, uint64_t seed, uint32_t keep_below, float scale, int64_t threads) {
     const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
     const int64_t whole = cols / 16 * 16;
     gatedformer::parallel_chunks(rows, threads, 1, [=](int64_t lo, int64_t hi) {
@@ -207,16 +209,18 @@ void dropout_add_norm(const float* base, const float* h, const float* bias, floa
             float* xr = xhat + r * cols;
             const float* br = base + r * cols;
             float* yr = y + r * cols;
+            const float* gr = gate != nullptr ? gate + r * cols : nullptr;
             v16f sums{};
             float sum = 0.0f;
             for (int64_t c = 0; c < whole; c += 16) {
                 const v16f kept = (load16(hr + c) + load16(bias + c)) * keep_factor(&words[c], keep_below, scale);
-                const v16f v = load16(br + c) + kept;
+                const v16f v = load16(br + c) + (gr != nullptr ? load16(gr + c) * kept : kept);
                 store16(xr + c, v);
                 sums += v;
             }
             for (int64_t c = whole; c < cols; ++c) {
-                xr[c] = br[c] + (hr[c] + bias[c]) * (words[c] < keep_below ? scale : 0.0f);
+                const float kept = (hr[c] + bias[c]) * (words[c] < keep_below ? scale : 0.0f);
+                xr[c] = br[c] + (gr != nullptr ? gr[c] * kept : kept);
                 sum += xr[c];
             }
             const float mean = (lanes_sum(sums) + sum) / (float)cols;
@@ -244,19 +248,24 @@ void dropout_add_norm(const float* base, const float* h, const float* bias, floa
 
 // Its backward pass from dy: with a = dy * gamma, dv = rstd * (a - mean(a) - xhat * mean(a * xhat)) (the
 // residual's gradient) and dh = dv * mask (the linear layer's); sums[0 .. cols) gets the gradient of gamma
-// (sum of dy * xhat), sums[cols .. 2 cols) that of beta (sum of dy) and sums[2 cols ..) that of the bias
-// (sum of dh), in fixed blocks of rows as positive_scale_colsum.
+// (sum of dy * xhat), sums[cols .. 2 cols) that of beta (sum of dy) and sums[2 cols .. 3 cols) that of the bias
+// (sum of dh), in fixed blocks of rows as positive_scale_colsum. With a gate g (the forward's, then h and bias
+// are needed too): dh = dv * g * mask, dgate = dv * s * g * (1 - g) (the gradient of g's pre-activation, for
+// g = sigmoid) with s = (h + bias) * mask, and sums[3 cols .. 4 cols) its column sums.
 void dropout_add_norm_backward(const float* dy, const float* xhat, const float* rstd, const float* gamma,
-                               const uint32_t* keep_bits, float* dv, float* dh, float* sums, int64_t rows,
-                               int64_t cols, float scale, int64_t threads) {
+                               const uint32_t* keep_bits, const float* gate, const float* h, const float* bias,
+                               float* dv, float* dh, float* dgate, float* sums, int64_t rows, int64_t cols,
+                               float scale, int64_t threads) {
+    const int64_t n_sums = gate != nullptr ? 4 : 3;
     const int64_t blocks = (rows + kSumRows - 1) / kSumRows, whole = cols / 16 * 16;
-    std::vector<float> partial(blocks * 3 * cols, 0.0f);
+    std::vector<float> partial(blocks * n_sums * cols, 0.0f);
     float* partials = partial.data();
     gatedformer::parallel_chunks(blocks, threads, 1, [=](int64_t lo, int64_t hi) {
         for (int64_t b = lo; b < hi; ++b) {
-            float* acc_gamma = partials + b * 3 * cols;
+            float* acc_gamma = partials + b * n_sums * cols;
             float* acc_beta = acc_gamma + cols;
             float* acc_bias = acc_beta + cols;
+            float* acc_gate = acc_bias + cols;  // only with a gate
             const int64_t end = (b + 1) * kSumRows < rows ? (b + 1) * kSumRows : rows;
             for (int64_t r = b * kSumRows; r < end; ++r) {
                 const uint32_t* bits = keep_bits + r * row_words(cols);
@@ -278,6 +287,40 @@ void dropout_add_norm_backward(const float* dy, const float* xhat, const float* 
                 mean_a = (lanes_sum(a_v) + mean_a) / (float)cols;
                 mean_ax = (lanes_sum(ax_v) + mean_ax) / (float)cols;
                 const float inv = rstd[r];
+                if (gate != nullptr) {
+                    const float* gater = gate + r * cols;
+                    const float* pre = h + r * cols;
+                    float* dgr = dgate + r * cols;
+                    for (int64_t c = 0; c < whole; c += 16) {
+                        const v16f g = load16(gr + c), x = load16(xr + c), gg = load16(gater + c);
+                        const v16f v = (g * load16(gamma + c) - mean_a - x * mean_ax) * inv;
+                        const v16u set = (v16u{} + (bits[c >> 5] >> (c & 16))) & kLaneBits;
+                        const v16f keep = set != 0 ? v16f{} + scale : v16f{};
+                        const v16f d = v * gg * keep;
+                        const v16f da = v * ((load16(pre + c) + load16(bias + c)) * keep) * (gg * (1.0f - gg));
+                        store16(vr + c, v);
+                        store16(hr + c, d);
+                        store16(dgr + c, da);
+                        store16(acc_gamma + c, load16(acc_gamma + c) + g * x);
+                        store16(acc_beta + c, load16(acc_beta + c) + g);
+                        store16(acc_bias + c, load16(acc_bias + c) + d);
+                        store16(acc_gate + c, load16(acc_gate + c) + da);
+                    }
+                    for (int64_t c = whole; c < cols; ++c) {
+                        const float v = inv * (gr[c] * gamma[c] - mean_a - xr[c] * mean_ax);
+                        const float keep = (bits[c >> 5] >> (c & 31)) & 1u ? scale : 0.0f;
+                        const float d = v * gater[c] * keep;
+                        const float da = v * ((pre[c] + bias[c]) * keep) * (gater[c] * (1.0f - gater[c]));
+                        vr[c] = v;
+                        hr[c] = d;
+                        dgr[c] = da;
+                        acc_gamma[c] += gr[c] * xr[c];
+                        acc_beta[c] += gr[c];
+                        acc_bias[c] += d;
+                        acc_gate[c] += da;
+                    }
+                    continue;
+                }
                 for (int64_t c = 0; c < whole; c += 16) {
                     const v16f g = load16(gr + c), x = load16(xr + c);
                     const v16f v = (g * load16(gamma + c) - mean_a - x * mean_ax) * inv;
@@ -301,9 +344,9 @@ void dropout_add_norm_backward(const float* dy, const float* xhat, const float* 
             }
         }
     });
-    for (int64_t c = 0; c < 3 * cols; ++c) sums[c] = 0.0f;
+    for (int64_t c = 0; c < n_sums * cols; ++c) sums[c] = 0.0f;
     for (int64_t b = 0; b < blocks; ++b)
-        for (int64_t c = 0; c < 3 * cols; ++c) sums[c] += partials[b * 3 * cols + c];
+        for (int64_t c = 0; c < n_sums * cols; ++c) sums[c] += partials[b * n_sums * cols + c];
 }
 
 }  // namespace
@@ -321,16 +364,19 @@ void positive_scale_colsum_f32(const uint32_t* positive, const float* g, float* 
                                int64_t cols, double scale, int64_t threads) {
     positive_scale_colsum(positive, g, out, colsum, rows, cols, (float)scale, threads);
 }
-void dropout_add_norm_f32(const float* base, const float* h, const float* bias, float* xhat, const float* gamma,
-                          const float* beta, float* y, float* rstd, uint32_t* keep_bits, int64_t rows, int64_t cols,
-                          double eps, uint64_t seed, uint32_t keep_below, double scale, int64_t threads) {
-    dropout_add_norm(base, h, bias, xhat, gamma, beta, y, rstd, keep_bits, rows, cols, (float)eps, seed, keep_below,
-                     (float)scale, threads);
+void dropout_add_norm_f32(const float* base, const float* h, const float* bias, const float* gate, float* xhat,
+                          const float* gamma, const float* beta, float* y, float* rstd, uint32_t* keep_bits,
+                          int64_t rows, int64_t cols, double eps, uint64_t seed, uint32_t keep_below, double scale,
+                          int64_t threads) {
+    dropout_add_norm(base, h, bias, gate, xhat, gamma, beta, y, rstd, keep_bits, rows, cols, (float)eps, seed,
+                     keep_below, (float)scale, threads);
 }
 void dropout_add_norm_backward_f32(const float* dy, const float* xhat, const float* rstd, const float* gamma,
-                                   const uint32_t* keep_bits, float* dv, float* dh, float* sums, int64_t rows,
-                                   int64_t cols, double scale, int64_t threads) {
-    dropout_add_norm_backward(dy, xhat, rstd, gamma, keep_bits, dv, dh, sums, rows, cols, (float)scale, threads);
+                                   const uint32_t* keep_bits, const float* gate, const float* h, const float* bias,
+                                   float* dv, float* dh, float* dgate, float* sums, int64_t rows, int64_t cols,
+                                   double scale, int64_t threads) {
+    dropout_add_norm_backward(dy, xhat, rstd, gamma, keep_bits, gate, h, bias, dv, dh, dgate, sums, rows, cols,
+                              (float)scale, threads);
 }
 }
 """
@@ -344,14 +390,14 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.bias_dropout_add_f32.restype = None
     lib.positive_scale_colsum_f32.argtypes = [p, p, p, p, i, i, f, i]
     lib.positive_scale_colsum_f32.restype = None
-    lib.dropout_add_norm_f32.argtypes = [p, p, p, p, p, p, p, p, p, i, i, f, u64, u32, f, i]
+    lib.dropout_add_norm_f32.argtypes = [p, p, p, p, p, p, p, p, p, p, i, i, f, u64, u32, f, i]
     lib.dropout_add_norm_f32.restype = None
-    lib.dropout_add_norm_backward_f32.argtypes = [p, p, p, p, p, p, p, p, i, i, f, i]
+    lib.dropout_add_norm_backward_f32.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, i, i, f, i]
     lib.dropout_add_norm_backward_f32.restype = None
 
 
 KERNEL = NativeKernel(
-    "epilogue", _CPP_SOURCE, _bind, abi_version=1, env_var="GATEDFORMER_DROPOUT_BACKEND",
+    "epilogue", _CPP_SOURCE, _bind, abi_version=2, env_var="GATEDFORMER_DROPOUT_BACKEND",
     description="the compiled linear-epilogue kernel", fallback="unfused PyTorch operations",
     extra_cflags=_NO_FMA, avx512=True,
 )
@@ -418,17 +464,20 @@ def scale_where_positive_with_sums(positive: Tensor, grad: Tensor, scale: float)
 
 
 def dropout_add_norm(h: Tensor, base: Tensor, bias: Tensor | None, gamma: Tensor, beta: Tensor, eps: float, seed: int,
-                     keep_below: int, scale: float, in_place: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                     keep_below: int, scale: float, in_place: bool = False,
+                     gate: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``LayerNorm(base + (h + bias) * mask)`` over the rows of 2-d float32 ``h`` (the mask of ``seed``, as in
-    :func:`apply_dropout_add`; no bias: ``None``). Returns the result, the normalised rows (written over ``h``
-    with ``in_place``), each row's ``1 / sqrt(var + eps)`` and the mask as bits (``int32`` words,
-    ``ceil(cols / 32)`` a row). Needs the compiled kernel."""
+    :func:`apply_dropout_add`; no bias: ``None``), or with a ``gate`` of ``h``'s shape (a GRC's
+    ``sigmoid(Wg r + bg)``) ``LayerNorm(base + gate * (h + bias) * mask)``. Returns the result, the normalised
+    rows (written over ``h`` with ``in_place``), each row's ``1 / sqrt(var + eps)`` and the mask as bits
+    (``int32`` words, ``ceil(cols / 32)`` a row). Needs the compiled kernel."""
     rows, cols = h.shape
     y, rstd = torch.empty_like(h), h.new_empty(rows)
     xhat = h if in_place else torch.empty_like(h)
     bias = h.new_zeros(cols) if bias is None else bias
     keep_bits = torch.empty(rows, -(-cols // 32), dtype=torch.int32)
-    KERNEL.library().dropout_add_norm_f32(base.data_ptr(), h.data_ptr(), bias.data_ptr(), xhat.data_ptr(),
+    KERNEL.library().dropout_add_norm_f32(base.data_ptr(), h.data_ptr(), bias.data_ptr(),
+                                          None if gate is None else gate.data_ptr(), xhat.data_ptr(),
                                           gamma.data_ptr(), beta.data_ptr(), y.data_ptr(), rstd.data_ptr(),
                                           keep_bits.data_ptr(), rows, cols, eps, seed, keep_below, scale,
                                           kernel_threads(h.numel()))
@@ -443,7 +492,25 @@ def dropout_add_norm_backward(grad: Tensor, xhat: Tensor, rstd: Tensor, gamma: T
     grad = grad.contiguous()
     dv, dh, sums = torch.empty_like(xhat), torch.empty_like(xhat), xhat.new_empty(3, cols)
     KERNEL.library().dropout_add_norm_backward_f32(grad.data_ptr(), xhat.data_ptr(), rstd.data_ptr(),
-                                                   gamma.data_ptr(), keep_bits.data_ptr(), dv.data_ptr(),
-                                                   dh.data_ptr(), sums.data_ptr(), rows, cols, scale,
-                                                   kernel_threads(grad.numel()))
+                                                   gamma.data_ptr(), keep_bits.data_ptr(), None, None, None,
+                                                   dv.data_ptr(), dh.data_ptr(), None, sums.data_ptr(), rows, cols,
+                                                   scale, kernel_threads(grad.numel()))
     return dv, dh, sums[0], sums[1], sums[2]
+
+
+def gated_dropout_add_norm_backward(grad: Tensor, xhat: Tensor, rstd: Tensor, gamma: Tensor, keep_bits: Tensor,
+                                    scale: float, gate: Tensor, h: Tensor,
+                                    bias: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of :func:`dropout_add_norm` with a ``gate`` (the forward's ``gate``, ``h`` and ``bias``):
+    the residual's, the linear layer's, the gate's pre-activation's (``gate`` being a sigmoid), and the sums
+    over rows for gamma, beta, the bias and the gate's bias."""
+    rows, cols = xhat.shape
+    grad = grad.contiguous()
+    dv, dh, dgate = torch.empty_like(xhat), torch.empty_like(xhat), torch.empty_like(xhat)
+    sums = xhat.new_empty(4, cols)
+    KERNEL.library().dropout_add_norm_backward_f32(grad.data_ptr(), xhat.data_ptr(), rstd.data_ptr(),
+                                                   gamma.data_ptr(), keep_bits.data_ptr(), gate.data_ptr(),
+                                                   h.data_ptr(), bias.data_ptr(), dv.data_ptr(), dh.data_ptr(),
+                                                   dgate.data_ptr(), sums.data_ptr(), rows, cols, scale,
+                                                   kernel_threads(grad.numel()))
+    return dv, dh, dgate, sums[0], sums[1], sums[2], sums[3]

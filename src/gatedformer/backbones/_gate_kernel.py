@@ -25,7 +25,7 @@ from torch import Tensor
 
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 
-__all__ = ["KERNEL", "TAILS", "tail_backward", "tail_forward"]
+__all__ = ["KERNEL", "TAILS", "bias_sigmoid_", "tail_backward", "tail_forward"]
 
 TAILS = {"sdu-sigmoid": 0, "sdu-tanh": 1, "lerp": 2, "eau": 3, "gate": 4}
 """The tails, by the code the kernel takes: (F, G, lerp) = (σ, id, no), (tanh, id, no), (σ, id, yes),
@@ -109,9 +109,19 @@ void backward(const float* dout, const float* c, const float* a, int64_t a_row, 
     });
 }
 
+inline void bias_sigmoid_row(float* __restrict x, const float* __restrict bias, int64_t cols) {
+    for (int64_t j = 0; j < cols; ++j) x[j] = apply<kSigmoid>(x[j] + bias[j]);
+}
+
 }  // namespace
 
 extern "C" {
+// x <- sigmoid(x + bias) row by row, in place: a gate from its linear layer's product without the bias.
+void gate_bias_sigmoid(float* x, const float* bias, int64_t rows, int64_t cols, int64_t threads) {
+    gatedformer::parallel_chunks(rows, threads, 1, [=](int64_t lo, int64_t hi) {
+        for (int64_t r = lo; r < hi; ++r) bias_sigmoid_row(x + r * cols, bias, cols);
+    });
+}
 int gate_tail_forward(int tail, const float* c, const float* a, int64_t a_row, const float* b, int64_t b_row,
                       float* out, int64_t rows, int64_t cols, int64_t threads) {
     switch (tail) {
@@ -150,12 +160,14 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.gate_tail_forward.restype = ctypes.c_int
     lib.gate_tail_backward.argtypes = [n, p, p, p, i, p, i, p, p, i, p, i, i, i, i]
     lib.gate_tail_backward.restype = ctypes.c_int
+    lib.gate_bias_sigmoid.argtypes = [p, p, i, i, i]
+    lib.gate_bias_sigmoid.restype = None
 
 
 # Fast maths vectorises exp() and tanh() (glibc's libmvec); the sigmoid's argument is clamped so that no
 # infinity reaches a division (see apply<kSigmoid>).
 KERNEL = NativeKernel(
-    "gate", _CPP_SOURCE, _bind, abi_version=3, env_var="GATEDFORMER_GATE_BACKEND",
+    "gate", _CPP_SOURCE, _bind, abi_version=4, env_var="GATEDFORMER_GATE_BACKEND",
     description="the compiled gate kernel", fallback="PyTorch's own operations", fast_math=True, avx512=True,
 )
 
@@ -188,3 +200,10 @@ def tail_backward(tail: str, grad: Tensor, c: Tensor | None, a: Tensor, a_row: i
     if failed:
         raise ValueError(f"unknown gate tail {tail!r}")
     return grad_c
+
+
+def bias_sigmoid_(x: Tensor, bias: Tensor) -> Tensor:
+    """``x <- sigmoid(x + bias)`` in place, for contiguous float32 CPU rows and one row of ``bias``."""
+    KERNEL.library().gate_bias_sigmoid(x.data_ptr(), bias.data_ptr(), x.shape[0], x.shape[1],
+                                       kernel_threads(x.numel()))
+    return x

@@ -17,11 +17,13 @@ applies the ReLU, the dropout mask, the residual and the LayerNorm in one pass o
   drawn again in the backward pass;
 * :func:`dropout_add_layer_norm`: ``norm(base + dropout(s))`` for a sublayer output ``s`` that a gate has
   changed, so that no linear layer comes right before it;
-* :func:`feed_forward_add_norm` and :func:`attention_add_norm`: a whole ungated post-LN sublayer,
-  ``norm(x + dropout(F(x)))`` for the FFN and for attention on the compiled kernel, as one autograd function.
-  Besides saving the graph nodes between the pieces above, it adds the residual's gradient to x's in the
-  product that computes the body's share (``addmm`` into it), where autograd would add the two in a pass of
-  its own.
+* :func:`feed_forward_add_norm` and :func:`attention_add_norm`: a whole post-LN sublayer,
+  ``norm(x + dropout(F(x)))`` for the FFN and for attention on the compiled kernel, as one autograd function;
+  with a gated residual connection ``norm(x + σ(Wg x + bg) ⊙ dropout(F(x)))``, the gate's bias and sigmoid in
+  one pass over its product and its product with the dropped output inside the LayerNorm's pass. Besides
+  saving the graph nodes between the pieces, it adds the residual's gradient to x's in the products that
+  compute the body's (and the gate's) share (``addmm`` into them), where autograd would add them in passes of
+  their own.
 
 The masks are those of :mod:`gatedformer.backbones.dropout` (Philox, keyed by a seed from torch's generator,
 one draw per call), so a fused and an unfused model with the same seed train alike.
@@ -38,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gatedformer.backbones import _attention_kernel
+from gatedformer.backbones import _attention_kernel, _gate_kernel
 from gatedformer.backbones import dropout as dropout_ops
 from gatedformer.backbones._dropout_kernel import apply_dropout
 from gatedformer.backbones._epilogue_kernel import (
@@ -47,6 +49,7 @@ from gatedformer.backbones._epilogue_kernel import (
     bias_relu_dropout_,
     dropout_add_norm,
     dropout_add_norm_backward,
+    gated_dropout_add_norm_backward,
     scale_where_positive_with_sums,
 )
 
@@ -179,66 +182,99 @@ class _DropoutAddNorm(torch.autograd.Function):
                 grad_gamma if needed[2] else None, grad_beta if needed[3] else None, None, None, None)
 
 
+def _norm_tail(x: Tensor, projected: Tensor, bias: Tensor, gamma: Tensor, beta: Tensor, eps: float,
+               mask: tuple[int, int], scale: float, w_gate: Tensor | None, b_gate: Tensor | None) -> tuple[Tensor, ...]:
+    """The end of a whole sublayer: ``norm(x + [g ⊙] dropout(projected + bias))``, with ``g = σ(x Wg + bg)`` for a
+    gated residual connection. Returns the output and what :func:`_norm_tail_backward` needs."""
+    if w_gate is None:
+        out, xhat, rstd, keep_bits = dropout_add_norm(projected, x, bias, gamma, beta, eps, *mask, scale, in_place=True)
+        return out, (xhat, rstd, keep_bits, None, None)
+    gate = _gate_kernel.bias_sigmoid_(x.mm(w_gate.t()), b_gate)
+    out, xhat, rstd, keep_bits = dropout_add_norm(projected, x, bias, gamma, beta, eps, *mask, scale, gate=gate)
+    return out, (xhat, rstd, keep_bits, gate, projected)
+
+
+def _norm_tail_backward(grad: Tensor, saved: tuple[Tensor | None, ...], gamma: Tensor, bias: Tensor,
+                        scale: float) -> tuple[Tensor | None, ...]:
+    """``(grad_x, grad_projected, grad_gate_pre, grad_gamma, grad_beta, grad_bias, grad_b_gate)`` of
+    :func:`_norm_tail` (the gate's two are ``None`` without a gate)."""
+    xhat, rstd, keep_bits, gate, projected = saved
+    if gate is None:
+        grad_x, grad_projected, grad_gamma, grad_beta, grad_bias = dropout_add_norm_backward(grad, xhat, rstd, gamma,
+                                                                                             keep_bits, scale)
+        return grad_x, grad_projected, None, grad_gamma, grad_beta, grad_bias, None
+    return gated_dropout_add_norm_backward(grad, xhat, rstd, gamma, keep_bits, scale, gate, projected, bias)
+
+
 class _FeedForwardAddNorm(torch.autograd.Function):
-    """``norm(x + dropout(W2 dropout(relu(W1 x + b1)) + b2))``: the two functions above in one."""
+    """``norm(x + [g ⊙] dropout(W2 dropout(relu(W1 x + b1)) + b2))``: the two functions above in one (``g`` the
+    gate of a gated residual connection, ``σ(Wg x + bg)``, where ``w_gate`` is given)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, gamma: Tensor,  # type: ignore[override]
-                beta: Tensor, eps: float, inner_mask: tuple[int, int], outer_mask: tuple[int, int]) -> Tensor:
+                beta: Tensor, w_gate: Tensor | None, b_gate: Tensor | None, eps: float, inner_mask: tuple[int, int],
+                outer_mask: tuple[int, int]) -> Tensor:
         ctx.scales = (_INT32_VALUES / inner_mask[1], _INT32_VALUES / outer_mask[1])
         x = x.contiguous()
         hidden, positive = bias_relu_dropout_(x.mm(w1.t()), b1, *inner_mask, ctx.scales[0])
-        out, xhat, rstd, keep_bits = dropout_add_norm(hidden.mm(w2.t()), x, b2, gamma, beta, eps, *outer_mask,
-                                                      ctx.scales[1], in_place=True)
-        ctx.save_for_backward(x, w1, positive, hidden, w2, gamma, xhat, rstd, keep_bits)
+        out, tail = _norm_tail(x, hidden.mm(w2.t()), b2, gamma, beta, eps, outer_mask, ctx.scales[1], w_gate, b_gate)
+        ctx.save_for_backward(x, w1, positive, hidden, w2, b2, gamma, w_gate, *tail)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, w1, positive, hidden, w2, gamma, xhat, rstd, keep_bits = ctx.saved_tensors
-        grad_x, grad_outer, grad_gamma, grad_beta, grad_b2 = dropout_add_norm_backward(grad, xhat, rstd, gamma,
-                                                                                       keep_bits, ctx.scales[1])
+        x, w1, positive, hidden, w2, b2, gamma, w_gate, *tail = ctx.saved_tensors
+        grad_x, grad_outer, grad_gate, grad_gamma, grad_beta, grad_b2, grad_b_gate = _norm_tail_backward(
+            grad, tuple(tail), gamma, b2, ctx.scales[1])
         grad_inner, grad_b1 = scale_where_positive_with_sums(positive, grad_outer.mm(w2), ctx.scales[0])
         needed = ctx.needs_input_grad
-        if needed[0]:
-            grad_x.addmm_(grad_inner, w1)  # the residual's gradient plus the body's, in the product
+        if needed[0]:  # the residual's gradient plus the body's (and the gate's), in the products
+            grad_x.addmm_(grad_inner, w1)
+            if grad_gate is not None:
+                grad_x.addmm_(grad_gate, w_gate)
         grad_w1 = grad_inner.t().mm(x) if needed[1] else None
         grad_w2 = grad_outer.t().mm(hidden) if needed[3] else None
-        grads = (grad_x, grad_w1, grad_b1, grad_w2, grad_b2, grad_gamma, grad_beta)
+        grad_w_gate = grad_gate.t().mm(x) if grad_gate is not None and needed[7] else None
+        grads = (grad_x, grad_w1, grad_b1, grad_w2, grad_b2, grad_gamma, grad_beta, grad_w_gate, grad_b_gate)
         return (*(g if need else None for g, need in zip(grads, needed, strict=False)), None, None, None)
 
 
 class _AttentionAddNorm(torch.autograd.Function):
-    """``norm(x + dropout(Wo attention(Wqkv x + bqkv) + bo))`` with the compiled attention kernel."""
+    """``norm(x + [g ⊙] dropout(Wo attention(Wqkv x + bqkv) + bo))`` with the compiled attention kernel (``g`` as
+    in :class:`_FeedForwardAddNorm`)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w_qkv: Tensor, b_qkv: Tensor, w_out: Tensor, b_out: Tensor,  # type: ignore[override]
-                gamma: Tensor, beta: Tensor, eps: float, batch: int, n_heads: int, mask: tuple[int, int]) -> Tensor:
+                gamma: Tensor, beta: Tensor, w_gate: Tensor | None, b_gate: Tensor | None, eps: float, batch: int,
+                n_heads: int, mask: tuple[int, int]) -> Tensor:
         ctx.scale, ctx.n_heads = _INT32_VALUES / mask[1], n_heads
         x = x.contiguous()
         qkv = torch.addmm(b_qkv, x, w_qkv.t()).view(batch, -1, w_qkv.shape[0])
         attended, lse = _attention_kernel.packed_forward(qkv, n_heads)
         attended = attended.view(x.shape[0], -1)
-        out, xhat, rstd, keep_bits = dropout_add_norm(attended.mm(w_out.t()), x, b_out, gamma, beta, eps, *mask,
-                                                      ctx.scale, in_place=True)
-        ctx.save_for_backward(x, w_qkv, qkv, attended, lse, w_out, gamma, xhat, rstd, keep_bits)
+        out, tail = _norm_tail(x, attended.mm(w_out.t()), b_out, gamma, beta, eps, mask, ctx.scale, w_gate, b_gate)
+        ctx.save_for_backward(x, w_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, *tail)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, w_qkv, qkv, attended, lse, w_out, gamma, xhat, rstd, keep_bits = ctx.saved_tensors
-        grad_x, grad_projected, grad_gamma, grad_beta, grad_b_out = dropout_add_norm_backward(grad, xhat, rstd, gamma,
-                                                                                              keep_bits, ctx.scale)
+        x, w_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, *tail = ctx.saved_tensors
+        grad_x, grad_projected, grad_gate, grad_gamma, grad_beta, grad_b_out, grad_b_gate = _norm_tail_backward(
+            grad, tuple(tail), gamma, b_out, ctx.scale)
         grad_attended = grad_projected.mm(w_out).view(qkv.shape[0], qkv.shape[1], -1)
         grad_qkv = _attention_kernel.packed_backward(qkv, attended.view(grad_attended.shape), grad_attended, lse,
                                                      ctx.n_heads).view(x.shape[0], -1)
         needed = ctx.needs_input_grad
-        if needed[0]:
-            grad_x.addmm_(grad_qkv, w_qkv)  # the residual's gradient plus the body's, in the product
+        if needed[0]:  # the residual's gradient plus the body's (and the gate's), in the products
+            grad_x.addmm_(grad_qkv, w_qkv)
+            if grad_gate is not None:
+                grad_x.addmm_(grad_gate, w_gate)
         grad_w_qkv = grad_qkv.t().mm(x) if needed[1] else None
         grad_b_qkv = grad_qkv.sum(0) if needed[2] else None
         grad_w_out = grad_projected.t().mm(attended) if needed[3] else None
-        grads = (grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, grad_gamma, grad_beta)
+        grad_w_gate = grad_gate.t().mm(x) if grad_gate is not None and needed[7] else None
+        grads = (grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, grad_gamma, grad_beta, grad_w_gate,
+                 grad_b_gate)
         return (*(g if need else None for g, need in zip(grads, needed, strict=False)), None, None, None, None)
 
 
@@ -302,31 +338,47 @@ def _mask(p: float) -> tuple[int, int]:
     return dropout_ops._draw_seed(), dropout_ops._keep_below(p)
 
 
+def _gate_fuses(gate: nn.Module | None, x: Tensor, p: float, training: bool) -> bool:
+    """Whether a gated residual connection (or none) can be part of a whole sublayer's function."""
+    if gate is None:
+        return True
+    projection = getattr(gate, "gate_proj", None)
+    return (unhooked(gate) and isinstance(projection, nn.Linear) and fusion_applies(x, projection, p, training)
+            and projection.in_features == projection.out_features == x.shape[-1]
+            and _gate_kernel.KERNEL.pick_backend(x.device) == "native")
+
+
+def _gate_parameters(gate: nn.Module | None) -> tuple[Tensor | None, Tensor | None]:
+    return (None, None) if gate is None else (gate.gate_proj.weight, gate.gate_proj.bias)
+
+
 def feed_forward_add_norm(x: Tensor, inner: nn.Linear, outer: nn.Linear, inner_p: float, p: float,
-                          norm: nn.LayerNorm, training: bool = True) -> Tensor | None:
+                          norm: nn.LayerNorm, training: bool = True, gate: nn.Module | None = None) -> Tensor | None:
     """``norm(x + dropout(outer(dropout(relu(inner(x)), inner_p)), p))``, a post-LN FFN sublayer, as one autograd
     function where both linear layers fuse (:func:`fusion_applies`) and ``norm`` is a plain LayerNorm; ``None``
-    where it does not apply. The masks are drawn in the order of the unfused sublayer."""
+    where it does not apply. With a gated residual connection ``gate`` (:class:`~gatedformer.gates.GatedResidual`,
+    unhooked) ``norm(gate(x, dropout(...)))``. The masks are drawn in the order of the unfused sublayer."""
     if not (fusion_applies(x, inner, inner_p, training) and fusion_applies(x, outer, p, training)
             and outer.in_features == inner.out_features and outer.out_features == x.shape[-1]
-            and _plain_layer_norm(norm, x.shape[-1])):
+            and _plain_layer_norm(norm, x.shape[-1]) and _gate_fuses(gate, x, p, training)):
         return None
     inner_mask = _mask(inner_p)
     out = _FeedForwardAddNorm.apply(_rows(x), inner.weight, inner.bias, outer.weight, outer.bias, norm.weight,
-                                    norm.bias, norm.eps, inner_mask, _mask(p))
+                                    norm.bias, *_gate_parameters(gate), norm.eps, inner_mask, _mask(p))
     return out.view(x.shape)
 
 
 def attention_add_norm(x: Tensor, qkv: nn.Linear, out: nn.Linear, n_heads: int, attention_dropout: float, p: float,
-                       norm: nn.LayerNorm, training: bool = True) -> Tensor | None:
+                       norm: nn.LayerNorm, training: bool = True, gate: nn.Module | None = None) -> Tensor | None:
     """``norm(x + dropout(out(attention(qkv(x))), p))``, a post-LN causal self-attention sublayer on ``(B, L, d)``
     rows, as one autograd function where both linear layers fuse (:func:`fusion_applies`), the compiled
-    attention kernel takes the heads and ``norm`` is a plain LayerNorm; ``None`` where it does not apply."""
+    attention kernel takes the heads and ``norm`` is a plain LayerNorm; ``None`` where it does not apply.
+    ``gate``: as in :func:`feed_forward_add_norm`."""
     if not (x.dim() == 3 and fusion_applies(x, qkv, p, training) and fusion_applies(x, out, p, training)
             and out.out_features == x.shape[-1] and qkv.out_features == 3 * out.in_features
             and _attention_kernel.kernel_takes(qkv.out_features, n_heads, attention_dropout, x.device, x.dtype)
-            and _plain_layer_norm(norm, x.shape[-1])):
+            and _plain_layer_norm(norm, x.shape[-1]) and _gate_fuses(gate, x, p, training)):
         return None
     result = _AttentionAddNorm.apply(_rows(x), qkv.weight, qkv.bias, out.weight, out.bias, norm.weight, norm.bias,
-                                     norm.eps, x.shape[0], n_heads, _mask(p))
+                                     *_gate_parameters(gate), norm.eps, x.shape[0], n_heads, _mask(p))
     return result.view(x.shape)
