@@ -25,7 +25,7 @@ from gatedformer.backbones.dropout import dropout, dropout_add, relu_dropout
 from gatedformer.backbones.fused_linear import fusion_applies, linear_dropout_add, linear_relu_dropout
 from gatedformer.backbones.transformer import TransformerLM
 from gatedformer.config import ModelConfig
-from gatedformer.gates import GatedResidual
+from gatedformer.gates import SDU, GatedResidual
 
 
 def _kernel_or_skip() -> None:
@@ -166,11 +166,31 @@ def test_epilogue_kernels_match_the_reference_masks(isa: str, kernel_build) -> N
     torch.testing.assert_close(sigmoid, torch.sigmoid(a + bias), rtol=1e-6, atol=1e-6)
 
 
-def _random_gate(width: int) -> GatedResidual:
-    gate = GatedResidual(width)
-    with torch.no_grad():
-        gate.gate_proj.bias.uniform_(-1.0, 1.0)  # it starts at zero
-    return gate
+_BRANCHES = ["", "grc", "sdu-sigmoid", "sdu-tanh", "grc+sdu-tanh"]
+"""What a whole sublayer's function may carry besides its body: a GRC, an SDU (σ or tanh), or both."""
+
+
+def _random_branches(branches: str, width: int) -> tuple[GatedResidual | None, SDU | None]:
+    gate = GatedResidual(width) if "grc" in branches else None
+    sdu = SDU(width, branches.split("sdu-")[1]) if "sdu" in branches else None
+    with torch.no_grad():  # their biases start at zero
+        for module in (gate, sdu):
+            if module is not None:
+                for parameter in module.parameters():
+                    if parameter.dim() == 1:
+                        parameter.uniform_(-1.0, 1.0)
+    return gate, sdu
+
+
+def _sublayer_in_pieces(x: Tensor, body: Tensor, p: float, norm: nn.LayerNorm, gate: GatedResidual | None,
+                        sdu: SDU | None) -> Tensor:
+    if sdu is not None:
+        body = sdu(x, add_to=body)
+    return norm(gate(x, dropout(body, p)) if gate is not None else dropout_add(x, body, p))
+
+
+def _parameters(*modules: nn.Module | None) -> list[Tensor]:
+    return [parameter for module in modules if module is not None for parameter in module.parameters()]
 
 
 def _affine_norm(width: int) -> nn.LayerNorm:
@@ -183,55 +203,55 @@ def _affine_norm(width: int) -> nn.LayerNorm:
 
 @settings(max_examples=15, deadline=None)
 @given(rows=st.integers(8, 60), d_model=st.integers(8, 40), d_ffn=st.integers(1, 90),
-       p=st.sampled_from([(0.1, 0.1), (0.3, 0.2)]), gated=st.booleans(), seed=st.integers(0, 2 ** 16))
+       p=st.sampled_from([(0.1, 0.1), (0.3, 0.2)]), branches=st.sampled_from(_BRANCHES), seed=st.integers(0, 2 ** 16))
 def test_feed_forward_sublayer_in_one_function_is_the_unfused_computation(rows: int, d_model: int, d_ffn: int,
-                                                                          p: tuple[float, float], gated: bool,
+                                                                          p: tuple[float, float], branches: str,
                                                                           seed: int) -> None:
-    """norm(x + dropout(FFN(x))), or with a GRC norm(x + σ(Wg x + bg) ⊙ dropout(FFN(x))), as one autograd
-    function: the values, every gradient and both masks (drawn in the unfused order) of the sublayer computed
-    piece by piece. (Rows of at least 8, as for the tail above.)"""
+    """norm(x + dropout(FFN(x))), with a GRC norm(x + σ(Wg x + bg) ⊙ dropout(FFN(x))), with an SDU
+    norm(x + dropout(FFN(x) + SDU(x))), as one autograd function: the values, every gradient and both masks
+    (drawn in the unfused order) of the sublayer computed piece by piece. (Rows of at least 8, as for the tail
+    above.)"""
     _kernel_or_skip()
     inner_p, outer_p = p
     torch.manual_seed(seed)
     ffn, norm = FeedForward(d_model, d_ffn, inner_p), _affine_norm(d_model)
-    gate = _random_gate(d_model) if gated else None
+    gate, sdu = _random_branches(branches, d_model)
     x = torch.randn(rows, 2, d_model, requires_grad=True)
     grad = torch.randn(rows, 2, d_model)
     torch.manual_seed(seed + 1)
-    fused = ffn.add_norm(x, outer_p, norm, gate)
+    fused = ffn.add_norm(x, outer_p, norm, gate, sdu)
     assert fused is not None
     torch.manual_seed(seed + 1)
-    body = ffn.outer(relu_dropout(ffn.inner(x), inner_p))
-    plain = norm(gate(x, dropout(body, outer_p)) if gated else dropout_add(x, body, outer_p))
+    plain = _sublayer_in_pieces(x, ffn.outer(relu_dropout(ffn.inner(x), inner_p)), outer_p, norm, gate, sdu)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
-    params = (x, *ffn.parameters(), *norm.parameters(), *(gate.parameters() if gated else ()))
+    params = (x, *ffn.parameters(), *norm.parameters(), *_parameters(gate, sdu))
     for a, b in zip(_grads(fused, grad, *params), _grads(plain, grad, *params), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @settings(max_examples=15, deadline=None)
 @given(batch=st.integers(1, 3), length=st.integers(8, 40), heads=st.sampled_from([1, 2]),
-       head=st.sampled_from([16, 32]), gated=st.booleans(), seed=st.integers(0, 2 ** 16))
+       head=st.sampled_from([16, 32]), branches=st.sampled_from(_BRANCHES), seed=st.integers(0, 2 ** 16))
 def test_attention_sublayer_in_one_function_is_the_unfused_computation(batch: int, length: int, heads: int,
-                                                                       head: int, gated: bool, seed: int) -> None:
-    """norm(x + dropout(Att(x))) (or with a GRC) as one autograd function around the attention kernel: the values
-    and every gradient of the sublayer computed piece by piece."""
+                                                                       head: int, branches: str, seed: int) -> None:
+    """norm(x + dropout(Att(x))) (with a GRC, an SDU or both) as one autograd function around the attention
+    kernel: the values and every gradient of the sublayer computed piece by piece."""
     _kernel_or_skip()
     if head not in _attention_kernel.supported_head_sizes():
         pytest.skip(f"the attention kernel here does not take heads of {head}")
     d_model = heads * head
     torch.manual_seed(seed)
     attention, norm = CausalSelfAttention(d_model, heads), _affine_norm(d_model)
-    gate = _random_gate(d_model) if gated else None
+    gate, sdu = _random_branches(branches, d_model)
     x = torch.randn(batch, length, d_model, requires_grad=True)
     grad = torch.randn(batch, length, d_model)
     torch.manual_seed(seed + 1)
-    fused = attention.add_norm(x, 0.2, norm, gate)
+    fused = attention.add_norm(x, 0.2, norm, gate, sdu)
     assert fused is not None
     torch.manual_seed(seed + 1)
-    plain = norm(gate(x, dropout(attention(x), 0.2)) if gated else dropout_add(x, attention(x), 0.2))
+    plain = _sublayer_in_pieces(x, attention(x), 0.2, norm, gate, sdu)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
-    params = (x, *attention.parameters(), *norm.parameters(), *(gate.parameters() if gated else ()))
+    params = (x, *attention.parameters(), *norm.parameters(), *_parameters(gate, sdu))
     for a, b in zip(_grads(fused, grad, *params), _grads(plain, grad, *params), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
@@ -272,14 +292,16 @@ def test_a_hooked_gated_residual_connection_is_called_as_written() -> None:
     assert len(seen) == 2
 
 
-def test_only_post_norm_sublayers_without_a_gate_but_a_grc_run_as_one_function() -> None:
+def test_only_post_norm_sublayers_without_a_gate_but_an_sdu_or_a_grc_run_as_one_function() -> None:
     def whole(gates: str, layers: int) -> dict[str, bool]:
         model = TransformerLM(vocab_size=11, d_model=16, n_layers=layers, n_heads=2, d_ffn=32, gates=gates)
         return {name: sub.fuse_sublayer for name, sub in model.named_modules() if hasattr(sub, "fuse_sublayer")}
 
     assert whole("+highway L1 + σ L2/ffn + GRC L3", 3) == {
-        "layers.0.attn": False, "layers.0.ffn": False, "layers.1.attn": True, "layers.1.ffn": False,
+        "layers.0.attn": False, "layers.0.ffn": False, "layers.1.attn": True, "layers.1.ffn": True,
         "layers.2.attn": True, "layers.2.ffn": True}
+    assert whole("+gated MHDPA L1 + tanh L2", 2) == {
+        "layers.0.attn": False, "layers.0.ffn": False, "layers.1.attn": True, "layers.1.ffn": True}
     assert whole("+EAU+GRC", 1) == {"layers.0.attn": False, "layers.0.ffn": True}  # the EAU stands between
     pre_norm = TransformerLM(vocab_size=11, d_model=16, n_layers=1, n_heads=2, d_ffn=32, norm="pre")
     assert not any(getattr(module, "fuse_sublayer", False) for module in pre_norm.modules())

@@ -39,12 +39,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.out(self.features(x))
 
-    def add_norm(self, x: Tensor, p: float, norm: nn.LayerNorm, gate: nn.Module | None = None) -> Tensor | None:
-        """``norm(x + dropout(self(x), p))`` (with a gated residual connection ``gate``:
-        ``norm(gate(x, dropout(self(x), p)))``) as one autograd function where that applies
+    def add_norm(self, x: Tensor, p: float, norm: nn.LayerNorm, gate: nn.Module | None = None,
+                 sdu: nn.Module | None = None) -> Tensor | None:
+        """``norm(x + dropout(self(x), p))`` (with a gated residual connection ``gate`` and an SDU branch ``sdu``:
+        ``norm(gate(x, dropout(self(x) + sdu(x), p)))``) as one autograd function where that applies
         (:func:`~gatedformer.backbones.fused_linear.attention_add_norm`), else ``None``."""
         return attention_add_norm(x, self.qkv, self.out, self.n_heads, self.dropout if self.training else 0.0, p,
-                                  norm, self.training, gate)
+                                  norm, self.training, gate, sdu)
 
 
 def sinusoidal_positions(length: int, d_model: int, device: torch.device | None = None,
