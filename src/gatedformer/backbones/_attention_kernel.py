@@ -83,13 +83,30 @@ inline vec below(vec x, int64_t jb, int64_t valid, float fill) {
     for (int k = 0; k < kW; ++k) lane[k] = k;
     return lane < ivec{} + (int32_t)(valid - jb) ? x : splat(fill);
 }
-// exp of every lane: glibc's vector maths library (libmvec) in the vector builds.
+// exp of every lane, for the softmax's arguments x <= 0, inline: a call into a vector maths library would make
+// the loop around it save and restore every vector register. exp(x) = 2^n exp(r) with n = round(x / ln 2) and
+// r = x - n ln 2 in [-ln 2 / 2, ln 2 / 2], where the Taylor series to r^6 is within 2e-7 of exp(r); x is held
+// above -87 so that 2^n stays a normal float (exp(-87) ~ 1.6e-38 weighs nothing beside the row's largest term, 1).
+#if defined(__AVX512F__) || defined(__AVX2__)
+inline vec vexp(vec x) {
+    x = vmax(x, splat(-87.0f));
 #if defined(__AVX512F__)
-extern "C" vec _ZGVeN16v_expf(vec);
-inline vec vexp(vec x) { return _ZGVeN16v_expf(x); }
-#elif defined(__AVX2__)
-extern "C" vec _ZGVdN8v_expf(vec);
-inline vec vexp(vec x) { return _ZGVdN8v_expf(x); }
+    const vec n = (vec)_mm512_roundscale_ps((__m512)(x * 1.44269504f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    const vec n = (vec)_mm256_round_ps((__m256)(x * 1.44269504f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+    const vec r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  // ln 2 in two parts: r stays exact
+    vec p = splat(1.0f / 720);
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    // 2^n built in the exponent field: n + 127 shifted into place.
+    const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+    return p * (vec)bits;
+}
 #else
 inline vec vexp(vec x) {
     for (int k = 0; k < kW; ++k) x[k] = std::exp(x[k]);
@@ -125,11 +142,11 @@ struct Head {
 // S[r][j] = sum_d A_r[d] * X_j[d] for r < kRows and j < n (a multiple of kPanel), with the keys X packed in
 // panels of kPanel (see pack_panels): kRows x P x kPanelVecs independent accumulators keep both FMA units busy.
 // Two panels at a time where n allows and the registers suffice (twice the accumulators per broadcast of A),
-// one for the rest. With
-// `row_max`, row r's largest S[r][j] over its keys j < first_key + r + 1 (the causal ones) goes there too.
+// one for the rest. With `row_max`, the lanes of row_max[r] take the largest S[r][j] over row r's causal keys
+// j < first_key + r + 1 (reduced to one number once the row is done, not once per panel).
 template <int D, int P>
 inline void panel_products(const float* const a[kRows], const float* panel, float* s, int64_t lds, int64_t j,
-                           float* row_max, int64_t first_key) {
+                           vec* row_max, int64_t first_key) {
     vec acc[kRows][P * kPanelVecs];
     for (int r = 0; r < kRows; ++r)
         for (int v = 0; v < P * kPanelVecs; ++v) acc[r][v] = splat(0);
@@ -143,32 +160,36 @@ inline void panel_products(const float* const a[kRows], const float* panel, floa
             for (int v = 0; v < P * kPanelVecs; ++v) acc[r][v] += ar * b[v];
         }
     }
-    for (int r = 0; r < kRows; ++r) {
-        vec m = splat(-FLT_MAX);
+    // Keys below first_key + 1 are causal for every row: only the panels reaching past it need the mask.
+    const bool masked = j + P * kPanel > first_key + 1;
+    for (int r = 0; r < kRows; ++r)
         for (int q = 0; q < P; ++q)
             for (int v = 0; v < kPanelVecs; ++v) {
                 const int64_t at = j + q * kPanel + v * kW;
-                store(s + r * lds + at, acc[r][q * kPanelVecs + v]);
-                if (row_max != nullptr) m = vmax(m, below(acc[r][q * kPanelVecs + v], at, first_key + r + 1, -FLT_MAX));
+                const vec x = acc[r][q * kPanelVecs + v];
+                store(s + r * lds + at, x);
+                if (row_max != nullptr)
+                    row_max[r] = vmax(row_max[r], masked ? below(x, at, first_key + r + 1, -FLT_MAX) : x);
             }
-        if (row_max != nullptr) {
-            float top = row_max[r];
-            for (int k = 0; k < kW; ++k) top = m[k] > top ? m[k] : top;
-            row_max[r] = top;
-        }
-    }
 }
 
 template <int D>
 void row_products(const float* const a[kRows], const float* panels, int64_t n, float* s, int64_t lds,
                   float* row_max = nullptr, int64_t first_key = 0) {
-    if (row_max != nullptr)
-        for (int r = 0; r < kRows; ++r) row_max[r] = -FLT_MAX;
+    vec lanes[kRows];
+    for (int r = 0; r < kRows; ++r) lanes[r] = splat(-FLT_MAX);
+    vec* maxima = row_max != nullptr ? lanes : nullptr;
     int64_t j = 0;
     if (kRows * 2 * kPanelVecs <= kAccs)  // only where the accumulators of two panels fit in registers
         for (; j + 2 * kPanel <= n; j += 2 * kPanel)
-            panel_products<D, 2>(a, panels + j * D, s, lds, j, row_max, first_key);
-    for (; j < n; j += kPanel) panel_products<D, 1>(a, panels + j * D, s, lds, j, row_max, first_key);
+            panel_products<D, 2>(a, panels + j * D, s, lds, j, maxima, first_key);
+    for (; j < n; j += kPanel) panel_products<D, 1>(a, panels + j * D, s, lds, j, maxima, first_key);
+    if (row_max != nullptr)
+        for (int r = 0; r < kRows; ++r) {
+            float top = -FLT_MAX;
+            for (int k = 0; k < kW; ++k) top = lanes[r][k] > top ? lanes[r][k] : top;
+            row_max[r] = top;
+        }
 }
 
 // out_r (+)= sum_{j0 <= j < n} W(r, j) * X_j for r < kRows, with W(r, j) = w[r * wr + j * wc] and X_j = x + j * stride
@@ -218,9 +239,31 @@ void pack_panels(const float* x, int64_t stride, int64_t L, float* panels) {
         const float* base = x + j * stride;
         float* panel = panels + j * D;
 #if defined(__AVX512F__)
-        const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                _mm512_set1_epi32((int)stride));
-        for (int d = 0; d < D; ++d) _mm512_store_ps(panel + d * kPanel, _mm512_i32gather_ps(rows, base + d, 4));
+        // 16 rows x 16 columns at a time, transposed in registers: whole-row loads instead of 16-lane gathers.
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            __m512 r[16], t[16];
+            for (int k = 0; k < 16; ++k) r[k] = _mm512_loadu_ps(base + k * stride + d0);
+            for (int k = 0; k < 16; k += 2) {  // pairs of rows interleaved
+                t[k] = _mm512_unpacklo_ps(r[k], r[k + 1]);
+                t[k + 1] = _mm512_unpackhi_ps(r[k], r[k + 1]);
+            }
+            for (int k = 0; k < 16; k += 4) {  // then quads
+                r[k] = _mm512_shuffle_ps(t[k], t[k + 2], 0x44);
+                r[k + 1] = _mm512_shuffle_ps(t[k], t[k + 2], 0xEE);
+                r[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0x44);
+                r[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+            }
+            for (int k = 0; k < 4; ++k) {  // 128-bit lanes of quads 0/1 and 2/3
+                t[k] = _mm512_shuffle_f32x4(r[k], r[k + 4], 0x88);
+                t[k + 4] = _mm512_shuffle_f32x4(r[k], r[k + 4], 0xDD);
+                t[k + 8] = _mm512_shuffle_f32x4(r[k + 8], r[k + 12], 0x88);
+                t[k + 12] = _mm512_shuffle_f32x4(r[k + 8], r[k + 12], 0xDD);
+            }
+            for (int k = 0; k < 8; ++k) {  // and of the two halves
+                _mm512_store_ps(panel + (d0 + k) * kPanel, _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88));
+                _mm512_store_ps(panel + (d0 + k + 8) * kPanel, _mm512_shuffle_f32x4(t[k], t[k + 8], 0xDD));
+            }
+        }
 #else
         const __m256i rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                                 _mm256_set1_epi32((int)stride));
