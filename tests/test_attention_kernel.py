@@ -67,6 +67,29 @@ def test_every_instruction_set_build_matches_scaled_dot_product_attention(isa: s
         torch.testing.assert_close(g, ref_g, rtol=1e-4, atol=5e-5)
 
 
+@pytest.mark.parametrize("isa", _native.ISAS)
+def test_a_bias_added_by_the_kernel_matches_one_added_before(isa: str, kernel_build) -> None:  # noqa: ANN001
+    """``packed_forward(qkv, bias=b)`` is attention of ``qkv + b``, and the bias's gradient is the sum over rows."""
+    _native_or_skip()
+    lib = kernel_build(_attention_kernel.KERNEL, isa)
+    generator = torch.Generator().manual_seed(5)
+    for batch, length, heads, head in [(2, 37, 2, 32), (3, 130, 1, 16), (1, 19, 2, 64), (2, 5, 3, 8)]:
+        if head not in supported_head_sizes(lib):
+            continue
+        qkv = torch.randn(batch, length, 3 * heads * head, generator=generator)
+        bias = torch.randn(3 * heads * head, generator=generator)
+        grad = torch.randn(batch, length, heads * head, generator=generator)
+        out, lse = _attention_kernel.packed_forward(qkv, heads, bias=bias)
+        ref_out, ref_lse = _attention_kernel.packed_forward(qkv + bias, heads)
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+        g, g_bias = _attention_kernel.packed_backward(qkv, out, grad, lse, heads, bias=bias, bias_grad=True)
+        ref_g, none = _attention_kernel.packed_backward(qkv + bias, ref_out, grad, ref_lse, heads)
+        assert none is None
+        torch.testing.assert_close(g, ref_g, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(g_bias, ref_g.sum((0, 1)), rtol=1e-4, atol=1e-4)
+
+
 def test_position_t_sees_only_positions_up_to_t() -> None:
     _native_or_skip()
     qkv = torch.randn(2, 20, 3 * 2 * 16, requires_grad=True)

@@ -11,13 +11,15 @@ the ``(B, L, 3, H, D)`` layout of the projection and its ``(B, H, L, D)`` one. T
 
 for each (sequence, head) with register-blocked loops over the whole window at once (the window's keys
 and values fit in the L1/L2 cache), 16-wide on CPUs with AVX-512 and 8-wide with AVX2, reading Q, K and V
-from the projection's output and writing O in the ``(B, L, H·D)`` layout the output projection reads.
+from the projection's output (adding its bias as it reads them, if asked: one pass over the projection fewer)
+and writing O in the ``(B, L, H·D)`` layout the output projection reads.
 While it runs, denormal floats are flushed to zero (a peaked softmax produces them, and x86 computes on
 them dozens of times slower). The backward pass recomputes ``P`` from the saved log-sum-exp of every row
 (as flash attention does), so nothing of size ``L × L`` is kept: it takes the query rows 64 at a time,
 computes their rows of ``P`` and ``dS`` (and ``dQ``) and then adds their share to ``dK`` and ``dV`` key
 block by key block, with the accumulators in registers. It writes the three gradients into the
-projection's layout. Only the causal (query, key) pairs are computed, in whole vectors.
+projection's layout (and their sums over the rows, the bias's gradient, if asked). Only the causal
+(query, key) pairs are computed, in whole vectors.
 
 It applies to float32 CPU tensors, head sizes 8 (not in the AVX-512 build), 16, 32, 64 or 128, and no
 attention dropout; everything else takes ``scaled_dot_product_attention``. ``GATEDFORMER_ATTENTION_BACKEND``
@@ -137,6 +139,8 @@ inline int64_t round_panel(int64_t n) { return (n + kPanel - 1) / kPanel * kPane
 struct Head {
     const float* q;  // row i of Q at q + i * row, of K at q + i * row + kv, of V at + 2 * kv
     int64_t row, kv;
+    const float* bias;  // the projection's bias, laid out like a row (null: none, or already added)
+    const float* bias_at(int64_t offset) const { return bias != nullptr ? bias + offset : nullptr; }
 };
 
 // S[r][j] = sum_d A_r[d] * X_j[d] for r < kRows and j < n (a multiple of kPanel), with the keys X packed in
@@ -225,10 +229,10 @@ inline void prefetch_row(const float* x, int64_t stride, int64_t j, int64_t L) {
     for (int d = 0; d < D; d += 16) __builtin_prefetch(x + j * stride + d);
 }
 
-// The rows X_j (j < L) in panels of kPanel rows, each stored transposed: element d of row j lands at
-// panels[(j / kPanel) * D * kPanel + d * kPanel + j % kPanel]; rows past L are zero.
+// The rows X_j + bias (j < L; no bias where it is null) in panels of kPanel rows, each stored transposed:
+// element d of row j lands at panels[(j / kPanel) * D * kPanel + d * kPanel + j % kPanel]; rows past L are zero.
 template <int D>
-void pack_panels(const float* x, int64_t stride, int64_t L, float* panels) {
+void pack_panels(const float* x, int64_t stride, int64_t L, const float* bias, float* panels) {
     const int64_t padded = round_panel(L), whole = L / kPanel * kPanel;
     std::memset(panels + whole * D, 0, sizeof(float) * (padded - whole) * D);
     int64_t j = 0;
@@ -242,7 +246,8 @@ void pack_panels(const float* x, int64_t stride, int64_t L, float* panels) {
         // 16 rows x 16 columns at a time, transposed in registers: whole-row loads instead of 16-lane gathers.
         for (int d0 = 0; d0 < D; d0 += 16) {
             __m512 r[16], t[16];
-            for (int k = 0; k < 16; ++k) r[k] = _mm512_loadu_ps(base + k * stride + d0);
+            const __m512 shift = bias != nullptr ? _mm512_loadu_ps(bias + d0) : _mm512_setzero_ps();
+            for (int k = 0; k < 16; ++k) r[k] = _mm512_add_ps(_mm512_loadu_ps(base + k * stride + d0), shift);
             for (int k = 0; k < 16; k += 2) {  // pairs of rows interleaved
                 t[k] = _mm512_unpacklo_ps(r[k], r[k + 1]);
                 t[k + 1] = _mm512_unpackhi_ps(r[k], r[k + 1]);
@@ -268,8 +273,10 @@ void pack_panels(const float* x, int64_t stride, int64_t L, float* panels) {
         const __m256i rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                                 _mm256_set1_epi32((int)stride));
         for (int d = 0; d < D; ++d) {
-            _mm256_storeu_ps(panel + d * kPanel, _mm256_i32gather_ps(base + d, rows, 4));
-            _mm256_storeu_ps(panel + d * kPanel + 8, _mm256_i32gather_ps(base + 8 * stride + d, rows, 4));
+            const __m256 shift = _mm256_set1_ps(bias != nullptr ? bias[d] : 0.0f);
+            _mm256_storeu_ps(panel + d * kPanel, _mm256_add_ps(_mm256_i32gather_ps(base + d, rows, 4), shift));
+            _mm256_storeu_ps(panel + d * kPanel + 8,
+                             _mm256_add_ps(_mm256_i32gather_ps(base + 8 * stride + d, rows, 4), shift));
         }
 #endif
     }
@@ -278,17 +285,21 @@ void pack_panels(const float* x, int64_t stride, int64_t L, float* panels) {
         prefetch_row<D>(x, stride, j + kPrefetchRows, L);
         float* column = panels + (j / kPanel) * D * kPanel + j % kPanel;
         const float* row = x + j * stride;
-        for (int d = 0; d < D; ++d) column[d * kPanel] = row[d];
+        for (int d = 0; d < D; ++d) column[d * kPanel] = row[d] + (bias != nullptr ? bias[d] : 0.0f);
     }
 }
 
-// The rows X_j (j < L) copied next to each other: strided rows of the projection would keep evicting each
-// other from the L1 cache (their stride is a multiple of its set size).
+// The rows X_j + bias (j < L; no bias where it is null) copied next to each other: strided rows of the
+// projection would keep evicting each other from the L1 cache (their stride is a multiple of its set size).
 template <int D>
-void pack_rows(const float* x, int64_t stride, int64_t L, float* rows) {
+void pack_rows(const float* x, int64_t stride, int64_t L, const float* bias, float* rows) {
     for (int64_t j = 0; j < L; ++j) {
         prefetch_row<D>(x, stride, j + kPrefetchRows, L);
-        std::memcpy(rows + j * D, x + j * stride, sizeof(float) * D);
+        if (bias == nullptr) {
+            std::memcpy(rows + j * D, x + j * stride, sizeof(float) * D);
+            continue;
+        }
+        for (int d = 0; d < D; d += kW) store(rows + j * D + d, load(x + j * stride + d) + load(bias + d));
     }
 }
 
@@ -301,15 +312,24 @@ template <int D>
 void forward_head(const Head& h, int64_t L, float scale, float* o, int64_t o_row, float* lse,
                   std::vector<float>& work) {
     const int64_t ld = round_panel(L);
-    float* kt = aligned_work(work, D * ld + kRows * ld + L * D);
+    float* kt = aligned_work(work, D * ld + kRows * ld + 2 * L * D);
     float* s = kt + D * ld;
     float* v = s + kRows * ld;
-    pack_panels<D>(h.q + h.kv, h.row, L, kt);
-    pack_rows<D>(h.q + 2 * h.kv, h.row, L, v);
+    pack_panels<D>(h.q + h.kv, h.row, L, h.bias_at(h.kv), kt);
+    pack_rows<D>(h.q + 2 * h.kv, h.row, L, h.bias_at(2 * h.kv), v);
+    // Q is read in place, or with its bias added first.
+    const float* queries = h.q;
+    int64_t query_row = h.row;
+    if (h.bias != nullptr) {
+        float* biased = v + L * D;
+        pack_rows<D>(h.q, h.row, L, h.bias, biased);
+        queries = biased;
+        query_row = D;
+    }
     for (int64_t i0 = 0; i0 < L; i0 += kRows) {
         const int64_t rows = L - i0 < kRows ? L - i0 : kRows, n = i0 + rows;
         const float* q[kRows];
-        block_rows(h.q, h.row, i0, rows, q);
+        block_rows(queries, query_row, i0, rows, q);
         float row_max[kRows], inv[kRows];
         row_products<D>(q, kt, round_panel(n), s, ld, row_max, i0);
         for (int64_t r = 0; r < kRows; ++r) {
@@ -349,7 +369,7 @@ constexpr int64_t kChunk = 64;  // query rows whose P and dS rows are kept at on
 
 template <int D>
 void backward_head(const Head& h, int64_t L, float scale, const float* o, const float* go, int64_t o_row,
-                   const float* lse, float* g, std::vector<float>& work) {
+                   const float* lse, float* g, float* grad_bias, std::vector<float>& work) {
     const int64_t ld = round_panel(L);
     float* kt = aligned_work(work, 2 * D * ld + 2 * kChunk * ld + 5 * L * D + L + kRows * D);
     float* vt = kt + D * ld;
@@ -362,11 +382,11 @@ void backward_head(const Head& h, int64_t L, float scale, const float* o, const 
     float* dout = q + L * D;
     float* delta = dout + L * D;
     float* scratch = delta + L;  // kRows rows of D
-    pack_panels<D>(h.q + h.kv, h.row, L, kt);
-    pack_panels<D>(h.q + 2 * h.kv, h.row, L, vt);
-    pack_rows<D>(h.q + h.kv, h.row, L, k);
-    pack_rows<D>(h.q, h.row, L, q);
-    pack_rows<D>(go, o_row, L, dout);
+    pack_panels<D>(h.q + h.kv, h.row, L, h.bias_at(h.kv), kt);
+    pack_panels<D>(h.q + 2 * h.kv, h.row, L, h.bias_at(2 * h.kv), vt);
+    pack_rows<D>(h.q + h.kv, h.row, L, h.bias_at(h.kv), k);
+    pack_rows<D>(h.q, h.row, L, h.bias, q);
+    pack_rows<D>(go, o_row, L, nullptr, dout);
     std::memset(gk, 0, sizeof(float) * 2 * L * D);
     for (int64_t i = 0; i < L; ++i) {
         float acc = 0.0f;
@@ -420,32 +440,47 @@ void backward_head(const Head& h, int64_t L, float scale, const float* o, const 
         std::memcpy(g + j * h.row + h.kv, gk + j * D, sizeof(float) * D);
         std::memcpy(g + j * h.row + 2 * h.kv, gv + j * D, sizeof(float) * D);
     }
+    if (grad_bias == nullptr) return;
+    // The bias's gradient: the column sums of dQ, dK and dV over this head's rows (dQ read back while cached).
+    for (int d = 0; d < D; d += kW) {
+        vec sq = splat(0), sk = splat(0), sv = splat(0);
+        for (int64_t j = 0; j < L; ++j) {
+            sq += load(g + j * h.row + d);
+            sk += load(gk + j * D + d);
+            sv += load(gv + j * D + d);
+        }
+        store(grad_bias + d, sq);
+        store(grad_bias + h.kv + d, sk);
+        store(grad_bias + 2 * h.kv + d, sv);
+    }
 }
 
 template <int D>
-void forward(const float* qkv, float* out, float* lse, int64_t B, int64_t L, int64_t H, float scale, int64_t threads) {
+void forward(const float* qkv, const float* bias, float* out, float* lse, int64_t B, int64_t L, int64_t H, float scale,
+             int64_t threads) {
     gatedformer::parallel_chunks(B * H, threads, 1, [=](int64_t lo, int64_t hi) {
         const FlushDenormals flush;
         std::vector<float> work;
         for (int64_t bh = lo; bh < hi; ++bh) {
             const int64_t b = bh / H, hd = bh % H;
-            const Head head{qkv + b * L * 3 * H * D + hd * D, 3 * H * D, H * D};
+            const Head head{qkv + b * L * 3 * H * D + hd * D, 3 * H * D, H * D, bias ? bias + hd * D : nullptr};
             forward_head<D>(head, L, scale, out + b * L * H * D + hd * D, H * D, lse ? lse + bh * L : nullptr, work);
         }
     });
 }
 
 template <int D>
-void backward(const float* qkv, const float* out, const float* grad_out, const float* lse, float* grad_qkv,
-              int64_t B, int64_t L, int64_t H, float scale, int64_t threads) {
+void backward(const float* qkv, const float* bias, const float* out, const float* grad_out, const float* lse,
+              float* grad_qkv, float* grad_bias, int64_t B, int64_t L, int64_t H, float scale, int64_t threads) {
     gatedformer::parallel_chunks(B * H, threads, 1, [=](int64_t lo, int64_t hi) {
         const FlushDenormals flush;
         std::vector<float> work;
         for (int64_t bh = lo; bh < hi; ++bh) {
             const int64_t b = bh / H, hd = bh % H;
             const int64_t at = b * L * 3 * H * D + hd * D, o_at = b * L * H * D + hd * D;
-            const Head head{qkv + at, 3 * H * D, H * D};
-            backward_head<D>(head, L, scale, out + o_at, grad_out + o_at, H * D, lse + bh * L, grad_qkv + at, work);
+            const Head head{qkv + at, 3 * H * D, H * D, bias ? bias + hd * D : nullptr};
+            backward_head<D>(head, L, scale, out + o_at, grad_out + o_at, H * D, lse + bh * L, grad_qkv + at,
+                             grad_bias ? grad_bias + b * 3 * H * D + hd * D : nullptr, work);
         }
     });
 }
@@ -456,27 +491,35 @@ extern "C" {
 int attention_head_supported(int64_t D) {
     return D % kW == 0 && (D == 8 || D == 16 || D == 32 || D == 64 || D == 128);
 }
-int attention_forward_f32(const float* qkv, float* out, float* lse, int64_t B, int64_t L, int64_t H, int64_t D,
-                          double scale, int64_t threads) {
+// bias: the projection's (3 H D), added to Q, K and V as they are read; null if qkv has it already.
+int attention_forward_f32(const float* qkv, const float* bias, float* out, float* lse, int64_t B, int64_t L,
+                          int64_t H, int64_t D, double scale, int64_t threads) {
     if (D % kW) return 1;
     switch (D) {
-        case 8: forward<8>(qkv, out, lse, B, L, H, (float)scale, threads); return 0;
-        case 16: forward<16>(qkv, out, lse, B, L, H, (float)scale, threads); return 0;
-        case 32: forward<32>(qkv, out, lse, B, L, H, (float)scale, threads); return 0;
-        case 64: forward<64>(qkv, out, lse, B, L, H, (float)scale, threads); return 0;
-        case 128: forward<128>(qkv, out, lse, B, L, H, (float)scale, threads); return 0;
+        case 8: forward<8>(qkv, bias, out, lse, B, L, H, (float)scale, threads); return 0;
+        case 16: forward<16>(qkv, bias, out, lse, B, L, H, (float)scale, threads); return 0;
+        case 32: forward<32>(qkv, bias, out, lse, B, L, H, (float)scale, threads); return 0;
+        case 64: forward<64>(qkv, bias, out, lse, B, L, H, (float)scale, threads); return 0;
+        case 128: forward<128>(qkv, bias, out, lse, B, L, H, (float)scale, threads); return 0;
         default: return 1;
     }
 }
-int attention_backward_f32(const float* qkv, const float* out, const float* grad_out, const float* lse,
-                           float* grad_qkv, int64_t B, int64_t L, int64_t H, int64_t D, double scale, int64_t threads) {
+// grad_bias: (B, 3 H D) per-sequence sums of the gradient's rows (null: not wanted).
+int attention_backward_f32(const float* qkv, const float* bias, const float* out, const float* grad_out,
+                           const float* lse, float* grad_qkv, float* grad_bias, int64_t B, int64_t L, int64_t H,
+                           int64_t D, double scale, int64_t threads) {
     if (D % kW) return 1;
     switch (D) {
-        case 8: backward<8>(qkv, out, grad_out, lse, grad_qkv, B, L, H, (float)scale, threads); return 0;
-        case 16: backward<16>(qkv, out, grad_out, lse, grad_qkv, B, L, H, (float)scale, threads); return 0;
-        case 32: backward<32>(qkv, out, grad_out, lse, grad_qkv, B, L, H, (float)scale, threads); return 0;
-        case 64: backward<64>(qkv, out, grad_out, lse, grad_qkv, B, L, H, (float)scale, threads); return 0;
-        case 128: backward<128>(qkv, out, grad_out, lse, grad_qkv, B, L, H, (float)scale, threads); return 0;
+        case 8: backward<8>(qkv, bias, out, grad_out, lse, grad_qkv, grad_bias, B, L, H, (float)scale, threads);
+            return 0;
+        case 16: backward<16>(qkv, bias, out, grad_out, lse, grad_qkv, grad_bias, B, L, H, (float)scale, threads);
+            return 0;
+        case 32: backward<32>(qkv, bias, out, grad_out, lse, grad_qkv, grad_bias, B, L, H, (float)scale, threads);
+            return 0;
+        case 64: backward<64>(qkv, bias, out, grad_out, lse, grad_qkv, grad_bias, B, L, H, (float)scale, threads);
+            return 0;
+        case 128: backward<128>(qkv, bias, out, grad_out, lse, grad_qkv, grad_bias, B, L, H, (float)scale, threads);
+            return 0;
         default: return 1;
     }
 }
@@ -488,16 +531,16 @@ def _bind(lib: ctypes.CDLL) -> None:
     p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
     lib.attention_head_supported.argtypes = [i]
     lib.attention_head_supported.restype = ctypes.c_int
-    lib.attention_forward_f32.argtypes = [p, p, p, i, i, i, i, f, i]
+    lib.attention_forward_f32.argtypes = [p, p, p, p, i, i, i, i, f, i]
     lib.attention_forward_f32.restype = ctypes.c_int
-    lib.attention_backward_f32.argtypes = [p, p, p, p, p, i, i, i, i, f, i]
+    lib.attention_backward_f32.argtypes = [p, p, p, p, p, p, p, i, i, i, i, f, i]
     lib.attention_backward_f32.restype = ctypes.c_int
 
 
 # -ffast-math is safe here: no infinity or NaN is ever produced on purpose (masked keys are skipped, not
 # set to -inf), and it lets exp() vectorise.
 KERNEL = NativeKernel(
-    "attention", _CPP_SOURCE, _bind, abi_version=2, env_var="GATEDFORMER_ATTENTION_BACKEND",
+    "attention", _CPP_SOURCE, _bind, abi_version=3, env_var="GATEDFORMER_ATTENTION_BACKEND",
     description="the compiled causal attention kernel", fallback="scaled_dot_product_attention",
     fast_math=True, avx512=True,
 )
@@ -526,35 +569,42 @@ def supported_head_sizes(lib: ctypes.CDLL | None = None) -> tuple[int, ...]:
     return tuple(h for h in SUPPORTED_HEAD_SIZES if lib.attention_head_supported(h))
 
 
-def packed_forward(qkv: Tensor, n_heads: int, keep_lse: bool = True) -> tuple[Tensor, Tensor | None]:
-    """The kernel's forward pass on contiguous ``(B, L, 3·H·D)`` projections: the ``(B, L, H·D)`` output and,
-    with ``keep_lse``, the log-sum-exp of every row that :func:`packed_backward` needs."""
+def packed_forward(qkv: Tensor, n_heads: int, keep_lse: bool = True,
+                   bias: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """The kernel's forward pass on contiguous ``(B, L, 3·H·D)`` projections (plus ``bias``, ``(3·H·D,)``, added as
+    they are read, so the projection need not have copied it into every row): the ``(B, L, H·D)`` output and, with
+    ``keep_lse``, the log-sum-exp of every row that :func:`packed_backward` needs."""
     batch, length, width = qkv.shape
     head = width // (3 * n_heads)
     out = qkv.new_empty(batch, length, n_heads * head)
     lse = qkv.new_empty(batch, n_heads, length) if keep_lse else None
     failed = KERNEL.library().attention_forward_f32(
-        qkv.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(), batch, length, n_heads, head,
-        1.0 / math.sqrt(head), kernel_threads(qkv.numel()),
+        qkv.data_ptr(), None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
+        None if lse is None else lse.data_ptr(), batch, length, n_heads, head, 1.0 / math.sqrt(head),
+        kernel_threads(qkv.numel()),
     )
     if failed:
         raise RuntimeError(f"the attention kernel does not take heads of {head}")
     return out, lse
 
 
-def packed_backward(qkv: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, n_heads: int) -> Tensor:
-    """The gradient of the projections from that of :func:`packed_forward`'s output (any layout)."""
+def packed_backward(qkv: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, n_heads: int,
+                    bias: Tensor | None = None, bias_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+    """The gradients of the projections (and, with ``bias_grad``, of ``bias``: the sum of those over the rows) from
+    that of :func:`packed_forward`'s output (any layout); ``qkv`` and ``bias`` as given to it."""
     batch, length, width = qkv.shape
     head = width // (3 * n_heads)
     grad_out = grad_out.contiguous()
     grad_qkv = torch.empty_like(qkv)
+    per_sequence = qkv.new_empty(batch, width) if bias_grad else None  # each thread sums its own rows
     failed = KERNEL.library().attention_backward_f32(
-        qkv.data_ptr(), out.data_ptr(), grad_out.data_ptr(), lse.data_ptr(), grad_qkv.data_ptr(),
+        qkv.data_ptr(), None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), grad_out.data_ptr(),
+        lse.data_ptr(), grad_qkv.data_ptr(), None if per_sequence is None else per_sequence.data_ptr(),
         batch, length, n_heads, head, 1.0 / math.sqrt(head), kernel_threads(qkv.numel()),
     )
     if failed:
         raise RuntimeError(f"the attention kernel does not take heads of {head}")
-    return grad_qkv
+    return grad_qkv, None if per_sequence is None else per_sequence.sum(0)
 
 
 class _PackedCausalAttention(torch.autograd.Function):
@@ -570,7 +620,7 @@ class _PackedCausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
         qkv, out, lse = ctx.saved_tensors
-        return packed_backward(qkv, out, grad_out, lse, ctx.n_heads), None
+        return packed_backward(qkv, out, grad_out, lse, ctx.n_heads)[0], None
 
 
 def causal_attention_reference(qkv: Tensor, n_heads: int, dropout: float = 0.0) -> Tensor:

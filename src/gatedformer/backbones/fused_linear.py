@@ -18,7 +18,8 @@ applies the ReLU, the dropout mask, the residual and the LayerNorm in one pass o
 * :func:`dropout_add_layer_norm`: ``norm(base + dropout(s))`` for a sublayer output ``s`` that a gate has
   changed, so that no linear layer comes right before it;
 * :func:`feed_forward_add_norm` and :func:`attention_add_norm`: a whole post-LN sublayer,
-  ``norm(x + dropout(F(x)))`` for the FFN and for attention on the compiled kernel, as one autograd function;
+  ``norm(x + dropout(F(x)))`` for the FFN and for attention on the compiled kernel (which also adds the QKV
+  projection's bias and sums its gradient), as one autograd function;
   with a gated residual connection ``norm(x + σ(Wg x + bg) ⊙ dropout(F(x)))``, the gate's bias and sigmoid in
   one pass over its product and its product with the dropped output inside the LayerNorm's pass; with an SDU
   branch ``norm(x + dropout(F(x) + Ψ(x W1 + b1) ⊙ (x W2 + b2)))``, the branch added by the gate kernel's tail. Besides
@@ -292,24 +293,26 @@ class _AttentionAddNorm(torch.autograd.Function):
                 mask: tuple[int, int]) -> Tensor:
         ctx.scale, ctx.n_heads, ctx.sdu_tail = _INT32_VALUES / mask[1], n_heads, sdu_tail
         x = x.contiguous()
-        qkv = torch.addmm(b_qkv, x, w_qkv.t()).view(batch, -1, w_qkv.shape[0])
-        attended, lse = _attention_kernel.packed_forward(qkv, n_heads)
+        # The bias is added by the kernel as it reads Q, K and V (addmm would first copy it into every row).
+        qkv = x.mm(w_qkv.t()).view(batch, -1, w_qkv.shape[0])
+        attended, lse = _attention_kernel.packed_forward(qkv, n_heads, bias=b_qkv)
         attended = attended.view(x.shape[0], -1)
         out, tail = _norm_tail(x, attended.mm(w_out.t()), b_out, gamma, beta, eps, mask, ctx.scale,
                                None if w_gate is None else (w_gate, b_gate),
                                None if w_sdu is None else (w_sdu, b_sdu, sdu_tail))
-        ctx.save_for_backward(x, w_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, w_sdu, *tail)
+        ctx.save_for_backward(x, w_qkv, b_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, w_sdu, *tail)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, w_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, w_sdu, *tail = ctx.saved_tensors
+        x, w_qkv, b_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, w_sdu, *tail = ctx.saved_tensors
         grad_x, grad_projected, grad_gate, grad_gamma, grad_beta, grad_b_out, grad_b_gate, grad_branch = (
             _norm_tail_backward(grad, tuple(tail), gamma, b_out, ctx.scale, ctx.sdu_tail))
         grad_attended = grad_projected.mm(w_out).view(qkv.shape[0], qkv.shape[1], -1)
-        grad_qkv = _attention_kernel.packed_backward(qkv, attended.view(grad_attended.shape), grad_attended, lse,
-                                                     ctx.n_heads).view(x.shape[0], -1)
         needed = ctx.needs_input_grad
+        grad_qkv, grad_b_qkv = _attention_kernel.packed_backward(qkv, attended.view(grad_attended.shape), grad_attended,
+                                                                 lse, ctx.n_heads, bias=b_qkv, bias_grad=needed[2])
+        grad_qkv = grad_qkv.view(x.shape[0], -1)
         if not needed[0]:
             grad_x = None
         if grad_x is not None:  # the residual's gradient plus the body's (and the gates'), in the products
@@ -317,7 +320,6 @@ class _AttentionAddNorm(torch.autograd.Function):
         grad_w_gate, grad_w_sdu, grad_b_sdu = _add_branch_grads(grad_x, x, grad_gate, w_gate, grad_branch, w_sdu,
                                                                 (needed[7], needed[9], needed[10]))
         grad_w_qkv = grad_qkv.t().mm(x) if needed[1] else None
-        grad_b_qkv = grad_qkv.sum(0) if needed[2] else None
         grad_w_out = grad_projected.t().mm(attended) if needed[3] else None
         grads = (grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, grad_gamma, grad_beta, grad_w_gate,
                  grad_b_gate, grad_w_sdu, grad_b_sdu)
