@@ -388,6 +388,11 @@ def test_relu_gradient_from_bits_with_column_sums(threads: int, monkeypatch: pyt
     assert torch.equal(grad_pre, _dropout_kernel.scale_where_positive(out, grad, scale))
     torch.testing.assert_close(sums, grad_pre.sum(0), rtol=1e-5, atol=1e-5)
     assert torch.equal(_epilogue_kernel.scale_where_positive_with_sums(positive, grad, scale)[1], sums)
+    overwritten = grad.clone()
+    in_place, in_place_sums = _epilogue_kernel.scale_where_positive_with_sums(positive, overwritten, scale,
+                                                                              in_place=True)
+    assert in_place.data_ptr() == overwritten.data_ptr()
+    assert torch.equal(in_place, grad_pre) and torch.equal(in_place_sums, sums)
     assert torch.equal(_epilogue_kernel._pack_bits(out.reshape(-1) > 0), positive)
     monkeypatch.setenv("GATEDFORMER_DROPOUT_BACKEND", "torch")
     fallback_pre, fallback_sums = _epilogue_kernel.scale_where_positive_with_sums(positive, grad, scale)

@@ -447,12 +447,15 @@ def bias_dropout_add_(h: Tensor, base: Tensor | None, bias: Tensor, seed: int, k
     return h.copy_(apply_dropout_add(base, h + bias, seed, keep_below, scale))
 
 
-def scale_where_positive_with_sums(positive: Tensor, grad: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def scale_where_positive_with_sums(positive: Tensor, grad: Tensor, scale: float,
+                                   in_place: bool = False) -> tuple[Tensor, Tensor]:
     """``grad * scale`` where the bits of ``positive`` (from :func:`bias_relu_dropout_`) are set, else 0, for 2-d
-    ``grad``; and the sums of its columns (one pass natively)."""
+    ``grad``; and the sums of its columns (one pass natively). With ``in_place`` the result is written over a
+    contiguous ``grad`` (a temporary of the caller's: no second buffer of its size to fill)."""
     if _native_ok(grad) and grad.dtype == torch.float32:
+        in_place = in_place and grad.is_contiguous()
         grad = grad.contiguous()
-        out = torch.empty_like(grad)
+        out = grad if in_place else torch.empty_like(grad)
         sums = grad.new_empty(grad.shape[1])
         KERNEL.library().positive_scale_colsum_f32(positive.data_ptr(), grad.data_ptr(), out.data_ptr(),
                                                    sums.data_ptr(), grad.shape[0], grad.shape[1], scale,

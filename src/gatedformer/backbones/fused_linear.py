@@ -267,7 +267,7 @@ class _FeedForwardAddNorm(torch.autograd.Function):
         x, w1, positive, hidden, w2, b2, gamma, w_gate, w_sdu, *tail = ctx.saved_tensors
         grad_x, grad_outer, grad_gate, grad_gamma, grad_beta, grad_b2, grad_b_gate, grad_branch = _norm_tail_backward(
             grad, tuple(tail), gamma, b2, ctx.scales[1], ctx.sdu_tail)
-        grad_inner, grad_b1 = scale_where_positive_with_sums(positive, grad_outer.mm(w2), ctx.scales[0])
+        grad_inner, grad_b1 = scale_where_positive_with_sums(positive, grad_outer.mm(w2), ctx.scales[0], in_place=True)
         needed = ctx.needs_input_grad
         if not needed[0]:
             grad_x = None
