@@ -108,34 +108,58 @@ inline void mulhilo(__m512i a, __m512i m, __m512i& hi, __m512i& lo) {
     hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
 }
 
-inline void draw_words(uint64_t tile, uint32_t k0, uint32_t k1, uint32_t* words) {
-    const uint64_t first = tile * kLanes;  // a multiple of 16: the sixteen blocks share their high word
-    __m512i c0 = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)first),
-                                  _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    __m512i c1 = _mm512_set1_epi32((int)(uint32_t)(first >> 32));
-    __m512i c2 = _mm512_setzero_si512(), c3 = _mm512_setzero_si512();
+// Chains x 16 blocks: tiles tile .. tile + 2 Chains - 1 (tile even), words[32 t + 8 e + l] word e of block l of
+// tile + t. The chains are independent, so their rounds overlap: one chain alone waits on its multiplies.
+template <int Chains>
+inline void draw_chains(uint64_t tile, uint32_t k0, uint32_t k1, uint32_t* words) {
+    __m512i c0[Chains], c1[Chains], c2[Chains], c3[Chains];
+    for (int q = 0; q < Chains; ++q) {
+        const uint64_t first = (tile + 2 * q) * kLanes;  // a multiple of 16: the sixteen blocks share their high word
+        c0[q] = _mm512_add_epi32(_mm512_set1_epi32((int)(uint32_t)first),
+                                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        c1[q] = _mm512_set1_epi32((int)(uint32_t)(first >> 32));
+        c2[q] = c3[q] = _mm512_setzero_si512();
+    }
     const __m512i m0 = _mm512_set1_epi32((int)kM0), m1 = _mm512_set1_epi32((int)kM1);
     for (int round = 0; round < 10; ++round) {
-        __m512i hi0, lo0, hi1, lo1;
-        mulhilo(c0, m0, hi0, lo0);
-        mulhilo(c2, m1, hi1, lo1);
-        const __m512i n0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1), _mm512_set1_epi32((int)k0));
-        const __m512i n2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3), _mm512_set1_epi32((int)k1));
-        c1 = lo1; c3 = lo0; c0 = n0; c2 = n2;
+        const __m512i a = _mm512_set1_epi32((int)k0), b = _mm512_set1_epi32((int)k1);
+        for (int q = 0; q < Chains; ++q) {
+            __m512i hi0, lo0, hi1, lo1;
+            mulhilo(c0[q], m0, hi0, lo0);
+            mulhilo(c2[q], m1, hi1, lo1);
+            const __m512i n0 = _mm512_xor_si512(_mm512_xor_si512(hi1, c1[q]), a);
+            const __m512i n2 = _mm512_xor_si512(_mm512_xor_si512(hi0, c3[q]), b);
+            c1[q] = lo1; c3[q] = lo0; c0[q] = n0; c2[q] = n2;
+        }
         k0 += kStep0; k1 += kStep1;
     }
-    const __m512i c[4] = {c0, c1, c2, c3};
-    for (int e = 0; e < 4; ++e) {
-        _mm256_storeu_si256((__m256i*)(words + 8 * e), _mm512_castsi512_si256(c[e]));
-        _mm256_storeu_si256((__m256i*)(words + kTile + 8 * e), _mm512_extracti64x4_epi64(c[e], 1));
+    for (int q = 0; q < Chains; ++q) {
+        const __m512i c[4] = {c0[q], c1[q], c2[q], c3[q]};
+        uint32_t* out = words + 2 * kTile * q;
+        for (int e = 0; e < 4; ++e) {
+            _mm256_storeu_si256((__m256i*)(out + 8 * e), _mm512_castsi512_si256(c[e]));
+            _mm256_storeu_si256((__m256i*)(out + kTile + 8 * e), _mm512_extracti64x4_epi64(c[e], 1));
+        }
     }
+}
+
+inline void draw_words(uint64_t tile, uint32_t k0, uint32_t k1, uint32_t* words) {
+    draw_chains<1>(tile, k0, k1, words);
+}
+// Bulk draws for the long masks: twice the words, two chains.
+constexpr int64_t kDrawsPerBulk = 2;
+inline void draw_bulk(uint64_t tile, uint32_t k0, uint32_t k1, uint32_t* words) {
+    draw_chains<2>(tile, k0, k1, words);
 }
 #else
 constexpr int64_t kTilesPerDraw = 1;
 
 inline void draw_words(uint64_t tile, uint32_t k0, uint32_t k1, uint32_t* words) { tile_words(tile, k0, k1, words); }
+constexpr int64_t kDrawsPerBulk = 1;
+inline void draw_bulk(uint64_t tile, uint32_t k0, uint32_t k1, uint32_t* words) { tile_words(tile, k0, k1, words); }
 #endif
 constexpr int64_t kDraw = kTilesPerDraw * kTile;  // words drawn at once
+constexpr int64_t kBulk = kDrawsPerBulk * kDraw;  // words of draw_bulk, whose tile must be a multiple of kBulk / kTile
 """
 """The C++ of the mask generator, shared by the kernels that draw dropout masks (this one and
 :mod:`gatedformer.backbones._epilogue_kernel`)."""
@@ -146,26 +170,32 @@ _CPP_SOURCE = PHILOX_CPP + r"""
 // y[i] = base[i] + x[i] * factor(i), with factor = scale where the mask keeps i (and x[i] > 0 for the
 // relu form) and 0 elsewhere; without `base` there is no addition. A product rather than a select, so that
 // NaN and inf inputs propagate as they would through a mask product.
+// One draw's worth of masked_scale; a function of its own so that the restrict qualifiers hold (inside the
+// threads' lambda GCC drops them and leaves the loop scalar).
+template <typename T, bool ReluToo>
+inline void masked_scale_run(const T* __restrict base, const T* __restrict x, T* __restrict y,
+                             const uint32_t* __restrict words, int64_t m, uint32_t keep_below, T scale) {
+    if (base != nullptr) {
+        for (int64_t j = 0; j < m; ++j) y[j] = base[j] + x[j] * (words[j] < keep_below ? scale : T(0));
+        return;
+    }
+    for (int64_t j = 0; j < m; ++j) {
+        const bool keep = words[j] < keep_below && (!ReluToo || x[j] > T(0));
+        y[j] = x[j] * (keep ? scale : T(0));
+    }
+}
+
 template <typename T, bool ReluToo>
 void masked_scale(const T* base, const T* x, T* y, int64_t n, uint64_t seed, uint32_t keep_below, T scale,
                   int64_t threads) {
     const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
-    gatedformer::parallel_chunks(n, threads, kDraw, [=](int64_t lo, int64_t hi) {
-        alignas(64) uint32_t words[kDraw];
-        for (int64_t start = lo; start < hi; start += kDraw) {  // chunks start at multiples of kDraw
-            draw_words((uint64_t)start / kTile, k0, k1, words);
-            const int64_t m = hi - start < kDraw ? hi - start : kDraw;
-            const T* xs = x + start;
-            T* ys = y + start;
-            if (base != nullptr) {
-                const T* bs = base + start;
-                for (int64_t j = 0; j < m; ++j) ys[j] = bs[j] + xs[j] * (words[j] < keep_below ? scale : T(0));
-            } else {
-                for (int64_t j = 0; j < m; ++j) {
-                    const bool keep = words[j] < keep_below && (!ReluToo || xs[j] > T(0));
-                    ys[j] = xs[j] * (keep ? scale : T(0));
-                }
-            }
+    gatedformer::parallel_chunks(n, threads, kBulk, [=](int64_t lo, int64_t hi) {
+        alignas(64) uint32_t words[kBulk];
+        for (int64_t start = lo; start < hi; start += kBulk) {  // chunks start at multiples of kBulk
+            draw_bulk((uint64_t)start / kTile, k0, k1, words);
+            const int64_t m = hi - start < kBulk ? hi - start : kBulk;
+            masked_scale_run<T, ReluToo>(base != nullptr ? base + start : nullptr, x + start, y + start, words, m,
+                                         keep_below, scale);
         }
     });
 }

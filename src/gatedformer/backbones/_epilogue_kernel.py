@@ -68,12 +68,12 @@ template <bool ReluToo>
 void bias_epilogue(const float* base, float* h, const float* bias, int64_t n, int64_t cols, uint64_t seed,
                    uint32_t keep_below, float scale, int64_t threads, uint32_t* positive = nullptr) {
     const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
-    gatedformer::parallel_chunks(n, threads, kDraw, [=](int64_t lo, int64_t hi) {
-        alignas(64) uint32_t words[kDraw];
+    gatedformer::parallel_chunks(n, threads, kBulk, [=](int64_t lo, int64_t hi) {
+        alignas(64) uint32_t words[kBulk];
         int64_t col = lo % cols;
-        for (int64_t start = lo; start < hi; start += kDraw) {
-            draw_words((uint64_t)start / kTile, k0, k1, words);
-            const int64_t m = hi - start < kDraw ? hi - start : kDraw;
+        for (int64_t start = lo; start < hi; start += kBulk) {
+            draw_bulk((uint64_t)start / kTile, k0, k1, words);
+            const int64_t m = hi - start < kBulk ? hi - start : kBulk;
             for (int64_t j = 0; j < m;) {  // runs of one row, so that the bias is read contiguously
                 const int64_t run = m - j < cols - col ? m - j : cols - col;
                 float* hs = h + start + j;
