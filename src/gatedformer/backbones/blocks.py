@@ -65,11 +65,12 @@ class FeedForward(nn.Module):
         return self.outer(self.features(x))
 
     def add_norm(self, x: Tensor, p: float, norm: nn.LayerNorm, gate: nn.Module | None = None,
-                 sdu: nn.Module | None = None) -> Tensor | None:
-        """``norm(x + dropout(self(x), p))`` (with a gated residual connection ``gate`` and an SDU branch ``sdu``:
-        ``norm(gate(x, dropout(self(x) + sdu(x), p)))``) as one autograd function where that applies
+                 unit: nn.Module | None = None) -> Tensor | None:
+        """``norm(x + dropout(self(x), p))`` (with a gated residual connection ``gate`` and an SDU branch ``unit``:
+        ``norm(gate(x, dropout(self(x) + unit(x), p)))``; with a highway gate ``unit``:
+        ``norm(unit(x) + dropout(self(x), p))``) as one autograd function where that applies
         (:func:`~gatedformer.backbones.fused_linear.feed_forward_add_norm`), else ``None``."""
-        return feed_forward_add_norm(x, self.inner, self.outer, self.dropout.p, p, norm, self.training, gate, sdu)
+        return feed_forward_add_norm(x, self.inner, self.outer, self.dropout.p, p, norm, self.training, gate, unit)
 
 
 def make_ffn(kind: str, d_model: int, d_ffn: int, dropout: float) -> nn.Module:
@@ -98,9 +99,9 @@ class Sublayer(nn.Module):
         # only changes the stream), the two can be one pass (gatedformer.backbones.fused_linear).
         splits = hasattr(body, "features") and hasattr(body, "output_projection")
         self.fuse_linear = gates.unit in (None, "highway") and not gates.eau and not gates.grc and splits
-        # With post-LN and no gate but an SDU or a GRC, a body that offers add_norm computes the whole sublayer in one
-        # autograd function (the residual's gradient then joins x's inside the matrix products).
-        self.fuse_sublayer = (gates.unit in (None, "sdu") and not gates.eau and not self.pre_norm and splits
+        # With post-LN and no gate but an SDU, a highway gate or a GRC, a body that offers add_norm computes the whole
+        # sublayer in one autograd function (the residual's gradient then joins x's inside the matrix products).
+        self.fuse_sublayer = (gates.unit in (None, "sdu", "highway") and not gates.eau and not self.pre_norm and splits
                               and hasattr(body, "add_norm"))
         # With pre-LN, before a gated residual connection only the body's last layer and the dropout can be one pass.
         self.fuse_dropout = gates.unit is None and not gates.eau and gates.grc and splits and self.pre_norm
@@ -109,7 +110,8 @@ class Sublayer(nn.Module):
         # The gates are applied through gatedformer.backbones.fused_gates: their own forward, with the
         # element-wise end in one pass where that applies.
         if self.fuse_sublayer and not body_args:
-            whole = self.body.add_norm(x, self.dropout.p, self.norm, self.residual_gate, self.sdu)
+            unit = self.sdu if self.sdu is not None else self.highway
+            whole = self.body.add_norm(x, self.dropout.p, self.norm, self.residual_gate, unit)
             if whole is not None:
                 return whole
         h = self.norm(x) if self.pre_norm else x

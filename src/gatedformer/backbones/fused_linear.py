@@ -22,7 +22,8 @@ applies the ReLU, the dropout mask, the residual and the LayerNorm in one pass o
   projection's bias and sums its gradient), as one autograd function;
   with a gated residual connection ``norm(x + σ(Wg x + bg) ⊙ dropout(F(x)))``, the gate's bias and sigmoid in
   one pass over its product and its product with the dropped output inside the LayerNorm's pass; with an SDU
-  branch ``norm(x + dropout(F(x) + Ψ(x W1 + b1) ⊙ (x W2 + b2)))``, the branch added by the gate kernel's tail. Besides
+  branch ``norm(x + dropout(F(x) + Ψ(x W1 + b1) ⊙ (x W2 + b2)))``, the branch added by the gate kernel's tail;
+  with a highway gate ``norm((1 - T) ⊙ x + T ⊙ f(x) + dropout(F(x)))``, the mix made by that tail. Besides
   saving the graph nodes between the pieces, it adds the residual's gradient to x's in the products that
   compute the body's (and the gate's) share (``addmm`` into them), where autograd would add them in passes of
   their own.
@@ -55,6 +56,7 @@ from gatedformer.backbones._epilogue_kernel import (
     scale_where_positive_with_sums,
 )
 from gatedformer.backbones._gate_kernel import tail_backward, tail_forward
+from gatedformer.gates import HighwayGate
 
 __all__ = ["attention_add_norm", "dropout_add_layer_norm", "feed_forward_add_norm", "fusion_applies",
            "linear_dropout", "linear_dropout_add", "linear_dropout_add_norm", "linear_relu_dropout"]
@@ -187,29 +189,35 @@ class _DropoutAddNorm(torch.autograd.Function):
 
 def _norm_tail(x: Tensor, projected: Tensor, bias: Tensor, gamma: Tensor, beta: Tensor, eps: float,
                mask: tuple[int, int], scale: float, gate: tuple[Tensor, Tensor] | None,
-               sdu: tuple[Tensor, Tensor, str] | None) -> tuple[Tensor, tuple[Tensor | None, ...]]:
+               unit: tuple[Tensor, Tensor, str] | None) -> tuple[Tensor, tuple[Tensor | None, ...]]:
     """The end of a whole sublayer: ``norm(x + [g ⊙] dropout(projected + bias [+ SDU(x)]))``, with ``g = σ(x Wg +
     bg)`` for a gated residual connection (``gate = (Wg, bg)``) and an SDU branch ``Ψ(x W1 + b1) ⊙ (x W2 + b2)``
-    (``sdu = (W, b, tail)``, its two projections in one). Returns the output and what
-    :func:`_norm_tail_backward` needs."""
-    branch = None
-    if sdu is not None:  # projected + Ψ(a) ⊙ b in one pass over the branch's product
-        weight, branch_bias, tail = sdu
+    (``unit = (W, b, tail)``, its two projections in one); or, for a highway gate (``tail`` "lerp"),
+    ``norm((1 - T) ⊙ x + T ⊙ f(x) + dropout(projected + bias))`` with ``T = σ(x W1 + b1)`` and ``f(x) = x W2 + b2``.
+    Returns the output and what :func:`_norm_tail_backward` needs."""
+    branch, base = None, x
+    if unit is not None:
+        weight, branch_bias, tail = unit
         branch = torch.addmm(branch_bias, x, weight.t())
         width = branch.shape[1]
-        projected = tail_forward(tail, projected, branch, width, branch[:, width // 2:], width)
+        if tail == "lerp":  # the residual stream carries the highway gate's mix
+            base = tail_forward(tail, x, branch, width, branch[:, width // 2:], width)
+        else:  # projected + Ψ(a) ⊙ b in one pass over the branch's product
+            projected = tail_forward(tail, projected, branch, width, branch[:, width // 2:], width)
     if gate is None:
-        out, xhat, rstd, keep_bits = dropout_add_norm(projected, x, bias, gamma, beta, eps, *mask, scale, in_place=True)
+        out, xhat, rstd, keep_bits = dropout_add_norm(projected, base, bias, gamma, beta, eps, *mask, scale,
+                                                      in_place=True)
         return out, (xhat, rstd, keep_bits, None, None, branch)
-    g = _gate_kernel.bias_sigmoid_(x.mm(gate[0].t()), gate[1])
+    g = _gate_kernel.bias_sigmoid_(x.mm(gate[0].t()), gate[1])  # (no highway gate with a GRC: see _unit_fuses)
     out, xhat, rstd, keep_bits = dropout_add_norm(projected, x, bias, gamma, beta, eps, *mask, scale, gate=g)
     return out, (xhat, rstd, keep_bits, g, projected, branch)
 
 
 def _norm_tail_backward(grad: Tensor, saved: tuple[Tensor | None, ...], gamma: Tensor, bias: Tensor, scale: float,
-                        sdu_tail: str | None) -> tuple[Tensor | None, ...]:
+                        unit_tail: str | None, x: Tensor) -> tuple[Tensor | None, ...]:
     """``(grad_x, grad_projected, grad_gate_pre, grad_gamma, grad_beta, grad_bias, grad_b_gate, grad_branch)`` of
-    :func:`_norm_tail` (``None`` for what it did not have)."""
+    :func:`_norm_tail` (``None`` for what it did not have; ``grad_x`` without the shares that go through the
+    products of ``x``)."""
     xhat, rstd, keep_bits, g, projected, branch = saved
     if g is None:
         grad_x, grad_projected, grad_gamma, grad_beta, grad_bias = dropout_add_norm_backward(grad, xhat, rstd, gamma,
@@ -221,77 +229,81 @@ def _norm_tail_backward(grad: Tensor, saved: tuple[Tensor | None, ...], gamma: T
         return (*grads, None)
     width = branch.shape[1]
     grad_branch = torch.empty_like(branch)  # both halves' gradients side by side
-    tail_backward(sdu_tail, grads[1], None, branch, width, branch[:, width // 2:], width, grad_branch, width,
+    if unit_tail == "lerp":  # through the highway gate's mix: x's share as the carry, and the branch's
+        grad_x = tail_backward(unit_tail, grads[0], x, branch, width, branch[:, width // 2:], width, grad_branch, width,
+                               grad_branch[:, width // 2:], width)
+        return (grad_x, *grads[1:], grad_branch)
+    tail_backward(unit_tail, grads[1], None, branch, width, branch[:, width // 2:], width, grad_branch, width,
                   grad_branch[:, width // 2:], width)
     return (*grads, grad_branch)
 
 
 def _add_branch_grads(grad_x: Tensor | None, x: Tensor, grad_gate: Tensor | None, w_gate: Tensor | None,
-                      grad_branch: Tensor | None, w_sdu: Tensor | None,
+                      grad_branch: Tensor | None, w_unit: Tensor | None,
                       needed: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
-    """Adds the GRC's and the SDU's shares to ``grad_x`` (in the products) and returns their parameters'
-    gradients, ``(w_gate, w_sdu, b_sdu)`` (``needed``: whether each is asked for)."""
-    grad_w_gate = grad_w_sdu = grad_b_sdu = None
+    """Adds the GRC's and the SDU's (or highway gate's) shares to ``grad_x`` (in the products) and returns their
+    parameters' gradients, ``(w_gate, w_unit, b_unit)`` (``needed``: whether each is asked for)."""
+    grad_w_gate = grad_w_unit = grad_b_unit = None
     if grad_gate is not None:
         if grad_x is not None:
             grad_x.addmm_(grad_gate, w_gate)
         grad_w_gate = grad_gate.t().mm(x) if needed[0] else None
     if grad_branch is not None:
         if grad_x is not None:
-            grad_x.addmm_(grad_branch, w_sdu)
-        grad_w_sdu = grad_branch.t().mm(x) if needed[1] else None
-        grad_b_sdu = grad_branch.sum(0) if needed[2] else None
-    return grad_w_gate, grad_w_sdu, grad_b_sdu
+            grad_x.addmm_(grad_branch, w_unit)
+        grad_w_unit = grad_branch.t().mm(x) if needed[1] else None
+        grad_b_unit = grad_branch.sum(0) if needed[2] else None
+    return grad_w_gate, grad_w_unit, grad_b_unit
 
 
 class _FeedForwardAddNorm(torch.autograd.Function):
     """``norm(x + [g ⊙] dropout(W2 dropout(relu(W1 x + b1)) + b2 [+ SDU(x)]))``: the two functions above in one
-    (with a gated residual connection's gate ``g`` and an SDU branch as in :func:`_norm_tail`)."""
+    (with a gated residual connection's gate ``g``, an SDU branch or a highway gate as in :func:`_norm_tail`)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, gamma: Tensor,  # type: ignore[override]
-                beta: Tensor, w_gate: Tensor | None, b_gate: Tensor | None, w_sdu: Tensor | None,
-                b_sdu: Tensor | None, sdu_tail: str | None, eps: float, inner_mask: tuple[int, int],
+                beta: Tensor, w_gate: Tensor | None, b_gate: Tensor | None, w_unit: Tensor | None,
+                b_unit: Tensor | None, unit_tail: str | None, eps: float, inner_mask: tuple[int, int],
                 outer_mask: tuple[int, int]) -> Tensor:
-        ctx.scales, ctx.sdu_tail = (_INT32_VALUES / inner_mask[1], _INT32_VALUES / outer_mask[1]), sdu_tail
+        ctx.scales, ctx.unit_tail = (_INT32_VALUES / inner_mask[1], _INT32_VALUES / outer_mask[1]), unit_tail
         x = x.contiguous()
         hidden, positive = bias_relu_dropout_(x.mm(w1.t()), b1, *inner_mask, ctx.scales[0])
         out, tail = _norm_tail(x, hidden.mm(w2.t()), b2, gamma, beta, eps, outer_mask, ctx.scales[1],
                                None if w_gate is None else (w_gate, b_gate),
-                               None if w_sdu is None else (w_sdu, b_sdu, sdu_tail))
-        ctx.save_for_backward(x, w1, positive, hidden, w2, b2, gamma, w_gate, w_sdu, *tail)
+                               None if w_unit is None else (w_unit, b_unit, unit_tail))
+        ctx.save_for_backward(x, w1, positive, hidden, w2, b2, gamma, w_gate, w_unit, *tail)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, w1, positive, hidden, w2, b2, gamma, w_gate, w_sdu, *tail = ctx.saved_tensors
+        x, w1, positive, hidden, w2, b2, gamma, w_gate, w_unit, *tail = ctx.saved_tensors
         grad_x, grad_outer, grad_gate, grad_gamma, grad_beta, grad_b2, grad_b_gate, grad_branch = _norm_tail_backward(
-            grad, tuple(tail), gamma, b2, ctx.scales[1], ctx.sdu_tail)
+            grad, tuple(tail), gamma, b2, ctx.scales[1], ctx.unit_tail, x)
         grad_inner, grad_b1 = scale_where_positive_with_sums(positive, grad_outer.mm(w2), ctx.scales[0], in_place=True)
         needed = ctx.needs_input_grad
         if not needed[0]:
             grad_x = None
         if grad_x is not None:  # the residual's gradient plus the body's (and the gates'), in the products
             grad_x.addmm_(grad_inner, w1)
-        grad_w_gate, grad_w_sdu, grad_b_sdu = _add_branch_grads(grad_x, x, grad_gate, w_gate, grad_branch, w_sdu,
+        grad_w_gate, grad_w_unit, grad_b_unit = _add_branch_grads(grad_x, x, grad_gate, w_gate, grad_branch, w_unit,
                                                                 (needed[7], needed[9], needed[10]))
         grad_w1 = grad_inner.t().mm(x) if needed[1] else None
         grad_w2 = grad_outer.t().mm(hidden) if needed[3] else None
         grads = (grad_x, grad_w1, grad_b1, grad_w2, grad_b2, grad_gamma, grad_beta, grad_w_gate, grad_b_gate,
-                 grad_w_sdu, grad_b_sdu)
+                 grad_w_unit, grad_b_unit)
         return (*(g if need else None for g, need in zip(grads, needed, strict=False)), None, None, None, None)
 
 
 class _AttentionAddNorm(torch.autograd.Function):
     """``norm(x + [g ⊙] dropout(Wo attention(Wqkv x + bqkv) + bo [+ SDU(x)]))`` with the compiled attention kernel
-    (``g`` and the SDU branch as in :class:`_FeedForwardAddNorm`)."""
+    (``g``, the SDU branch and the highway gate as in :class:`_FeedForwardAddNorm`)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w_qkv: Tensor, b_qkv: Tensor, w_out: Tensor, b_out: Tensor,  # type: ignore[override]
-                gamma: Tensor, beta: Tensor, w_gate: Tensor | None, b_gate: Tensor | None, w_sdu: Tensor | None,
-                b_sdu: Tensor | None, sdu_tail: str | None, eps: float, batch: int, n_heads: int,
+                gamma: Tensor, beta: Tensor, w_gate: Tensor | None, b_gate: Tensor | None, w_unit: Tensor | None,
+                b_unit: Tensor | None, unit_tail: str | None, eps: float, batch: int, n_heads: int,
                 mask: tuple[int, int]) -> Tensor:
-        ctx.scale, ctx.n_heads, ctx.sdu_tail = _INT32_VALUES / mask[1], n_heads, sdu_tail
+        ctx.scale, ctx.n_heads, ctx.unit_tail = _INT32_VALUES / mask[1], n_heads, unit_tail
         x = x.contiguous()
         # The bias is added by the kernel as it reads Q, K and V (addmm would first copy it into every row).
         qkv = x.mm(w_qkv.t()).view(batch, -1, w_qkv.shape[0])
@@ -299,15 +311,15 @@ class _AttentionAddNorm(torch.autograd.Function):
         attended = attended.view(x.shape[0], -1)
         out, tail = _norm_tail(x, attended.mm(w_out.t()), b_out, gamma, beta, eps, mask, ctx.scale,
                                None if w_gate is None else (w_gate, b_gate),
-                               None if w_sdu is None else (w_sdu, b_sdu, sdu_tail))
-        ctx.save_for_backward(x, w_qkv, b_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, w_sdu, *tail)
+                               None if w_unit is None else (w_unit, b_unit, unit_tail))
+        ctx.save_for_backward(x, w_qkv, b_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, w_unit, *tail)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, w_qkv, b_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, w_sdu, *tail = ctx.saved_tensors
+        x, w_qkv, b_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, w_unit, *tail = ctx.saved_tensors
         grad_x, grad_projected, grad_gate, grad_gamma, grad_beta, grad_b_out, grad_b_gate, grad_branch = (
-            _norm_tail_backward(grad, tuple(tail), gamma, b_out, ctx.scale, ctx.sdu_tail))
+            _norm_tail_backward(grad, tuple(tail), gamma, b_out, ctx.scale, ctx.unit_tail, x))
         grad_attended = grad_projected.mm(w_out).view(qkv.shape[0], qkv.shape[1], -1)
         needed = ctx.needs_input_grad
         grad_qkv, grad_b_qkv = _attention_kernel.packed_backward(qkv, attended.view(grad_attended.shape), grad_attended,
@@ -317,12 +329,12 @@ class _AttentionAddNorm(torch.autograd.Function):
             grad_x = None
         if grad_x is not None:  # the residual's gradient plus the body's (and the gates'), in the products
             grad_x.addmm_(grad_qkv, w_qkv)
-        grad_w_gate, grad_w_sdu, grad_b_sdu = _add_branch_grads(grad_x, x, grad_gate, w_gate, grad_branch, w_sdu,
+        grad_w_gate, grad_w_unit, grad_b_unit = _add_branch_grads(grad_x, x, grad_gate, w_gate, grad_branch, w_unit,
                                                                 (needed[7], needed[9], needed[10]))
         grad_w_qkv = grad_qkv.t().mm(x) if needed[1] else None
         grad_w_out = grad_projected.t().mm(attended) if needed[3] else None
         grads = (grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, grad_gamma, grad_beta, grad_w_gate,
-                 grad_b_gate, grad_w_sdu, grad_b_sdu)
+                 grad_b_gate, grad_w_unit, grad_b_unit)
         return (*(g if need else None for g, need in zip(grads, needed, strict=False)), None, None, None, None, None)
 
 
@@ -396,55 +408,61 @@ def _gate_fuses(gate: nn.Module | None, x: Tensor, p: float, training: bool) -> 
             and _gate_kernel.KERNEL.pick_backend(x.device) == "native")
 
 
-def _sdu_fuses(sdu: nn.Module | None, x: Tensor, p: float, training: bool) -> bool:
-    """Whether an SDU branch (or none) can be part of a whole sublayer's function."""
-    if sdu is None:
+def _unit_fuses(unit: nn.Module | None, gate: nn.Module | None, x: Tensor, p: float, training: bool) -> bool:
+    """Whether an SDU branch or a highway gate (or neither) can be part of a whole sublayer's function (a highway
+    gate only without a gated residual connection, which would read the gate's mix)."""
+    if unit is None:
         return True
-    projection = getattr(sdu, "proj", None)
-    return (unhooked(sdu) and isinstance(projection, nn.Linear) and fusion_applies(x, projection, p, training)
+    projection = getattr(unit, "proj", None)
+    return (unhooked(unit) and isinstance(projection, nn.Linear) and fusion_applies(x, projection, p, training)
             and projection.in_features == x.shape[-1] and projection.out_features == 2 * x.shape[-1]
-            and f"sdu-{getattr(sdu, 'gate', '')}" in _gate_kernel.TAILS
+            and _unit_tail(unit) in _gate_kernel.TAILS and not (_unit_tail(unit) == "lerp" and gate is not None)
             and _gate_kernel.KERNEL.pick_backend(x.device) == "native")
 
 
-def _branch_parameters(gate: nn.Module | None, sdu: nn.Module | None) -> tuple[Tensor | str | None, ...]:
+def _unit_tail(unit: nn.Module) -> str:
+    return "lerp" if isinstance(unit, HighwayGate) else f"sdu-{getattr(unit, 'gate', '')}"
+
+
+def _branch_parameters(gate: nn.Module | None, unit: nn.Module | None) -> tuple[Tensor | str | None, ...]:
     return ((None, None) if gate is None else (gate.gate_proj.weight, gate.gate_proj.bias)) + (
-        (None, None, None) if sdu is None else (sdu.proj.weight, sdu.proj.bias, f"sdu-{sdu.gate}"))
+        (None, None, None) if unit is None else (unit.proj.weight, unit.proj.bias, _unit_tail(unit)))
 
 
 def feed_forward_add_norm(x: Tensor, inner: nn.Linear, outer: nn.Linear, inner_p: float, p: float,
                           norm: nn.LayerNorm, training: bool = True, gate: nn.Module | None = None,
-                          sdu: nn.Module | None = None) -> Tensor | None:
+                          unit: nn.Module | None = None) -> Tensor | None:
     """``norm(x + dropout(outer(dropout(relu(inner(x)), inner_p)), p))``, a post-LN FFN sublayer, as one autograd
     function where both linear layers fuse (:func:`fusion_applies`) and ``norm`` is a plain LayerNorm; ``None``
     where it does not apply. With a gated residual connection ``gate`` (:class:`~gatedformer.gates.GatedResidual`)
-    ``norm(gate(x, dropout(...)))``; with an ``sdu`` (:class:`~gatedformer.gates.SDU`) branch
-    ``norm(x + dropout(FFN(x) + sdu(x)))``; either only without hooks. The masks are drawn in the order of the
-    unfused sublayer."""
+    ``norm(gate(x, dropout(...)))``; with an SDU branch (``unit`` an :class:`~gatedformer.gates.SDU`)
+    ``norm(x + dropout(FFN(x) + unit(x)))``, with a highway gate (``unit`` a :class:`~gatedformer.gates.HighwayGate`,
+    and no ``gate``) ``norm(unit(x) + dropout(FFN(x)))``; each only without hooks. The masks are drawn in the order of
+    the unfused sublayer."""
     if not (fusion_applies(x, inner, inner_p, training) and fusion_applies(x, outer, p, training)
             and outer.in_features == inner.out_features and outer.out_features == x.shape[-1]
             and _plain_layer_norm(norm, x.shape[-1]) and _gate_fuses(gate, x, p, training)
-            and _sdu_fuses(sdu, x, p, training)):
+            and _unit_fuses(unit, gate, x, p, training)):
         return None
     inner_mask = _mask(inner_p)
     out = _FeedForwardAddNorm.apply(_rows(x), inner.weight, inner.bias, outer.weight, outer.bias, norm.weight,
-                                    norm.bias, *_branch_parameters(gate, sdu), norm.eps, inner_mask, _mask(p))
+                                    norm.bias, *_branch_parameters(gate, unit), norm.eps, inner_mask, _mask(p))
     return out.view(x.shape)
 
 
 def attention_add_norm(x: Tensor, qkv: nn.Linear, out: nn.Linear, n_heads: int, attention_dropout: float, p: float,
                        norm: nn.LayerNorm, training: bool = True, gate: nn.Module | None = None,
-                       sdu: nn.Module | None = None) -> Tensor | None:
+                       unit: nn.Module | None = None) -> Tensor | None:
     """``norm(x + dropout(out(attention(qkv(x))), p))``, a post-LN causal self-attention sublayer on ``(B, L, d)``
     rows, as one autograd function where both linear layers fuse (:func:`fusion_applies`), the compiled
     attention kernel takes the heads and ``norm`` is a plain LayerNorm; ``None`` where it does not apply.
-    ``gate`` and ``sdu``: as in :func:`feed_forward_add_norm`."""
+    ``gate`` and ``unit``: as in :func:`feed_forward_add_norm`."""
     if not (x.dim() == 3 and fusion_applies(x, qkv, p, training) and fusion_applies(x, out, p, training)
             and out.out_features == x.shape[-1] and qkv.out_features == 3 * out.in_features
             and _attention_kernel.kernel_takes(qkv.out_features, n_heads, attention_dropout, x.device, x.dtype)
             and _plain_layer_norm(norm, x.shape[-1]) and _gate_fuses(gate, x, p, training)
-            and _sdu_fuses(sdu, x, p, training)):
+            and _unit_fuses(unit, gate, x, p, training)):
         return None
     result = _AttentionAddNorm.apply(_rows(x), qkv.weight, qkv.bias, out.weight, out.bias, norm.weight, norm.bias,
-                                     *_branch_parameters(gate, sdu), norm.eps, x.shape[0], n_heads, _mask(p))
+                                     *_branch_parameters(gate, unit), norm.eps, x.shape[0], n_heads, _mask(p))
     return result.view(x.shape)
