@@ -99,10 +99,10 @@ class Sublayer(nn.Module):
         # only changes the stream), the two can be one pass (gatedformer.backbones.fused_linear).
         splits = hasattr(body, "features") and hasattr(body, "output_projection")
         self.fuse_linear = gates.unit in (None, "highway") and not gates.eau and not gates.grc and splits
-        # With post-LN and no gate but an SDU, a highway gate or a GRC, a body that offers add_norm computes the whole
-        # sublayer in one autograd function (the residual's gradient then joins x's inside the matrix products).
-        self.fuse_sublayer = (gates.unit in (None, "sdu", "highway") and not gates.eau and not self.pre_norm and splits
-                              and hasattr(body, "add_norm"))
+        # With post-LN and no gate but an SDU, a highway gate, a gated MHDPA or a GRC, a body that offers add_norm
+        # computes the whole sublayer in one autograd function (the residual's gradient then joins x's inside the
+        # matrix products).
+        self.fuse_sublayer = not gates.eau and not self.pre_norm and splits and hasattr(body, "add_norm")
         # With pre-LN, before a gated residual connection only the body's last layer and the dropout can be one pass.
         self.fuse_dropout = gates.unit is None and not gates.eau and gates.grc and splits and self.pre_norm
 
@@ -110,7 +110,7 @@ class Sublayer(nn.Module):
         # The gates are applied through gatedformer.backbones.fused_gates: their own forward, with the
         # element-wise end in one pass where that applies.
         if self.fuse_sublayer and not body_args:
-            unit = self.sdu if self.sdu is not None else self.highway
+            unit = next((u for u in (self.sdu, self.highway, self.gated_mix) if u is not None), None)
             whole = self.body.add_norm(x, self.dropout.p, self.norm, self.residual_gate, unit)
             if whole is not None:
                 return whole

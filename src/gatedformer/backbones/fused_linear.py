@@ -23,7 +23,8 @@ applies the ReLU, the dropout mask, the residual and the LayerNorm in one pass o
   with a gated residual connection ``norm(x + σ(Wg x + bg) ⊙ dropout(F(x)))``, the gate's bias and sigmoid in
   one pass over its product and its product with the dropped output inside the LayerNorm's pass; with an SDU
   branch ``norm(x + dropout(F(x) + Ψ(x W1 + b1) ⊙ (x W2 + b2)))``, the branch added by the gate kernel's tail;
-  with a highway gate ``norm((1 - T) ⊙ x + T ⊙ f(x) + dropout(F(x)))``, the mix made by that tail. Besides
+  with a highway gate ``norm((1 - T) ⊙ x + T ⊙ f(x) + dropout(F(x)))`` and with a gated MHDPA
+  ``norm(x + dropout((1 - T) ⊙ F(x) + T ⊙ f(x)))``, the mix made by that tail. Besides
   saving the graph nodes between the pieces, it adds the residual's gradient to x's in the products that
   compute the body's (and the gate's) share (``addmm`` into them), where autograd would add them in passes of
   their own.
@@ -56,7 +57,7 @@ from gatedformer.backbones._epilogue_kernel import (
     scale_where_positive_with_sums,
 )
 from gatedformer.backbones._gate_kernel import tail_backward, tail_forward
-from gatedformer.gates import HighwayGate
+from gatedformer.gates import GatedMHDPA, HighwayGate
 
 __all__ = ["attention_add_norm", "dropout_add_layer_norm", "feed_forward_add_norm", "fusion_applies",
            "linear_dropout", "linear_dropout_add", "linear_dropout_add_norm", "linear_relu_dropout"]
@@ -192,23 +193,31 @@ def _norm_tail(x: Tensor, projected: Tensor, bias: Tensor, gamma: Tensor, beta: 
                unit: tuple[Tensor, Tensor, str] | None) -> tuple[Tensor, tuple[Tensor | None, ...]]:
     """The end of a whole sublayer: ``norm(x + [g ⊙] dropout(projected + bias [+ SDU(x)]))``, with ``g = σ(x Wg +
     bg)`` for a gated residual connection (``gate = (Wg, bg)``) and an SDU branch ``Ψ(x W1 + b1) ⊙ (x W2 + b2)``
-    (``unit = (W, b, tail)``, its two projections in one); or, for a highway gate (``tail`` "lerp"),
-    ``norm((1 - T) ⊙ x + T ⊙ f(x) + dropout(projected + bias))`` with ``T = σ(x W1 + b1)`` and ``f(x) = x W2 + b2``.
+    (``unit = (W, b, tail)``, its two projections in one); for a highway gate (``tail`` "lerp"),
+    ``norm((1 - T) ⊙ x + T ⊙ f(x) + dropout(projected + bias))`` with ``T = σ(x W1 + b1)`` and ``f(x) = x W2 + b2``;
+    for a gated MHDPA (``tail`` "mix"), ``norm(x + dropout((1 - T) ⊙ (projected + bias) + T ⊙ f(x)))``.
     Returns the output and what :func:`_norm_tail_backward` needs."""
-    branch, base = None, x
+    branch, base, carried = None, x, None
     if unit is not None:
         weight, branch_bias, tail = unit
+        width = branch_bias.shape[0]
+        if tail == "mix":
+            # (1 - T) ⊙ (p + bias) + T ⊙ f = lerp(p, f - bias, T) + bias: with the body's bias taken out of f's, the
+            # LayerNorm's pass adds it as for the other sublayers.
+            branch_bias = torch.cat([branch_bias[: width // 2], branch_bias[width // 2:] - bias])
         branch = torch.addmm(branch_bias, x, weight.t())
-        width = branch.shape[1]
         if tail == "lerp":  # the residual stream carries the highway gate's mix
             base = tail_forward(tail, x, branch, width, branch[:, width // 2:], width)
+        elif tail == "mix":
+            carried = projected
+            projected = tail_forward("lerp", carried, branch, width, branch[:, width // 2:], width)
         else:  # projected + Ψ(a) ⊙ b in one pass over the branch's product
             projected = tail_forward(tail, projected, branch, width, branch[:, width // 2:], width)
     if gate is None:
         out, xhat, rstd, keep_bits = dropout_add_norm(projected, base, bias, gamma, beta, eps, *mask, scale,
                                                       in_place=True)
-        return out, (xhat, rstd, keep_bits, None, None, branch)
-    g = _gate_kernel.bias_sigmoid_(x.mm(gate[0].t()), gate[1])  # (no highway gate with a GRC: see _unit_fuses)
+        return out, (xhat, rstd, keep_bits, None, carried, branch)
+    g = _gate_kernel.bias_sigmoid_(x.mm(gate[0].t()), gate[1])  # (not with a highway gate or a gated MHDPA)
     out, xhat, rstd, keep_bits = dropout_add_norm(projected, x, bias, gamma, beta, eps, *mask, scale, gate=g)
     return out, (xhat, rstd, keep_bits, g, projected, branch)
 
@@ -218,7 +227,7 @@ def _norm_tail_backward(grad: Tensor, saved: tuple[Tensor | None, ...], gamma: T
     """``(grad_x, grad_projected, grad_gate_pre, grad_gamma, grad_beta, grad_bias, grad_b_gate, grad_branch)`` of
     :func:`_norm_tail` (``None`` for what it did not have; ``grad_x`` without the shares that go through the
     products of ``x``)."""
-    xhat, rstd, keep_bits, g, projected, branch = saved
+    xhat, rstd, keep_bits, g, projected, branch = saved  # projected: the GRC's input, or the gated MHDPA's carry
     if g is None:
         grad_x, grad_projected, grad_gamma, grad_beta, grad_bias = dropout_add_norm_backward(grad, xhat, rstd, gamma,
                                                                                              keep_bits, scale)
@@ -233,6 +242,11 @@ def _norm_tail_backward(grad: Tensor, saved: tuple[Tensor | None, ...], gamma: T
         grad_x = tail_backward(unit_tail, grads[0], x, branch, width, branch[:, width // 2:], width, grad_branch, width,
                                grad_branch[:, width // 2:], width)
         return (grad_x, *grads[1:], grad_branch)
+    if unit_tail == "mix":  # through the gated MHDPA's mix: the body's share as the carry, and the branch's
+        grad_carried = tail_backward("lerp", grads[1], projected, branch, width, branch[:, width // 2:], width,
+                                     grad_branch, width, grad_branch[:, width // 2:], width)
+        grad_bias = grads[5] - grad_branch[:, width // 2:].sum(0)  # the bias was taken out of f's (see _norm_tail)
+        return (grads[0], grad_carried, grads[2], grads[3], grads[4], grad_bias, grads[6], grad_branch)
     tail_backward(unit_tail, grads[1], None, branch, width, branch[:, width // 2:], width, grad_branch, width,
                   grad_branch[:, width // 2:], width)
     return (*grads, grad_branch)
@@ -409,19 +423,22 @@ def _gate_fuses(gate: nn.Module | None, x: Tensor, p: float, training: bool) -> 
 
 
 def _unit_fuses(unit: nn.Module | None, gate: nn.Module | None, x: Tensor, p: float, training: bool) -> bool:
-    """Whether an SDU branch or a highway gate (or neither) can be part of a whole sublayer's function (a highway
-    gate only without a gated residual connection, which would read the gate's mix)."""
+    """Whether an SDU branch, a highway gate or a gated MHDPA (or none of them) can be part of a whole sublayer's
+    function (the last two only without a gated residual connection, which placements do not combine with them)."""
     if unit is None:
         return True
     projection = getattr(unit, "proj", None)
     return (unhooked(unit) and isinstance(projection, nn.Linear) and fusion_applies(x, projection, p, training)
             and projection.in_features == x.shape[-1] and projection.out_features == 2 * x.shape[-1]
-            and _unit_tail(unit) in _gate_kernel.TAILS and not (_unit_tail(unit) == "lerp" and gate is not None)
+            and (_unit_tail(unit) in _gate_kernel.TAILS or _unit_tail(unit) == "mix")
+            and not (_unit_tail(unit) in ("lerp", "mix") and gate is not None)
             and _gate_kernel.KERNEL.pick_backend(x.device) == "native")
 
 
 def _unit_tail(unit: nn.Module) -> str:
-    return "lerp" if isinstance(unit, HighwayGate) else f"sdu-{getattr(unit, 'gate', '')}"
+    if isinstance(unit, HighwayGate):
+        return "lerp"
+    return "mix" if isinstance(unit, GatedMHDPA) else f"sdu-{getattr(unit, 'gate', '')}"
 
 
 def _branch_parameters(gate: nn.Module | None, unit: nn.Module | None) -> tuple[Tensor | str | None, ...]:
@@ -437,7 +454,9 @@ def feed_forward_add_norm(x: Tensor, inner: nn.Linear, outer: nn.Linear, inner_p
     where it does not apply. With a gated residual connection ``gate`` (:class:`~gatedformer.gates.GatedResidual`)
     ``norm(gate(x, dropout(...)))``; with an SDU branch (``unit`` an :class:`~gatedformer.gates.SDU`)
     ``norm(x + dropout(FFN(x) + unit(x)))``, with a highway gate (``unit`` a :class:`~gatedformer.gates.HighwayGate`,
-    and no ``gate``) ``norm(unit(x) + dropout(FFN(x)))``; each only without hooks. The masks are drawn in the order of
+    and no ``gate``) ``norm(unit(x) + dropout(FFN(x)))``, with a gated MHDPA (``unit`` a
+    :class:`~gatedformer.gates.GatedMHDPA`, no ``gate``) ``norm(x + dropout(unit(x, FFN(x))))``; each only without
+    hooks. The masks are drawn in the order of
     the unfused sublayer."""
     if not (fusion_applies(x, inner, inner_p, training) and fusion_applies(x, outer, p, training)
             and outer.in_features == inner.out_features and outer.out_features == x.shape[-1]
