@@ -25,7 +25,7 @@ from gatedformer.backbones.dropout import dropout, dropout_add, relu_dropout
 from gatedformer.backbones.fused_linear import fusion_applies, linear_dropout_add, linear_relu_dropout
 from gatedformer.backbones.transformer import TransformerLM
 from gatedformer.config import ModelConfig
-from gatedformer.gates import SDU, GatedMHDPA, GatedResidual, HighwayGate
+from gatedformer.gates import EAU, SDU, GatedMHDPA, GatedResidual, HighwayGate
 
 
 def _kernel_or_skip() -> None:
@@ -166,27 +166,30 @@ def test_epilogue_kernels_match_the_reference_masks(isa: str, kernel_build) -> N
     torch.testing.assert_close(sigmoid, torch.sigmoid(a + bias), rtol=1e-6, atol=1e-6)
 
 
-_BRANCHES = ["", "grc", "sdu-sigmoid", "sdu-tanh", "grc+sdu-tanh", "highway", "gated-mhdpa"]
-"""What a whole sublayer's function may carry besides its body: a GRC, an SDU (σ or tanh), both, a highway gate
-or a gated MHDPA."""
+_BRANCHES = ["", "grc", "sdu-sigmoid", "sdu-tanh", "grc+sdu-tanh", "highway", "gated-mhdpa", "eau", "grc+eau"]
+"""What a whole sublayer's function may carry besides its body: a GRC, an SDU (σ or tanh), both, a highway gate,
+a gated MHDPA, an EAU, or an EAU and a GRC."""
 
 
-def _random_branches(branches: str, width: int) -> tuple[GatedResidual | None, nn.Module | None]:
+def _random_branches(branches: str, width: int) -> tuple[GatedResidual | None, nn.Module | None, EAU | None]:
     gate = GatedResidual(width) if "grc" in branches else None
     unit = SDU(width, branches.split("sdu-")[1]) if "sdu" in branches else None
     if branches in ("highway", "gated-mhdpa"):
         unit = HighwayGate(width) if branches == "highway" else GatedMHDPA(width)
+    eau = EAU(width) if "eau" in branches else None
     with torch.no_grad():  # their biases start at zero
-        for module in (gate, unit):
+        for module in (gate, unit, eau):
             if module is not None:
                 for parameter in module.parameters():
                     if parameter.dim() == 1:
                         parameter.uniform_(-1.0, 1.0)
-    return gate, unit
+    return gate, unit, eau
 
 
 def _sublayer_in_pieces(x: Tensor, body: Tensor, p: float, norm: nn.LayerNorm, gate: GatedResidual | None,
-                        unit: nn.Module | None) -> Tensor:
+                        unit: nn.Module | None, eau: EAU | None) -> Tensor:
+    if eau is not None:
+        body = eau(body)
     if isinstance(unit, HighwayGate):  # the residual stream carries the gate's mix
         return norm(dropout_add(unit(x), body, p))
     if isinstance(unit, GatedMHDPA):  # the body's output is mixed with f(x)
@@ -224,16 +227,16 @@ def test_feed_forward_sublayer_in_one_function_is_the_unfused_computation(rows: 
     inner_p, outer_p = p
     torch.manual_seed(seed)
     ffn, norm = FeedForward(d_model, d_ffn, inner_p), _affine_norm(d_model)
-    gate, sdu = _random_branches(branches, d_model)
+    gate, unit, eau = _random_branches(branches, d_model)
     x = torch.randn(rows, 2, d_model, requires_grad=True)
     grad = torch.randn(rows, 2, d_model)
     torch.manual_seed(seed + 1)
-    fused = ffn.add_norm(x, outer_p, norm, gate, sdu)
+    fused = ffn.add_norm(x, outer_p, norm, gate, unit, eau)
     assert fused is not None
     torch.manual_seed(seed + 1)
-    plain = _sublayer_in_pieces(x, ffn.outer(relu_dropout(ffn.inner(x), inner_p)), outer_p, norm, gate, sdu)
+    plain = _sublayer_in_pieces(x, ffn.outer(relu_dropout(ffn.inner(x), inner_p)), outer_p, norm, gate, unit, eau)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
-    params = (x, *ffn.parameters(), *norm.parameters(), *_parameters(gate, sdu))
+    params = (x, *ffn.parameters(), *norm.parameters(), *_parameters(gate, unit, eau))
     for a, b in zip(_grads(fused, grad, *params), _grads(plain, grad, *params), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
@@ -252,16 +255,16 @@ def test_attention_sublayer_in_one_function_is_the_unfused_computation(batch: in
     d_model = heads * head
     torch.manual_seed(seed)
     attention, norm = CausalSelfAttention(d_model, heads), _affine_norm(d_model)
-    gate, sdu = _random_branches(branches, d_model)
+    gate, unit, eau = _random_branches(branches, d_model)
     x = torch.randn(batch, length, d_model, requires_grad=True)
     grad = torch.randn(batch, length, d_model)
     torch.manual_seed(seed + 1)
-    fused = attention.add_norm(x, 0.2, norm, gate, sdu)
+    fused = attention.add_norm(x, 0.2, norm, gate, unit, eau)
     assert fused is not None
     torch.manual_seed(seed + 1)
-    plain = _sublayer_in_pieces(x, attention(x), 0.2, norm, gate, sdu)
+    plain = _sublayer_in_pieces(x, attention(x), 0.2, norm, gate, unit, eau)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
-    params = (x, *attention.parameters(), *norm.parameters(), *_parameters(gate, sdu))
+    params = (x, *attention.parameters(), *norm.parameters(), *_parameters(gate, unit, eau))
     for a, b in zip(_grads(fused, grad, *params), _grads(plain, grad, *params), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
@@ -315,7 +318,8 @@ def test_only_post_norm_sublayers_without_an_eau_run_as_one_function() -> None:
     assert ffn.add_norm(x, 0.1, nn.LayerNorm(16), GatedResidual(16), GatedMHDPA(16)) is None
     assert whole("+gated MHDPA L1 + tanh L2", 2) == {
         "layers.0.attn": True, "layers.0.ffn": True, "layers.1.attn": True, "layers.1.ffn": True}
-    assert whole("+EAU+GRC", 1) == {"layers.0.attn": False, "layers.0.ffn": True}  # the EAU stands between
+    assert whole("+EAU+GRC", 1) == {"layers.0.attn": True, "layers.0.ffn": True}
+    assert whole("+EAU + σ L1/attn", 1) == {"layers.0.attn": False, "layers.0.ffn": True}  # an EAU with a unit: pieces
     pre_norm = TransformerLM(vocab_size=11, d_model=16, n_layers=1, n_heads=2, d_ffn=32, norm="pre")
     assert not any(getattr(module, "fuse_sublayer", False) for module in pre_norm.modules())
 

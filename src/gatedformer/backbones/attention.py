@@ -40,13 +40,14 @@ class CausalSelfAttention(nn.Module):
         return self.out(self.features(x))
 
     def add_norm(self, x: Tensor, p: float, norm: nn.LayerNorm, gate: nn.Module | None = None,
-                 unit: nn.Module | None = None) -> Tensor | None:
+                 unit: nn.Module | None = None, eau: nn.Module | None = None) -> Tensor | None:
         """``norm(x + dropout(self(x), p))`` (with a gated residual connection ``gate`` and an SDU branch ``unit``:
         ``norm(gate(x, dropout(self(x) + unit(x), p)))``; with a highway gate ``unit``:
-        ``norm(unit(x) + dropout(self(x), p))``) as one autograd function where that applies
+        ``norm(unit(x) + dropout(self(x), p))``; an ``eau`` on the output first) as one autograd function where that
+        applies
         (:func:`~gatedformer.backbones.fused_linear.attention_add_norm`), else ``None``."""
         return attention_add_norm(x, self.qkv, self.out, self.n_heads, self.dropout if self.training else 0.0, p,
-                                  norm, self.training, gate, unit)
+                                  norm, self.training, gate, unit, eau)
 
 
 def sinusoidal_positions(length: int, d_model: int, device: torch.device | None = None,

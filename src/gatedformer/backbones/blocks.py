@@ -65,12 +65,13 @@ class FeedForward(nn.Module):
         return self.outer(self.features(x))
 
     def add_norm(self, x: Tensor, p: float, norm: nn.LayerNorm, gate: nn.Module | None = None,
-                 unit: nn.Module | None = None) -> Tensor | None:
+                 unit: nn.Module | None = None, eau: nn.Module | None = None) -> Tensor | None:
         """``norm(x + dropout(self(x), p))`` (with a gated residual connection ``gate`` and an SDU branch ``unit``:
         ``norm(gate(x, dropout(self(x) + unit(x), p)))``; with a highway gate ``unit``:
-        ``norm(unit(x) + dropout(self(x), p))``) as one autograd function where that applies
+        ``norm(unit(x) + dropout(self(x), p))``; an ``eau`` on the output first) as one autograd function where that
+        applies
         (:func:`~gatedformer.backbones.fused_linear.feed_forward_add_norm`), else ``None``."""
-        return feed_forward_add_norm(x, self.inner, self.outer, self.dropout.p, p, norm, self.training, gate, unit)
+        return feed_forward_add_norm(x, self.inner, self.outer, self.dropout.p, p, norm, self.training, gate, unit, eau)
 
 
 def make_ffn(kind: str, d_model: int, d_ffn: int, dropout: float) -> nn.Module:
@@ -99,10 +100,10 @@ class Sublayer(nn.Module):
         # only changes the stream), the two can be one pass (gatedformer.backbones.fused_linear).
         splits = hasattr(body, "features") and hasattr(body, "output_projection")
         self.fuse_linear = gates.unit in (None, "highway") and not gates.eau and not gates.grc and splits
-        # With post-LN and no gate but an SDU, a highway gate, a gated MHDPA or a GRC, a body that offers add_norm
-        # computes the whole sublayer in one autograd function (the residual's gradient then joins x's inside the
-        # matrix products).
-        self.fuse_sublayer = not gates.eau and not self.pre_norm and splits and hasattr(body, "add_norm")
+        # With post-LN, a body that offers add_norm computes the whole sublayer in one autograd function (the
+        # residual's gradient then joins x's inside the matrix products), with any one gate unit or an EAU, and a GRC.
+        self.fuse_sublayer = (not (gates.eau and gates.unit is not None) and not self.pre_norm and splits
+                              and hasattr(body, "add_norm"))
         # With pre-LN, before a gated residual connection only the body's last layer and the dropout can be one pass.
         self.fuse_dropout = gates.unit is None and not gates.eau and gates.grc and splits and self.pre_norm
 
@@ -111,7 +112,7 @@ class Sublayer(nn.Module):
         # element-wise end in one pass where that applies.
         if self.fuse_sublayer and not body_args:
             unit = next((u for u in (self.sdu, self.highway, self.gated_mix) if u is not None), None)
-            whole = self.body.add_norm(x, self.dropout.p, self.norm, self.residual_gate, unit)
+            whole = self.body.add_norm(x, self.dropout.p, self.norm, self.residual_gate, unit, self.eau)
             if whole is not None:
                 return whole
         h = self.norm(x) if self.pre_norm else x

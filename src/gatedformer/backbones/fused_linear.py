@@ -24,7 +24,8 @@ applies the ReLU, the dropout mask, the residual and the LayerNorm in one pass o
   one pass over its product and its product with the dropped output inside the LayerNorm's pass; with an SDU
   branch ``norm(x + dropout(F(x) + Ψ(x W1 + b1) ⊙ (x W2 + b2)))``, the branch added by the gate kernel's tail;
   with a highway gate ``norm((1 - T) ⊙ x + T ⊙ f(x) + dropout(F(x)))`` and with a gated MHDPA
-  ``norm(x + dropout((1 - T) ⊙ F(x) + T ⊙ f(x)))``, the mix made by that tail. Besides
+  ``norm(x + dropout((1 - T) ⊙ F(x) + T ⊙ f(x)))``, the mix made by that tail; with an EAU on the body's output
+  (and a GRC or not), its three products and its tail inside the function too. Besides
   saving the graph nodes between the pieces, it adds the residual's gradient to x's in the products that
   compute the body's (and the gate's) share (``addmm`` into them), where autograd would add them in passes of
   their own.
@@ -188,16 +189,46 @@ class _DropoutAddNorm(torch.autograd.Function):
                 grad_gamma if needed[2] else None, grad_beta if needed[3] else None, None, None, None)
 
 
+def _eau_forward(s: Tensor, w_in: Tensor, b_in: Tensor, w_eval: Tensor, b_eval: Tensor, w_adj: Tensor,
+                 b_adj: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """An EAU on the rows ``s``: ``s + σ(W2 relu(W1 s + b1) + b2) ⊙ tanh(W3 s + b3)`` (the gate kernel's tail), and
+    what :func:`_eau_backward` needs."""
+    hidden = torch.addmm(b_in, s, w_in.t()).relu_()
+    evaluated = torch.addmm(b_eval, hidden, w_eval.t())
+    adjusted = torch.addmm(b_adj, s, w_adj.t())
+    width = s.shape[1]
+    return tail_forward("eau", s, evaluated, width, adjusted, width), (s, hidden, evaluated, adjusted)
+
+
+def _eau_backward(grad: Tensor, saved: tuple[Tensor, ...], w_in: Tensor, w_eval: Tensor,
+                  w_adj: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """The gradient of :func:`_eau_forward`'s input (written over ``grad``, a temporary of the caller's) and of its
+    six parameters."""
+    s, hidden, evaluated, adjusted = saved
+    width = s.shape[1]
+    grad_evaluated, grad_adjusted = torch.empty_like(evaluated), torch.empty_like(adjusted)
+    tail_backward("eau", grad, None, evaluated, width, adjusted, width, grad_evaluated, width, grad_adjusted, width)
+    grad_hidden = grad_evaluated.mm(w_eval).masked_fill_(hidden <= 0, 0.0)  # through the ReLU
+    parameters = (grad_hidden.t().mm(s), grad_hidden.sum(0), grad_evaluated.t().mm(hidden), grad_evaluated.sum(0),
+                  grad_adjusted.t().mm(s), grad_adjusted.sum(0))
+    return grad.addmm_(grad_adjusted, w_adj).addmm_(grad_hidden, w_in), parameters
+
+
 def _norm_tail(x: Tensor, projected: Tensor, bias: Tensor, gamma: Tensor, beta: Tensor, eps: float,
                mask: tuple[int, int], scale: float, gate: tuple[Tensor, Tensor] | None,
-               unit: tuple[Tensor, Tensor, str] | None) -> tuple[Tensor, tuple[Tensor | None, ...]]:
+               unit: tuple[Tensor, Tensor, str] | None,
+               eau: tuple[Tensor, ...] | None = None) -> tuple[Tensor, tuple[Tensor | None, ...]]:
     """The end of a whole sublayer: ``norm(x + [g ⊙] dropout(projected + bias [+ SDU(x)]))``, with ``g = σ(x Wg +
     bg)`` for a gated residual connection (``gate = (Wg, bg)``) and an SDU branch ``Ψ(x W1 + b1) ⊙ (x W2 + b2)``
     (``unit = (W, b, tail)``, its two projections in one); for a highway gate (``tail`` "lerp"),
     ``norm((1 - T) ⊙ x + T ⊙ f(x) + dropout(projected + bias))`` with ``T = σ(x W1 + b1)`` and ``f(x) = x W2 + b2``;
-    for a gated MHDPA (``tail`` "mix"), ``norm(x + dropout((1 - T) ⊙ (projected + bias) + T ⊙ f(x)))``.
+    for a gated MHDPA (``tail`` "mix"), ``norm(x + dropout((1 - T) ⊙ (projected + bias) + T ⊙ f(x)))``. With
+    ``eau`` (its six parameters; no ``unit`` then), ``projected + bias`` goes through the EAU first.
     Returns the output and what :func:`_norm_tail_backward` needs."""
-    branch, base, carried = None, x, None
+    branch, base, carried, eau_saved = None, x, None, (None,) * 4
+    if eau is not None:  # the EAU takes the body's output with its bias; the LayerNorm pass then adds none
+        projected, eau_saved = _eau_forward(projected.add_(bias), *eau)
+        bias = torch.zeros_like(bias)
     if unit is not None:
         weight, branch_bias, tail = unit
         width = branch_bias.shape[0]
@@ -216,18 +247,24 @@ def _norm_tail(x: Tensor, projected: Tensor, bias: Tensor, gamma: Tensor, beta: 
     if gate is None:
         out, xhat, rstd, keep_bits = dropout_add_norm(projected, base, bias, gamma, beta, eps, *mask, scale,
                                                       in_place=True)
-        return out, (xhat, rstd, keep_bits, None, carried, branch)
+        return out, (xhat, rstd, keep_bits, None, carried, branch, *eau_saved)
     g = _gate_kernel.bias_sigmoid_(x.mm(gate[0].t()), gate[1])  # (not with a highway gate or a gated MHDPA)
     out, xhat, rstd, keep_bits = dropout_add_norm(projected, x, bias, gamma, beta, eps, *mask, scale, gate=g)
-    return out, (xhat, rstd, keep_bits, g, projected, branch)
+    return out, (xhat, rstd, keep_bits, g, projected, branch, *eau_saved)
 
 
 def _norm_tail_backward(grad: Tensor, saved: tuple[Tensor | None, ...], gamma: Tensor, bias: Tensor, scale: float,
-                        unit_tail: str | None, x: Tensor) -> tuple[Tensor | None, ...]:
-    """``(grad_x, grad_projected, grad_gate_pre, grad_gamma, grad_beta, grad_bias, grad_b_gate, grad_branch)`` of
-    :func:`_norm_tail` (``None`` for what it did not have; ``grad_x`` without the shares that go through the
-    products of ``x``)."""
-    xhat, rstd, keep_bits, g, projected, branch = saved  # projected: the GRC's input, or the gated MHDPA's carry
+                        unit_tail: str | None, x: Tensor,
+                        eau: tuple[Tensor | None, ...] = (None,) * 6) -> tuple[Tensor | None, ...]:
+    """``(grad_x, grad_projected, grad_gate_pre, grad_gamma, grad_beta, grad_bias, grad_b_gate, grad_branch,
+    grad_eau)`` of :func:`_norm_tail` (``None`` for what it did not have; ``grad_x`` without the shares that go
+    through the products of ``x``; ``grad_eau`` the EAU's six parameters' gradients); ``eau``: its parameters."""
+    xhat, rstd, keep_bits, g, projected, branch, *eau_saved = saved  # projected: the GRC's input or the MHDPA's carry
+    if eau[0] is not None:
+        grads = _norm_tail_backward(grad, (xhat, rstd, keep_bits, g, projected, branch, None, None, None, None),
+                                    gamma, torch.zeros_like(bias), scale, unit_tail, x)
+        grad_s, grad_eau = _eau_backward(grads[1], tuple(eau_saved), eau[0], eau[2], eau[4])
+        return (grads[0], grad_s, grads[2], grads[3], grads[4], grad_s.sum(0), grads[6], grads[7], grad_eau)
     if g is None:
         grad_x, grad_projected, grad_gamma, grad_beta, grad_bias = dropout_add_norm_backward(grad, xhat, rstd, gamma,
                                                                                              keep_bits, scale)
@@ -235,21 +272,21 @@ def _norm_tail_backward(grad: Tensor, saved: tuple[Tensor | None, ...], gamma: T
     else:
         grads = gated_dropout_add_norm_backward(grad, xhat, rstd, gamma, keep_bits, scale, g, projected, bias)
     if branch is None:
-        return (*grads, None)
+        return (*grads, None, None)
     width = branch.shape[1]
     grad_branch = torch.empty_like(branch)  # both halves' gradients side by side
     if unit_tail == "lerp":  # through the highway gate's mix: x's share as the carry, and the branch's
         grad_x = tail_backward(unit_tail, grads[0], x, branch, width, branch[:, width // 2:], width, grad_branch, width,
                                grad_branch[:, width // 2:], width)
-        return (grad_x, *grads[1:], grad_branch)
+        return (grad_x, *grads[1:], grad_branch, None)
     if unit_tail == "mix":  # through the gated MHDPA's mix: the body's share as the carry, and the branch's
         grad_carried = tail_backward("lerp", grads[1], projected, branch, width, branch[:, width // 2:], width,
                                      grad_branch, width, grad_branch[:, width // 2:], width)
         grad_bias = grads[5] - grad_branch[:, width // 2:].sum(0)  # the bias was taken out of f's (see _norm_tail)
-        return (grads[0], grad_carried, grads[2], grads[3], grads[4], grad_bias, grads[6], grad_branch)
+        return (grads[0], grad_carried, grads[2], grads[3], grads[4], grad_bias, grads[6], grad_branch, None)
     tail_backward(unit_tail, grads[1], None, branch, width, branch[:, width // 2:], width, grad_branch, width,
                   grad_branch[:, width // 2:], width)
-    return (*grads, grad_branch)
+    return (*grads, grad_branch, None)
 
 
 def _add_branch_grads(grad_x: Tensor | None, x: Tensor, grad_gate: Tensor | None, w_gate: Tensor | None,
@@ -277,22 +314,24 @@ class _FeedForwardAddNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, gamma: Tensor,  # type: ignore[override]
                 beta: Tensor, w_gate: Tensor | None, b_gate: Tensor | None, w_unit: Tensor | None,
-                b_unit: Tensor | None, unit_tail: str | None, eps: float, inner_mask: tuple[int, int],
-                outer_mask: tuple[int, int]) -> Tensor:
+                b_unit: Tensor | None, *rest: object) -> Tensor:
+        *eau, unit_tail, eps, inner_mask, outer_mask = rest  # the EAU's six parameters (or Nones) first
         ctx.scales, ctx.unit_tail = (_INT32_VALUES / inner_mask[1], _INT32_VALUES / outer_mask[1]), unit_tail
         x = x.contiguous()
         hidden, positive = bias_relu_dropout_(x.mm(w1.t()), b1, *inner_mask, ctx.scales[0])
         out, tail = _norm_tail(x, hidden.mm(w2.t()), b2, gamma, beta, eps, outer_mask, ctx.scales[1],
                                None if w_gate is None else (w_gate, b_gate),
-                               None if w_unit is None else (w_unit, b_unit, unit_tail))
-        ctx.save_for_backward(x, w1, positive, hidden, w2, b2, gamma, w_gate, w_unit, *tail)
+                               None if w_unit is None else (w_unit, b_unit, unit_tail),
+                               None if eau[0] is None else tuple(eau))
+        ctx.save_for_backward(x, w1, positive, hidden, w2, b2, gamma, w_gate, w_unit, *eau, *tail)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, w1, positive, hidden, w2, b2, gamma, w_gate, w_unit, *tail = ctx.saved_tensors
-        grad_x, grad_outer, grad_gate, grad_gamma, grad_beta, grad_b2, grad_b_gate, grad_branch = _norm_tail_backward(
-            grad, tuple(tail), gamma, b2, ctx.scales[1], ctx.unit_tail, x)
+        x, w1, positive, hidden, w2, b2, gamma, w_gate, w_unit, *rest = ctx.saved_tensors
+        eau, tail = tuple(rest[:6]), tuple(rest[6:])
+        grad_x, grad_outer, grad_gate, grad_gamma, grad_beta, grad_b2, grad_b_gate, grad_branch, grad_eau = (
+            _norm_tail_backward(grad, tail, gamma, b2, ctx.scales[1], ctx.unit_tail, x, eau))
         grad_inner, grad_b1 = scale_where_positive_with_sums(positive, grad_outer.mm(w2), ctx.scales[0], in_place=True)
         needed = ctx.needs_input_grad
         if not needed[0]:
@@ -304,7 +343,7 @@ class _FeedForwardAddNorm(torch.autograd.Function):
         grad_w1 = grad_inner.t().mm(x) if needed[1] else None
         grad_w2 = grad_outer.t().mm(hidden) if needed[3] else None
         grads = (grad_x, grad_w1, grad_b1, grad_w2, grad_b2, grad_gamma, grad_beta, grad_w_gate, grad_b_gate,
-                 grad_w_unit, grad_b_unit)
+                 grad_w_unit, grad_b_unit, *(grad_eau or (None,) * 6))
         return (*(g if need else None for g, need in zip(grads, needed, strict=False)), None, None, None, None)
 
 
@@ -315,8 +354,8 @@ class _AttentionAddNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w_qkv: Tensor, b_qkv: Tensor, w_out: Tensor, b_out: Tensor,  # type: ignore[override]
                 gamma: Tensor, beta: Tensor, w_gate: Tensor | None, b_gate: Tensor | None, w_unit: Tensor | None,
-                b_unit: Tensor | None, unit_tail: str | None, eps: float, batch: int, n_heads: int,
-                mask: tuple[int, int]) -> Tensor:
+                b_unit: Tensor | None, *rest: object) -> Tensor:
+        *eau, unit_tail, eps, batch, n_heads, mask = rest  # the EAU's six parameters (or Nones) first
         ctx.scale, ctx.n_heads, ctx.unit_tail = _INT32_VALUES / mask[1], n_heads, unit_tail
         x = x.contiguous()
         # The bias is added by the kernel as it reads Q, K and V (addmm would first copy it into every row).
@@ -325,15 +364,17 @@ class _AttentionAddNorm(torch.autograd.Function):
         attended = attended.view(x.shape[0], -1)
         out, tail = _norm_tail(x, attended.mm(w_out.t()), b_out, gamma, beta, eps, mask, ctx.scale,
                                None if w_gate is None else (w_gate, b_gate),
-                               None if w_unit is None else (w_unit, b_unit, unit_tail))
-        ctx.save_for_backward(x, w_qkv, b_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, w_unit, *tail)
+                               None if w_unit is None else (w_unit, b_unit, unit_tail),
+                               None if eau[0] is None else tuple(eau))
+        ctx.save_for_backward(x, w_qkv, b_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, w_unit, *eau, *tail)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        x, w_qkv, b_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, w_unit, *tail = ctx.saved_tensors
-        grad_x, grad_projected, grad_gate, grad_gamma, grad_beta, grad_b_out, grad_b_gate, grad_branch = (
-            _norm_tail_backward(grad, tuple(tail), gamma, b_out, ctx.scale, ctx.unit_tail, x))
+        x, w_qkv, b_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, w_unit, *rest = ctx.saved_tensors
+        eau, tail = tuple(rest[:6]), tuple(rest[6:])
+        grad_x, grad_projected, grad_gate, grad_gamma, grad_beta, grad_b_out, grad_b_gate, grad_branch, grad_eau = (
+            _norm_tail_backward(grad, tail, gamma, b_out, ctx.scale, ctx.unit_tail, x, eau))
         grad_attended = grad_projected.mm(w_out).view(qkv.shape[0], qkv.shape[1], -1)
         needed = ctx.needs_input_grad
         grad_qkv, grad_b_qkv = _attention_kernel.packed_backward(qkv, attended.view(grad_attended.shape), grad_attended,
@@ -348,7 +389,7 @@ class _AttentionAddNorm(torch.autograd.Function):
         grad_w_qkv = grad_qkv.t().mm(x) if needed[1] else None
         grad_w_out = grad_projected.t().mm(attended) if needed[3] else None
         grads = (grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, grad_gamma, grad_beta, grad_w_gate,
-                 grad_b_gate, grad_w_unit, grad_b_unit)
+                 grad_b_gate, grad_w_unit, grad_b_unit, *(grad_eau or (None,) * 6))
         return (*(g if need else None for g, need in zip(grads, needed, strict=False)), None, None, None, None, None)
 
 
@@ -441,47 +482,65 @@ def _unit_tail(unit: nn.Module) -> str:
     return "mix" if isinstance(unit, GatedMHDPA) else f"sdu-{getattr(unit, 'gate', '')}"
 
 
-def _branch_parameters(gate: nn.Module | None, unit: nn.Module | None) -> tuple[Tensor | str | None, ...]:
+def _eau_fuses(eau: nn.Module | None, unit: nn.Module | None, x: Tensor, p: float, training: bool) -> bool:
+    """Whether an EAU on the body's output (or none) can be part of a whole sublayer's function (not with an SDU,
+    a highway gate or a gated MHDPA, which would read or change what it sees)."""
+    if eau is None:
+        return True
+    layers = [getattr(eau, name, None) for name in ("evaluator_in", "evaluator_out", "adjuster")]
+    plain = all(isinstance(layer, nn.Linear) and fusion_applies(x, layer, p, training) for layer in layers)
+    return (unit is None and unhooked(eau) and plain
+            and layers[0].in_features == layers[2].in_features == layers[2].out_features == x.shape[-1]
+            and layers[1].in_features == layers[0].out_features and layers[1].out_features == x.shape[-1]
+            and _gate_kernel.KERNEL.pick_backend(x.device) == "native")
+
+
+def _branch_parameters(gate: nn.Module | None, unit: nn.Module | None,
+                       eau: nn.Module | None) -> tuple[Tensor | str | None, ...]:
+    """The gate's, the unit's and the EAU's parameters, then the unit's tail, as the whole functions take them."""
+    layers = () if eau is None else (eau.evaluator_in, eau.evaluator_out, eau.adjuster)
     return ((None, None) if gate is None else (gate.gate_proj.weight, gate.gate_proj.bias)) + (
-        (None, None, None) if unit is None else (unit.proj.weight, unit.proj.bias, _unit_tail(unit)))
+        (None, None) if unit is None else (unit.proj.weight, unit.proj.bias)) + (
+        tuple(t for layer in layers for t in (layer.weight, layer.bias)) or (None,) * 6) + (
+        None if unit is None else _unit_tail(unit),)
 
 
 def feed_forward_add_norm(x: Tensor, inner: nn.Linear, outer: nn.Linear, inner_p: float, p: float,
                           norm: nn.LayerNorm, training: bool = True, gate: nn.Module | None = None,
-                          unit: nn.Module | None = None) -> Tensor | None:
+                          unit: nn.Module | None = None, eau: nn.Module | None = None) -> Tensor | None:
     """``norm(x + dropout(outer(dropout(relu(inner(x)), inner_p)), p))``, a post-LN FFN sublayer, as one autograd
     function where both linear layers fuse (:func:`fusion_applies`) and ``norm`` is a plain LayerNorm; ``None``
     where it does not apply. With a gated residual connection ``gate`` (:class:`~gatedformer.gates.GatedResidual`)
     ``norm(gate(x, dropout(...)))``; with an SDU branch (``unit`` an :class:`~gatedformer.gates.SDU`)
     ``norm(x + dropout(FFN(x) + unit(x)))``, with a highway gate (``unit`` a :class:`~gatedformer.gates.HighwayGate`,
     and no ``gate``) ``norm(unit(x) + dropout(FFN(x)))``, with a gated MHDPA (``unit`` a
-    :class:`~gatedformer.gates.GatedMHDPA`, no ``gate``) ``norm(x + dropout(unit(x, FFN(x))))``; each only without
-    hooks. The masks are drawn in the order of
-    the unfused sublayer."""
+    :class:`~gatedformer.gates.GatedMHDPA`, no ``gate``) ``norm(x + dropout(unit(x, FFN(x))))``; with an ``eau``
+    (:class:`~gatedformer.gates.EAU`, no ``unit``) on the body's output ``norm([gate](x, dropout(eau(FFN(x)))))``;
+    each only without hooks. The masks are drawn in the order of the unfused sublayer."""
     if not (fusion_applies(x, inner, inner_p, training) and fusion_applies(x, outer, p, training)
             and outer.in_features == inner.out_features and outer.out_features == x.shape[-1]
             and _plain_layer_norm(norm, x.shape[-1]) and _gate_fuses(gate, x, p, training)
-            and _unit_fuses(unit, gate, x, p, training)):
+            and _unit_fuses(unit, gate, x, p, training) and _eau_fuses(eau, unit, x, p, training)):
         return None
     inner_mask = _mask(inner_p)
     out = _FeedForwardAddNorm.apply(_rows(x), inner.weight, inner.bias, outer.weight, outer.bias, norm.weight,
-                                    norm.bias, *_branch_parameters(gate, unit), norm.eps, inner_mask, _mask(p))
+                                    norm.bias, *_branch_parameters(gate, unit, eau), norm.eps, inner_mask, _mask(p))
     return out.view(x.shape)
 
 
 def attention_add_norm(x: Tensor, qkv: nn.Linear, out: nn.Linear, n_heads: int, attention_dropout: float, p: float,
                        norm: nn.LayerNorm, training: bool = True, gate: nn.Module | None = None,
-                       unit: nn.Module | None = None) -> Tensor | None:
+                       unit: nn.Module | None = None, eau: nn.Module | None = None) -> Tensor | None:
     """``norm(x + dropout(out(attention(qkv(x))), p))``, a post-LN causal self-attention sublayer on ``(B, L, d)``
     rows, as one autograd function where both linear layers fuse (:func:`fusion_applies`), the compiled
     attention kernel takes the heads and ``norm`` is a plain LayerNorm; ``None`` where it does not apply.
-    ``gate`` and ``unit``: as in :func:`feed_forward_add_norm`."""
+    ``gate``, ``unit`` and ``eau``: as in :func:`feed_forward_add_norm`."""
     if not (x.dim() == 3 and fusion_applies(x, qkv, p, training) and fusion_applies(x, out, p, training)
             and out.out_features == x.shape[-1] and qkv.out_features == 3 * out.in_features
             and _attention_kernel.kernel_takes(qkv.out_features, n_heads, attention_dropout, x.device, x.dtype)
             and _plain_layer_norm(norm, x.shape[-1]) and _gate_fuses(gate, x, p, training)
-            and _unit_fuses(unit, gate, x, p, training)):
+            and _unit_fuses(unit, gate, x, p, training) and _eau_fuses(eau, unit, x, p, training)):
         return None
     result = _AttentionAddNorm.apply(_rows(x), qkv.weight, qkv.bias, out.weight, out.bias, norm.weight, norm.bias,
-                                     *_branch_parameters(gate, unit), norm.eps, x.shape[0], n_heads, _mask(p))
+                                     *_branch_parameters(gate, unit, eau), norm.eps, x.shape[0], n_heads, _mask(p))
     return result.view(x.shape)
