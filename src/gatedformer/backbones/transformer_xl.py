@@ -31,6 +31,7 @@ from torch.nn import functional as F
 
 from gatedformer.backbones.attention import sinusoidal_positions
 from gatedformer.backbones.blocks import Sublayer, make_ffn
+from gatedformer.backbones.dropout import Dropout
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
 
 __all__ = ["RelativeMultiHeadAttention", "TransformerXLLM", "TransformerXLLayer", "rel_shift",
@@ -61,8 +62,28 @@ def rel_shift(scores: Tensor, padded: bool = False) -> Tensor:
     """
     if not padded:
         scores = torch.cat([scores.new_zeros(*scores.shape[:-1], 1), scores], dim=-1)
-    *lead, q_len, k_len_1 = scores.shape
-    return scores.view(*lead, k_len_1, q_len)[..., 1:, :].reshape(*lead, q_len, k_len_1 - 1)
+    return _PaddedRelShift.apply(scores)
+
+
+class _PaddedRelShift(torch.autograd.Function):
+    """The view behind :func:`rel_shift`. Its gradient is written into one new tensor whose only other
+    entries, the spare column's, are zeroed: autograd's own backward of the slice would zero the whole
+    ``(..., Lq, Lk + 1)`` tensor first and then copy into it."""
+
+    @staticmethod
+    def forward(ctx, scores: Tensor) -> Tensor:  # type: ignore[override]
+        *lead, q_len, k_len_1 = scores.shape
+        ctx.shape = scores.shape
+        return scores.view(*lead, k_len_1, q_len)[..., 1:, :].reshape(*lead, q_len, k_len_1 - 1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        *lead, q_len, k_len_1 = ctx.shape
+        grad_scores = grad.new_empty(ctx.shape)
+        folded = grad_scores.view(*lead, k_len_1, q_len)
+        folded[..., 0, :].zero_()
+        folded[..., 1:, :].copy_(grad.reshape(*lead, k_len_1 - 1, q_len))
+        return grad_scores
 
 
 class RelativeMultiHeadAttention(nn.Module):
@@ -92,7 +113,7 @@ class RelativeMultiHeadAttention(nn.Module):
         """Position bias of each head (term d)."""
         nn.init.normal_(self.u, std=0.02)
         nn.init.normal_(self.v, std=0.02)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def project(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Queries ``(B, H, L, dh)``, keys and values ``(B, H, M+L, dh)``, position keys ``(H, M+L, dh)``."""
@@ -116,9 +137,11 @@ class RelativeMultiHeadAttention(nn.Module):
                                           r_padded.transpose(-1, -2)), padded=True)
         # a + c = (q + u)^T k.
         scores = torch.matmul((q + self.u.unsqueeze(1).to(q.dtype)) * self.scale, k.transpose(-1, -2))
-        scores = scores.add_(position)
+        # The causal mask as an additive -inf: its backward pass is nothing (the softmax already gives those
+        # entries a zero gradient), where masked_fill_'s is another pass over the scores.
         future = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).triu(k_len - q_len + 1)
-        return scores.masked_fill_(future, float("-inf"))
+        mask = torch.zeros(q_len, k_len, dtype=scores.dtype, device=q.device).masked_fill_(future, float("-inf"))
+        return scores.add_(position).add_(mask)
 
     def forward(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> Tensor:
         batch, q_len, _ = h.shape
@@ -174,7 +197,7 @@ class TransformerXLLM(nn.Module):
         self.n_layers = n_layers
         self.mem_len = mem_len
         self.embedding = nn.Embedding(vocab_size, d_model)
-        self.emb_dropout = nn.Dropout(dropout if emb_dropout is None else emb_dropout)
+        self.emb_dropout = Dropout(dropout if emb_dropout is None else emb_dropout)
         self.layers = nn.ModuleList(
             TransformerXLLayer(d_model, n_heads, d_ffn, dropout, attn_dropout, norm, ffn,
                                placement.at(i, "attn"), placement.at(i, "ffn"))
