@@ -40,6 +40,7 @@ from torch.nn import functional as F
 
 from gatedformer.backbones.attention import sinusoidal_positions
 from gatedformer.backbones.blocks import Sublayer, make_ffn
+from gatedformer.backbones.dropout import Dropout
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
 
 Cache = list[dict[str, Any]]
@@ -186,7 +187,7 @@ class Seq2SeqTransformer(nn.Module):
         attn_dropout = dropout if attn_dropout is None else attn_dropout
         self.embed_src = nn.Embedding(src_vocab, d_model)
         self.embed_tgt = nn.Embedding(tgt_vocab, d_model)
-        self.emb_dropout = nn.Dropout(dropout if emb_dropout is None else emb_dropout)
+        self.emb_dropout = Dropout(dropout if emb_dropout is None else emb_dropout)
         self.encoder_layers = nn.ModuleList(
             EncoderLayer(d_model, heads, ffn, dropout, attn_dropout, norm, ffn_kind,
                          placement.at(i, "attn"), placement.at(i, "ffn"))

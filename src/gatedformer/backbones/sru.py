@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from gatedformer.backbones._sru_kernel import kernel_backend, sru_recurrence, sru_recurrence_reference
+from gatedformer.backbones.dropout import Dropout, dropout
 
 __all__ = [
     "SRU",
@@ -270,7 +271,7 @@ class SRU(nn.Module):
         if not self.training or self.dropout == 0.0:
             return x
         if not self.variational_dropout:
-            return F.dropout(x, self.dropout, training=True)
+            return dropout(x, self.dropout)
         keep = 1.0 - self.dropout
         mask = x.new_empty((1, *x.shape[1:])).bernoulli_(keep).div_(keep)
         return x * mask
@@ -323,7 +324,7 @@ class SRULanguageModel(nn.Module):
         self.vocab_size = _int_arg("vocab_size", vocab_size, 1)
         self.d_model = _int_arg("d_model", d_model, 1)
         self.embedding = nn.Embedding(vocab_size, d_model)
-        self.dropout = nn.Dropout(_dropout_arg(dropout))
+        self.dropout = Dropout(_dropout_arg(dropout))
         self.sru = SRU(
             d_model,
             d_model,
