@@ -71,6 +71,37 @@ def test_causal_conv1d_matches_conv1d(batch: int, length: int, channels: int, ou
         torch.testing.assert_close(g_got, g_want)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_fused_glu_residual_matches_the_modules(dropout: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain block's ``x + GLU(conv(x))`` in one pass (no hooks) against the modules (a hook forces them)."""
+    from gatedformer.backbones import fused_gates
+
+    fused_calls = []
+    split_tail = fused_gates._SplitTail.apply
+    monkeypatch.setattr(fused_gates._SplitTail, "apply", lambda *args: fused_calls.append(args[2]) or split_tail(*args))
+    torch.manual_seed(3)
+    model = GatedConvLM(V, 16, 2, kernel_size=3, dropout=dropout)
+    tokens = _tokens(2, 9)
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(11)  # the same dropout masks on both paths
+        logits, _ = model(tokens)
+        F.cross_entropy(logits.reshape(-1, V), tokens.reshape(-1)).backward()
+        return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    fused_logits, fused_grads = run()
+    assert fused_calls == ["sdu-sigmoid"] * 2 or fused_gates.KERNEL.pick_backend(torch.device("cpu")) != "native"
+    hooks = [block.branch.register_forward_hook(lambda *args: None) for block in model.layers]
+    plain_logits, plain_grads = run()
+    assert len(fused_calls) <= 2
+    for hook in hooks:
+        hook.remove()
+    torch.testing.assert_close(fused_logits, plain_logits, rtol=1e-5, atol=1e-6)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_causal_conv1d_rejects_mismatched_shapes() -> None:
     with pytest.raises(ValueError, match="causal_conv1d takes x"):
         causal_conv1d(torch.randn(2, 5, 3), torch.randn(4, 2, 3))

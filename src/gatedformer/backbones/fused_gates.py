@@ -17,10 +17,11 @@ from torch.nn import functional as F
 from gatedformer.backbones._gate_kernel import KERNEL, tail_backward, tail_forward
 from gatedformer.backbones.dropout import dropout
 from gatedformer.backbones.fused_linear import dropout_add_layer_norm, unhooked
-from gatedformer.gates import EAU, SDU, GatedResidual, HighwayGate
+from gatedformer.gates import EAU, GLU, SDU, GatedResidual, HighwayGate
 from gatedformer.gates._transform_gate import TransformGate
 
-__all__ = ["apply_eau", "apply_grc", "apply_highway", "apply_sdu", "gated_mix", "grc_dropout_norm", "tail_applies"]
+__all__ = ["apply_eau", "apply_grc", "apply_highway", "apply_sdu", "gated_mix", "glu_residual", "grc_dropout_norm",
+           "tail_applies"]
 
 
 def tail_applies(gate: nn.Module, *tensors: Tensor) -> bool:
@@ -35,14 +36,15 @@ def _flat(t: Tensor) -> Tensor:
 
 
 class _SplitTail(torch.autograd.Function):
-    """``c + F(a) ⊙ (G(b) [- c])`` with ``a``, ``b`` the two halves of one projection ``(rows, 2d)``."""
+    """``c + F(a) ⊙ (G(b) [- c])`` with ``a``, ``b`` the two halves of one projection ``(rows, 2d)``: ``a`` the
+    first half, or the second with ``gate_last`` (a GLU's layout: values first, gates second)."""
 
     @staticmethod
-    def forward(ctx, c: Tensor, projection: Tensor, tail: str) -> Tensor:  # type: ignore[override]
+    def forward(ctx, c: Tensor, projection: Tensor, tail: str, gate_last: bool = False) -> Tensor:  # type: ignore[override]
         d = c.shape[1]
-        ctx.tail = tail
+        ctx.tail, ctx.gate_last = tail, gate_last
         ctx.save_for_backward(c if tail == "lerp" else None, projection)
-        return tail_forward(tail, c, projection, 2 * d, projection[:, d:], 2 * d)
+        return tail_forward(tail, c, *_halves(projection, d, gate_last))
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -50,9 +52,15 @@ class _SplitTail(torch.autograd.Function):
         d = grad.shape[1]
         grad = grad.contiguous()
         grad_projection = torch.empty_like(projection)  # both halves' gradients side by side: no joining copy
-        grad_c = tail_backward(ctx.tail, grad, c, projection, 2 * d, projection[:, d:], 2 * d, grad_projection, 2 * d,
-                               grad_projection[:, d:], 2 * d)
-        return (grad if grad_c is None else grad_c), grad_projection, None
+        grad_c = tail_backward(ctx.tail, grad, c, *_halves(projection, d, ctx.gate_last),
+                               *_halves(grad_projection, d, ctx.gate_last))
+        return (grad if grad_c is None else grad_c), grad_projection, None, None
+
+
+def _halves(projection: Tensor, d: int, gate_last: bool) -> tuple[Tensor, int, Tensor, int]:
+    """The tail's ``a`` and ``b`` in a ``(rows, 2d)`` projection, each with its row length."""
+    first, second = projection, projection[:, d:]
+    return (second, 2 * d, first, 2 * d) if gate_last else (first, 2 * d, second, 2 * d)
 
 
 class _Tail(torch.autograd.Function):
@@ -75,6 +83,15 @@ class _Tail(torch.autograd.Function):
 
 def _split_tail(c: Tensor, projection: Tensor, tail: str) -> Tensor:
     return _SplitTail.apply(_flat(c), _flat(projection), tail).view(c.shape)
+
+
+def glu_residual(glu: GLU, x: Tensor, y: Tensor) -> Tensor:
+    """``x + glu(y)``: ``x + y_a ⊙ σ(y_b)`` with ``y_a``, ``y_b`` the first and second halves of ``y``'s last
+    dimension (a GCNN block around one gated convolution)."""
+    if not tail_applies(glu, x, y) or glu.dim not in (-1, y.dim() - 1) or y.shape[:-1] != x.shape[:-1] \
+            or y.shape[-1] != 2 * x.shape[-1]:
+        return x + glu(y)
+    return _SplitTail.apply(_flat(x), _flat(y), "sdu-sigmoid", True).view(x.shape)
 
 
 def apply_sdu(sdu: SDU, x: Tensor, add_to: Tensor) -> Tensor:
