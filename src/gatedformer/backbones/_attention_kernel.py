@@ -578,8 +578,9 @@ def packed_forward(qkv: Tensor, n_heads: int, keep_lse: bool = True,
     head = width // (3 * n_heads)
     out = qkv.new_empty(batch, length, n_heads * head)
     lse = qkv.new_empty(batch, n_heads, length) if keep_lse else None
+    bias = None if bias is None else bias.contiguous()  # held: a temporary copy would be freed before the call
     failed = KERNEL.library().attention_forward_f32(
-        qkv.data_ptr(), None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
+        qkv.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
         None if lse is None else lse.data_ptr(), batch, length, n_heads, head, 1.0 / math.sqrt(head),
         kernel_threads(qkv.numel()),
     )
@@ -597,8 +598,9 @@ def packed_backward(qkv: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, n_h
     grad_out = grad_out.contiguous()
     grad_qkv = torch.empty_like(qkv)
     per_sequence = qkv.new_empty(batch, width) if bias_grad else None  # each thread sums its own rows
+    bias = None if bias is None else bias.contiguous()
     failed = KERNEL.library().attention_backward_f32(
-        qkv.data_ptr(), None if bias is None else bias.contiguous().data_ptr(), out.data_ptr(), grad_out.data_ptr(),
+        qkv.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), grad_out.data_ptr(),
         lse.data_ptr(), grad_qkv.data_ptr(), None if per_sequence is None else per_sequence.data_ptr(),
         batch, length, n_heads, head, 1.0 / math.sqrt(head), kernel_threads(qkv.numel()),
     )
