@@ -183,6 +183,33 @@ def stop_here(step: int, final: bool, signal: str | None, stop_after: int | None
     return False
 
 
+def optimise(loss: torch.Tensor, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+             config: RunConfig, step: int, out_dir: Path,
+             loss_value: Callable[[torch.Tensor], float] = lambda loss: loss.item()) -> tuple[float, bool]:
+    """The update of training step ``step + 1`` from its ``loss``: backward, gradient clipping
+    (``optim.clip``), the optimiser and scheduler steps. Returns ``loss_value(loss)`` (the loss the log
+    records; e.g. its mean over ranks) and whether the weights were updated. A non-finite loss or gradient
+    raises :class:`NonFiniteLoss`, or with ``train.nonfinite=skip`` drops the gradients and leaves the weights
+    as they are."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    clip = config.optim.clip if config.optim.clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    value = loss_value(loss)
+    stepped = math.isfinite(value) and math.isfinite(grad_norm.item())
+    if stepped:
+        optimizer.step()
+    elif config.train.nonfinite == "stop":
+        raise NonFiniteLoss(
+            f"non-finite loss or gradient at step {step + 1} (loss {value}); the last good checkpoint is kept in "
+            f"{out_dir}; lower optim.lr, set optim.clip, or train.nonfinite=skip"
+        )
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return value, stepped
+
+
 def prepare_run_dir(out_dir: Path, config: RunConfig, resume: bool) -> Path | None:
     """Check that ``out_dir`` may receive this run; return the checkpoint to resume from, if any."""
     out_dir = Path(out_dir)
@@ -321,30 +348,17 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
             with _autocast(device, tcfg.precision):
                 logits, new_carry = compiled(x, carry)
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), config.optim.clip if config.optim.clip > 0 else float("inf")
-            )
-            loss_value = distributed.mean_over_ranks(ddp, loss)  # the loss of the global batch
-            if not (math.isfinite(loss_value) and math.isfinite(grad_norm.item())):
-                if tcfg.nonfinite == "stop":
-                    raise NonFiniteLoss(
-                        f"non-finite loss or gradient at step {step + 1} (loss {loss_value}); the last good "
-                        f"checkpoint is kept in {out_dir}; lower optim.lr, set optim.clip, or "
-                        "train.nonfinite=skip"
-                    )
-                skipped += 1
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                optimizer.step()
-            scheduler.step()
+            # The log records the loss of the global batch: the mean over the ranks.
+            loss_value, stepped = optimise(loss, model, optimizer, scheduler, config, step, out_dir,
+                                  lambda loss: distributed.mean_over_ranks(ddp, loss))
             carry = detach_state(new_carry)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             train_seconds += time.perf_counter() - started
             step += 1
             tokens_seen += y.numel() * ddp.world
+            if not stepped:
+                skipped += 1
             if math.isfinite(loss_value):
                 loss_sum += loss_value
                 loss_count += 1

@@ -64,13 +64,13 @@ from gatedformer.train.checkpoint import (
 from gatedformer.train.gate_stats import GateStatistics, gate_biases
 from gatedformer.train.init import initialise
 from gatedformer.train.loop import (
-    NonFiniteLoss,
     RunResult,
     _autocast,
     _progress_bar,
     _StopSignal,
     _truncate_log,
     count_parameters,
+    optimise,
     prepare_run_dir,
     resolve_device,
     stop_here,
@@ -392,28 +392,14 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
                 logits = compiled(src, tgt_in)
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tgt_out.reshape(-1),
                                    ignore_index=PAD_ID, label_smoothing=tr.label_smoothing)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), config.optim.clip if config.optim.clip > 0 else float("inf")
-            )
-            loss_value = loss.item()
-            if not (math.isfinite(loss_value) and math.isfinite(grad_norm.item())):
-                if tcfg.nonfinite == "stop":
-                    raise NonFiniteLoss(
-                        f"non-finite loss or gradient at step {step + 1} (loss {loss_value}); the last good "
-                        f"checkpoint is kept in {out_dir}; lower optim.lr, set optim.clip, or train.nonfinite=skip"
-                    )
-                skipped += 1
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                optimizer.step()
-            scheduler.step()
+            loss_value, stepped = optimise(loss, model, optimizer, scheduler, config, step, out_dir)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             train_seconds += time.perf_counter() - started
             step += 1
             tokens_seen += int((tgt_out != PAD_ID).sum())
+            if not stepped:
+                skipped += 1
             if math.isfinite(loss_value):
                 loss_sum += loss_value
                 loss_count += 1
