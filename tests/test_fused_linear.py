@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from gatedformer.backbones import (
     _attention_kernel,
+    _blas,
     _dropout_kernel,
     _epilogue_kernel,
     _gate_kernel,
@@ -415,3 +416,57 @@ def test_relu_gradient_from_bits_with_column_sums(threads: int, monkeypatch: pyt
     fallback_pre, fallback_sums = _epilogue_kernel.scale_where_positive_with_sums(positive, grad, scale)
     assert torch.equal(fallback_pre, grad_pre)
     torch.testing.assert_close(fallback_sums, sums, rtol=1e-5, atol=1e-5)
+
+
+def _packed_gemm_or_skip() -> None:
+    _kernel_or_skip()
+    if _blas.packed_gemm() is None:
+        pytest.skip("PyTorch does not expose MKL's packed products here")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@settings(max_examples=6, deadline=None)
+@given(batch=st.integers(1, 5), length=st.integers(1, 70), d_model=st.sampled_from([8, 24, 128]),
+       d_ffn=st.sampled_from([7, 64, 96, 512]), seed=st.integers(0, 2 ** 16))
+def test_streamed_feed_forward_is_the_sublayer_operation_by_operation(batch: int, length: int, d_model: int,
+                                                                      d_ffn: int, seed: int, threads: int) -> None:
+    """A plain FFN sublayer streamed by row blocks through MKL's packed products (one parallel region) gives the
+    values, every gradient and the masks of the same function computed one operation after another. Widths where
+    a 64-row block is not a whole number of mask draws take 128-row blocks; the last block may be partial."""
+    _packed_gemm_or_skip()
+    torch.manual_seed(seed)
+    ffn, norm = FeedForward(d_model, d_ffn, 0.2), _affine_norm(d_model)
+    x = torch.randn(batch, length, d_model, requires_grad=True)
+    grad = torch.randn(batch, length, d_model)
+    params = (x, *ffn.parameters(), *norm.parameters())
+    results = {}
+    for streamed in ("1", "0"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch, "get_num_threads", lambda: threads)  # the kernels' share, not PyTorch's own pool
+            patch.setenv("GATEDFORMER_PACKED_GEMM", streamed)
+            torch.manual_seed(seed + 1)
+            out = ffn.add_norm(x, 0.1, norm)
+            results[streamed] = [out, *_grads(out, grad, *params)]
+    for a, b in zip(results["1"], results["0"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_language_model_streams_its_plain_feed_forward_sublayers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where MKL's packed products are available, the Transformer's plain FFN sublayers take the streamed kernel
+    (once per layer and step); with GATEDFORMER_PACKED_GEMM=0, or with a gate on the sublayer, they do not."""
+    _packed_gemm_or_skip()
+    calls = []
+    real = fused_linear.feed_forward_streamed
+    monkeypatch.setattr(fused_linear, "feed_forward_streamed", lambda *a: calls.append(1) or real(*a))
+
+    def one_step(gates: str) -> int:
+        calls.clear()
+        model = TransformerLM(vocab_size=11, d_model=16, n_layers=2, n_heads=2, d_ffn=32, gates=gates)
+        logits, _ = model(torch.randint(0, 11, (2, 9)))
+        logits.sum().backward()
+        return len(calls)
+
+    assert one_step("") == 2
+    assert one_step("+σ SDU") == 0
+    monkeypatch.setenv("GATEDFORMER_PACKED_GEMM", "0")
+    assert one_step("") == 0

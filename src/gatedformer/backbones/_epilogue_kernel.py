@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from gatedformer.backbones._blas import PackedGemm
 from gatedformer.backbones._dropout_kernel import (
     _NO_FMA,
     PHILOX_CPP,
@@ -34,9 +35,13 @@ from gatedformer.backbones._dropout_kernel import (
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 
 __all__ = ["KERNEL", "bias_dropout_add_", "bias_relu_dropout_", "dropout_add_norm", "dropout_add_norm_backward",
-           "gated_dropout_add_norm_backward", "scale_where_positive_with_sums"]
+           "feed_forward_streamed", "feed_forward_streamed_backward", "gated_dropout_add_norm_backward",
+           "scale_where_positive_with_sums"]
 
 _CPP_SOURCE = PHILOX_CPP + r"""
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 // Linear-layer epilogues with dropout masks; see gatedformer/backbones/_epilogue_kernel.py.
 // Bit k set where x[k] > 0, for k < count <= 32.
 inline uint32_t positive_bits(const float* x, int64_t count) {
@@ -65,38 +70,44 @@ inline uint32_t positive_bits(const float* x, int64_t count) {
 // With `positive`, bit i % 32 of positive[i / 32] is set where the result is > 0 (what the backward pass of
 // the ReLU form needs, 32 times smaller than the result).
 template <bool ReluToo>
+void bias_epilogue_range(const float* base, float* h, const float* bias, int64_t lo, int64_t hi, int64_t cols,
+                         uint32_t k0, uint32_t k1, uint32_t keep_below, float scale, uint32_t* positive) {
+    alignas(64) uint32_t words[kBulk];
+    int64_t col = lo % cols;
+    for (int64_t start = lo; start < hi; start += kBulk) {  // lo: a multiple of kBulk
+        draw_bulk((uint64_t)start / kTile, k0, k1, words);
+        const int64_t m = hi - start < kBulk ? hi - start : kBulk;
+        for (int64_t j = 0; j < m;) {  // runs of one row, so that the bias is read contiguously
+            const int64_t run = m - j < cols - col ? m - j : cols - col;
+            float* hs = h + start + j;
+            const float* bs = bias + col;
+            const uint32_t* ws = words + j;
+            if (base != nullptr) {
+                const float* as = base + start + j;
+                for (int64_t k = 0; k < run; ++k)
+                    hs[k] = as[k] + (hs[k] + bs[k]) * (ws[k] < keep_below ? scale : 0.0f);
+            } else {
+                for (int64_t k = 0; k < run; ++k) {
+                    const float v = hs[k] + bs[k];
+                    const bool keep = ws[k] < keep_below && (!ReluToo || v > 0.0f);
+                    hs[k] = v * (keep ? scale : 0.0f);
+                }
+            }
+            j += run;
+            col = col + run == cols ? 0 : col + run;
+        }
+        if (positive != nullptr)  // draws start at multiples of 32: each word is one thread's
+            for (int64_t w = 0; w * 32 < m; ++w)
+                positive[(start >> 5) + w] = positive_bits(h + start + 32 * w, m - 32 * w < 32 ? m - 32 * w : 32);
+    }
+}
+
+template <bool ReluToo>
 void bias_epilogue(const float* base, float* h, const float* bias, int64_t n, int64_t cols, uint64_t seed,
                    uint32_t keep_below, float scale, int64_t threads, uint32_t* positive = nullptr) {
     const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
     gatedformer::parallel_chunks(n, threads, kBulk, [=](int64_t lo, int64_t hi) {
-        alignas(64) uint32_t words[kBulk];
-        int64_t col = lo % cols;
-        for (int64_t start = lo; start < hi; start += kBulk) {
-            draw_bulk((uint64_t)start / kTile, k0, k1, words);
-            const int64_t m = hi - start < kBulk ? hi - start : kBulk;
-            for (int64_t j = 0; j < m;) {  // runs of one row, so that the bias is read contiguously
-                const int64_t run = m - j < cols - col ? m - j : cols - col;
-                float* hs = h + start + j;
-                const float* bs = bias + col;
-                const uint32_t* ws = words + j;
-                if (base != nullptr) {
-                    const float* as = base + start + j;
-                    for (int64_t k = 0; k < run; ++k)
-                        hs[k] = as[k] + (hs[k] + bs[k]) * (ws[k] < keep_below ? scale : 0.0f);
-                } else {
-                    for (int64_t k = 0; k < run; ++k) {
-                        const float v = hs[k] + bs[k];
-                        const bool keep = ws[k] < keep_below && (!ReluToo || v > 0.0f);
-                        hs[k] = v * (keep ? scale : 0.0f);
-                    }
-                }
-                j += run;
-                col = col + run == cols ? 0 : col + run;
-            }
-            if (positive != nullptr)  // draws start at multiples of 32: each word is one thread's
-                for (int64_t w = 0; w * 32 < m; ++w)
-                    positive[(start >> 5) + w] = positive_bits(h + start + 32 * w, m - 32 * w < 32 ? m - 32 * w : 32);
-        }
+        bias_epilogue_range<ReluToo>(base, h, bias, lo, hi, cols, k0, k1, keep_below, scale, positive);
     });
 }
 
@@ -109,40 +120,49 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 constexpr v16u kLaneBits = {1u << 0, 1u << 1, 1u << 2, 1u << 3, 1u << 4, 1u << 5, 1u << 6, 1u << 7,
                             1u << 8, 1u << 9, 1u << 10, 1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15};
 
+// Rows [lo, hi) of positive_scale_colsum, adding their column sums to acc.
+void positive_scale_rows(const uint32_t* positive, const float* g, float* out, float* acc, int64_t lo, int64_t hi,
+                         int64_t cols, float scale) {
+    for (int64_t r = lo; r < hi; ++r) {
+        const float* gr = g + r * cols;
+        float* orow = out + r * cols;
+        const int64_t first = r * cols;
+        int64_t c = 0;
+        if (first % 16 == 0)  // whole words' halves: sixteen lanes test their bits at once
+            for (; c + 16 <= cols; c += 16) {
+                const uint32_t half = positive[(first + c) >> 5] >> ((first + c) & 16);
+                const v16u set = (v16u{} + half) & kLaneBits;
+                const v16f v = set != 0 ? *reinterpret_cast<const v16f*>(gr + c) * scale : v16f{};
+                *reinterpret_cast<v16f*>(orow + c) = v;
+                *reinterpret_cast<v16f*>(acc + c) += v;
+            }
+        for (; c < cols; ++c) {
+            const int64_t i = first + c;
+            const float v = gr[c] * ((positive[i >> 5] >> (i & 31)) & 1u ? scale : 0.0f);
+            orow[c] = v;
+            acc[c] += v;
+        }
+    }
+}
+
+// Adds up the blocks' partial sums (`width` each) in order: the same sums whatever the number of threads.
+void sum_blocks(const float* partials, int64_t blocks, int64_t width, float* sums) {
+    for (int64_t c = 0; c < width; ++c) sums[c] = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b)
+        for (int64_t c = 0; c < width; ++c) sums[c] += partials[b * width + c];
+}
+
 void positive_scale_colsum(const uint32_t* positive, const float* g, float* out, float* colsum, int64_t rows,
                            int64_t cols, float scale, int64_t threads) {
     const int64_t blocks = (rows + kSumRows - 1) / kSumRows;
     std::vector<float> partial(blocks * cols, 0.0f);
     float* partials = partial.data();
     gatedformer::parallel_chunks(blocks, threads, 1, [=](int64_t lo, int64_t hi) {
-        for (int64_t b = lo; b < hi; ++b) {
-            float* acc = partials + b * cols;
-            const int64_t end = (b + 1) * kSumRows < rows ? (b + 1) * kSumRows : rows;
-            for (int64_t r = b * kSumRows; r < end; ++r) {
-                const float* gr = g + r * cols;
-                float* orow = out + r * cols;
-                const int64_t first = r * cols;
-                int64_t c = 0;
-                if (first % 16 == 0)  // whole words' halves: sixteen lanes test their bits at once
-                    for (; c + 16 <= cols; c += 16) {
-                        const uint32_t half = positive[(first + c) >> 5] >> ((first + c) & 16);
-                        const v16u set = (v16u{} + half) & kLaneBits;
-                        const v16f v = set != 0 ? *reinterpret_cast<const v16f*>(gr + c) * scale : v16f{};
-                        *reinterpret_cast<v16f*>(orow + c) = v;
-                        *reinterpret_cast<v16f*>(acc + c) += v;
-                    }
-                for (; c < cols; ++c) {
-                    const int64_t i = first + c;
-                    const float v = gr[c] * ((positive[i >> 5] >> (i & 31)) & 1u ? scale : 0.0f);
-                    orow[c] = v;
-                    acc[c] += v;
-                }
-            }
-        }
+        for (int64_t b = lo; b < hi; ++b)
+            positive_scale_rows(positive, g, out, partials + b * cols, b * kSumRows,
+                                (b + 1) * kSumRows < rows ? (b + 1) * kSumRows : rows, cols, scale);
     });
-    for (int64_t c = 0; c < cols; ++c) colsum[c] = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b)
-        for (int64_t c = 0; c < cols; ++c) colsum[c] += partials[b * cols + c];
+    sum_blocks(partials, blocks, cols, colsum);
 }
 
 // The mask words of elements first .. first + count - 1 into out[0 .. count).
@@ -193,56 +213,65 @@ inline uint32_t keep_bits32(const uint32_t* words, int64_t count, uint32_t keep_
 // keep_bits[r * row_words(cols) + c / 32]): what the backward pass needs, without drawing the mask again.
 inline int64_t row_words(int64_t cols) { return (cols + 31) / 32; }
 
+// Rows [lo, hi) of dropout_add_norm (k0, k1: the seed's halves).
+void dropout_add_norm_rows(const float* base, const float* h, const float* bias, const float* gate, float* xhat,
+                           const float* gamma, const float* beta, float* y, float* rstd, uint32_t* keep_bits,
+                           int64_t lo, int64_t hi, int64_t cols, float eps, uint32_t k0, uint32_t k1,
+                           uint32_t keep_below, float scale) {
+    const int64_t whole = cols / 16 * 16;
+    std::vector<uint32_t> words(cols);
+    for (int64_t r = lo; r < hi; ++r) {
+        range_words((uint64_t)(r * cols), cols, k0, k1, words.data());
+        uint32_t* bits = keep_bits + r * row_words(cols);
+        for (int64_t w = 0; w < row_words(cols); ++w)
+            bits[w] = keep_bits32(&words[32 * w], cols - 32 * w < 32 ? cols - 32 * w : 32, keep_below);
+        const float* hr = h + r * cols;
+        float* xr = xhat + r * cols;
+        const float* br = base + r * cols;
+        float* yr = y + r * cols;
+        const float* gr = gate != nullptr ? gate + r * cols : nullptr;
+        v16f sums{};
+        float sum = 0.0f;
+        for (int64_t c = 0; c < whole; c += 16) {
+            const v16f kept = (load16(hr + c) + load16(bias + c)) * keep_factor(&words[c], keep_below, scale);
+            const v16f v = load16(br + c) + (gr != nullptr ? load16(gr + c) * kept : kept);
+            store16(xr + c, v);
+            sums += v;
+        }
+        for (int64_t c = whole; c < cols; ++c) {
+            const float kept = (hr[c] + bias[c]) * (words[c] < keep_below ? scale : 0.0f);
+            xr[c] = br[c] + (gr != nullptr ? gr[c] * kept : kept);
+            sum += xr[c];
+        }
+        const float mean = (lanes_sum(sums) + sum) / (float)cols;
+        v16f squares_v{};
+        float squares = 0.0f;
+        for (int64_t c = 0; c < whole; c += 16) {
+            const v16f d = load16(xr + c) - mean;
+            squares_v += d * d;
+        }
+        for (int64_t c = whole; c < cols; ++c) squares += (xr[c] - mean) * (xr[c] - mean);
+        const float inv = 1.0f / std::sqrt((lanes_sum(squares_v) + squares) / (float)cols + eps);
+        for (int64_t c = 0; c < whole; c += 16) {
+            const v16f normed = (load16(xr + c) - mean) * inv;
+            store16(xr + c, normed);
+            store16(yr + c, normed * load16(gamma + c) + load16(beta + c));
+        }
+        for (int64_t c = whole; c < cols; ++c) {
+            xr[c] = (xr[c] - mean) * inv;
+            yr[c] = xr[c] * gamma[c] + beta[c];
+        }
+        rstd[r] = inv;
+    }
+}
+
 void dropout_add_norm(const float* base, const float* h, const float* bias, const float* gate, float* xhat,
                       const float* gamma, const float* beta, float* y, float* rstd, uint32_t* keep_bits, int64_t rows,
                       int64_t cols, float eps, uint64_t seed, uint32_t keep_below, float scale, int64_t threads) {
     const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
-    const int64_t whole = cols / 16 * 16;
     gatedformer::parallel_chunks(rows, threads, 1, [=](int64_t lo, int64_t hi) {
-        std::vector<uint32_t> words(cols);
-        for (int64_t r = lo; r < hi; ++r) {
-            range_words((uint64_t)(r * cols), cols, k0, k1, words.data());
-            uint32_t* bits = keep_bits + r * row_words(cols);
-            for (int64_t w = 0; w < row_words(cols); ++w)
-                bits[w] = keep_bits32(&words[32 * w], cols - 32 * w < 32 ? cols - 32 * w : 32, keep_below);
-            const float* hr = h + r * cols;
-            float* xr = xhat + r * cols;
-            const float* br = base + r * cols;
-            float* yr = y + r * cols;
-            const float* gr = gate != nullptr ? gate + r * cols : nullptr;
-            v16f sums{};
-            float sum = 0.0f;
-            for (int64_t c = 0; c < whole; c += 16) {
-                const v16f kept = (load16(hr + c) + load16(bias + c)) * keep_factor(&words[c], keep_below, scale);
-                const v16f v = load16(br + c) + (gr != nullptr ? load16(gr + c) * kept : kept);
-                store16(xr + c, v);
-                sums += v;
-            }
-            for (int64_t c = whole; c < cols; ++c) {
-                const float kept = (hr[c] + bias[c]) * (words[c] < keep_below ? scale : 0.0f);
-                xr[c] = br[c] + (gr != nullptr ? gr[c] * kept : kept);
-                sum += xr[c];
-            }
-            const float mean = (lanes_sum(sums) + sum) / (float)cols;
-            v16f squares_v{};
-            float squares = 0.0f;
-            for (int64_t c = 0; c < whole; c += 16) {
-                const v16f d = load16(xr + c) - mean;
-                squares_v += d * d;
-            }
-            for (int64_t c = whole; c < cols; ++c) squares += (xr[c] - mean) * (xr[c] - mean);
-            const float inv = 1.0f / std::sqrt((lanes_sum(squares_v) + squares) / (float)cols + eps);
-            for (int64_t c = 0; c < whole; c += 16) {
-                const v16f normed = (load16(xr + c) - mean) * inv;
-                store16(xr + c, normed);
-                store16(yr + c, normed * load16(gamma + c) + load16(beta + c));
-            }
-            for (int64_t c = whole; c < cols; ++c) {
-                xr[c] = (xr[c] - mean) * inv;
-                yr[c] = xr[c] * gamma[c] + beta[c];
-            }
-            rstd[r] = inv;
-        }
+        dropout_add_norm_rows(base, h, bias, gate, xhat, gamma, beta, y, rstd, keep_bits, lo, hi, cols, eps, k0, k1,
+                              keep_below, scale);
     });
 }
 
@@ -252,101 +281,216 @@ void dropout_add_norm(const float* base, const float* h, const float* bias, cons
 // (sum of dh), in fixed blocks of rows as positive_scale_colsum. With a gate g (the forward's, then h and bias
 // are needed too): dh = dv * g * mask, dgate = dv * s * g * (1 - g) (the gradient of g's pre-activation, for
 // g = sigmoid) with s = (h + bias) * mask, and sums[3 cols .. 4 cols) its column sums.
+// Rows [lo, hi) of dropout_add_norm_backward, adding their column sums to acc (n_sums rows of cols).
+void dropout_add_norm_backward_rows(const float* dy, const float* xhat, const float* rstd, const float* gamma,
+                                    const uint32_t* keep_bits, const float* gate, const float* h, const float* bias,
+                                    float* dv, float* dh, float* dgate, float* acc, int64_t lo, int64_t hi,
+                                    int64_t cols, float scale) {
+    const int64_t whole = cols / 16 * 16;
+    float* acc_gamma = acc;
+    float* acc_beta = acc_gamma + cols;
+    float* acc_bias = acc_beta + cols;
+    float* acc_gate = acc_bias + cols;  // only with a gate
+    for (int64_t r = lo; r < hi; ++r) {
+        const uint32_t* bits = keep_bits + r * row_words(cols);
+        const float* gr = dy + r * cols;
+        const float* xr = xhat + r * cols;
+        float* vr = dv + r * cols;
+        float* hr = dh + r * cols;
+        v16f a_v{}, ax_v{};
+        float mean_a = 0.0f, mean_ax = 0.0f;
+        for (int64_t c = 0; c < whole; c += 16) {
+            const v16f a = load16(gr + c) * load16(gamma + c);
+            a_v += a;
+            ax_v += a * load16(xr + c);
+        }
+        for (int64_t c = whole; c < cols; ++c) {
+            mean_a += gr[c] * gamma[c];
+            mean_ax += gr[c] * gamma[c] * xr[c];
+        }
+        mean_a = (lanes_sum(a_v) + mean_a) / (float)cols;
+        mean_ax = (lanes_sum(ax_v) + mean_ax) / (float)cols;
+        const float inv = rstd[r];
+        if (gate != nullptr) {
+            const float* gater = gate + r * cols;
+            const float* pre = h + r * cols;
+            float* dgr = dgate + r * cols;
+            for (int64_t c = 0; c < whole; c += 16) {
+                const v16f g = load16(gr + c), x = load16(xr + c), gg = load16(gater + c);
+                const v16f v = (g * load16(gamma + c) - mean_a - x * mean_ax) * inv;
+                const v16u set = (v16u{} + (bits[c >> 5] >> (c & 16))) & kLaneBits;
+                const v16f keep = set != 0 ? v16f{} + scale : v16f{};
+                const v16f d = v * gg * keep;
+                const v16f da = v * ((load16(pre + c) + load16(bias + c)) * keep) * (gg * (1.0f - gg));
+                store16(vr + c, v);
+                store16(hr + c, d);
+                store16(dgr + c, da);
+                store16(acc_gamma + c, load16(acc_gamma + c) + g * x);
+                store16(acc_beta + c, load16(acc_beta + c) + g);
+                store16(acc_bias + c, load16(acc_bias + c) + d);
+                store16(acc_gate + c, load16(acc_gate + c) + da);
+            }
+            for (int64_t c = whole; c < cols; ++c) {
+                const float v = inv * (gr[c] * gamma[c] - mean_a - xr[c] * mean_ax);
+                const float keep = (bits[c >> 5] >> (c & 31)) & 1u ? scale : 0.0f;
+                const float d = v * gater[c] * keep;
+                const float da = v * ((pre[c] + bias[c]) * keep) * (gater[c] * (1.0f - gater[c]));
+                vr[c] = v;
+                hr[c] = d;
+                dgr[c] = da;
+                acc_gamma[c] += gr[c] * xr[c];
+                acc_beta[c] += gr[c];
+                acc_bias[c] += d;
+                acc_gate[c] += da;
+            }
+            continue;
+        }
+        for (int64_t c = 0; c < whole; c += 16) {
+            const v16f g = load16(gr + c), x = load16(xr + c);
+            const v16f v = (g * load16(gamma + c) - mean_a - x * mean_ax) * inv;
+            const v16u set = (v16u{} + (bits[c >> 5] >> (c & 16))) & kLaneBits;
+            const v16f d = set != 0 ? v * scale : v16f{};
+            store16(vr + c, v);
+            store16(hr + c, d);
+            store16(acc_gamma + c, load16(acc_gamma + c) + g * x);
+            store16(acc_beta + c, load16(acc_beta + c) + g);
+            store16(acc_bias + c, load16(acc_bias + c) + d);
+        }
+        for (int64_t c = whole; c < cols; ++c) {
+            const float v = inv * (gr[c] * gamma[c] - mean_a - xr[c] * mean_ax);
+            const float d = v * ((bits[c >> 5] >> (c & 31)) & 1u ? scale : 0.0f);
+            vr[c] = v;
+            hr[c] = d;
+            acc_gamma[c] += gr[c] * xr[c];
+            acc_beta[c] += gr[c];
+            acc_bias[c] += d;
+        }
+    }
+}
+
 void dropout_add_norm_backward(const float* dy, const float* xhat, const float* rstd, const float* gamma,
                                const uint32_t* keep_bits, const float* gate, const float* h, const float* bias,
                                float* dv, float* dh, float* dgate, float* sums, int64_t rows, int64_t cols,
                                float scale, int64_t threads) {
     const int64_t n_sums = gate != nullptr ? 4 : 3;
-    const int64_t blocks = (rows + kSumRows - 1) / kSumRows, whole = cols / 16 * 16;
+    const int64_t blocks = (rows + kSumRows - 1) / kSumRows;
     std::vector<float> partial(blocks * n_sums * cols, 0.0f);
     float* partials = partial.data();
     gatedformer::parallel_chunks(blocks, threads, 1, [=](int64_t lo, int64_t hi) {
-        for (int64_t b = lo; b < hi; ++b) {
-            float* acc_gamma = partials + b * n_sums * cols;
-            float* acc_beta = acc_gamma + cols;
-            float* acc_bias = acc_beta + cols;
-            float* acc_gate = acc_bias + cols;  // only with a gate
-            const int64_t end = (b + 1) * kSumRows < rows ? (b + 1) * kSumRows : rows;
-            for (int64_t r = b * kSumRows; r < end; ++r) {
-                const uint32_t* bits = keep_bits + r * row_words(cols);
-                const float* gr = dy + r * cols;
-                const float* xr = xhat + r * cols;
-                float* vr = dv + r * cols;
-                float* hr = dh + r * cols;
-                v16f a_v{}, ax_v{};
-                float mean_a = 0.0f, mean_ax = 0.0f;
-                for (int64_t c = 0; c < whole; c += 16) {
-                    const v16f a = load16(gr + c) * load16(gamma + c);
-                    a_v += a;
-                    ax_v += a * load16(xr + c);
-                }
-                for (int64_t c = whole; c < cols; ++c) {
-                    mean_a += gr[c] * gamma[c];
-                    mean_ax += gr[c] * gamma[c] * xr[c];
-                }
-                mean_a = (lanes_sum(a_v) + mean_a) / (float)cols;
-                mean_ax = (lanes_sum(ax_v) + mean_ax) / (float)cols;
-                const float inv = rstd[r];
-                if (gate != nullptr) {
-                    const float* gater = gate + r * cols;
-                    const float* pre = h + r * cols;
-                    float* dgr = dgate + r * cols;
-                    for (int64_t c = 0; c < whole; c += 16) {
-                        const v16f g = load16(gr + c), x = load16(xr + c), gg = load16(gater + c);
-                        const v16f v = (g * load16(gamma + c) - mean_a - x * mean_ax) * inv;
-                        const v16u set = (v16u{} + (bits[c >> 5] >> (c & 16))) & kLaneBits;
-                        const v16f keep = set != 0 ? v16f{} + scale : v16f{};
-                        const v16f d = v * gg * keep;
-                        const v16f da = v * ((load16(pre + c) + load16(bias + c)) * keep) * (gg * (1.0f - gg));
-                        store16(vr + c, v);
-                        store16(hr + c, d);
-                        store16(dgr + c, da);
-                        store16(acc_gamma + c, load16(acc_gamma + c) + g * x);
-                        store16(acc_beta + c, load16(acc_beta + c) + g);
-                        store16(acc_bias + c, load16(acc_bias + c) + d);
-                        store16(acc_gate + c, load16(acc_gate + c) + da);
-                    }
-                    for (int64_t c = whole; c < cols; ++c) {
-                        const float v = inv * (gr[c] * gamma[c] - mean_a - xr[c] * mean_ax);
-                        const float keep = (bits[c >> 5] >> (c & 31)) & 1u ? scale : 0.0f;
-                        const float d = v * gater[c] * keep;
-                        const float da = v * ((pre[c] + bias[c]) * keep) * (gater[c] * (1.0f - gater[c]));
-                        vr[c] = v;
-                        hr[c] = d;
-                        dgr[c] = da;
-                        acc_gamma[c] += gr[c] * xr[c];
-                        acc_beta[c] += gr[c];
-                        acc_bias[c] += d;
-                        acc_gate[c] += da;
-                    }
-                    continue;
-                }
-                for (int64_t c = 0; c < whole; c += 16) {
-                    const v16f g = load16(gr + c), x = load16(xr + c);
-                    const v16f v = (g * load16(gamma + c) - mean_a - x * mean_ax) * inv;
-                    const v16u set = (v16u{} + (bits[c >> 5] >> (c & 16))) & kLaneBits;
-                    const v16f d = set != 0 ? v * scale : v16f{};
-                    store16(vr + c, v);
-                    store16(hr + c, d);
-                    store16(acc_gamma + c, load16(acc_gamma + c) + g * x);
-                    store16(acc_beta + c, load16(acc_beta + c) + g);
-                    store16(acc_bias + c, load16(acc_bias + c) + d);
-                }
-                for (int64_t c = whole; c < cols; ++c) {
-                    const float v = inv * (gr[c] * gamma[c] - mean_a - xr[c] * mean_ax);
-                    const float d = v * ((bits[c >> 5] >> (c & 31)) & 1u ? scale : 0.0f);
-                    vr[c] = v;
-                    hr[c] = d;
-                    acc_gamma[c] += gr[c] * xr[c];
-                    acc_beta[c] += gr[c];
-                    acc_bias[c] += d;
-                }
-            }
+        for (int64_t b = lo; b < hi; ++b)
+            dropout_add_norm_backward_rows(dy, xhat, rstd, gamma, keep_bits, gate, h, bias, dv, dh, dgate,
+                                           partials + b * n_sums * cols, b * kSumRows,
+                                           (b + 1) * kSumRows < rows ? (b + 1) * kSumRows : rows, cols, scale);
+    });
+    sum_blocks(partials, blocks, n_sums * cols, sums);
+}
+
+
+// ---- A whole post-LN FFN sublayer, each thread streaming its own blocks of rows through it ----------------------
+// norm(x + dropout(W2 dropout(relu(W1 x + b1)) + b2)) with the same masks and sums as the kernels above called one
+// after the other. Each of the `threads` OpenMP threads takes a contiguous share of blocks of `block_rows` rows and
+// runs the whole sublayer on them with MKL on one thread (its packed products, the weights packed once per call):
+// one parallel region instead of one per operation, and each block's hidden rows still in cache when the epilogue
+// and the second product read them. MKL's functions come in by address from the Python side (PyTorch links MKL).
+typedef void (*PackFn)(int layout, int identifier, int trans, int m, int n, int k, float alpha, const float* src,
+                       int ld, float* dest);
+typedef void (*ComputeFn)(int layout, int transa, int transb, int m, int n, int k, const float* a, int lda,
+                          const float* b, int ldb, float beta, float* c, int ldc);
+typedef int (*LocalThreadsFn)(int);
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMatrix = 162;
+
+struct Blas {
+    PackFn pack;
+    ComputeFn compute;
+    LocalThreadsFn local_threads;
+};
+
+// body(thread, threads, first_block, end_block) on `threads` OpenMP threads, each with MKL on one thread and a
+// contiguous share of `blocks`.
+template <typename Fn>
+void stream_blocks(const Blas& blas, int64_t blocks, int64_t threads, Fn body) {
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int saved = blas.local_threads(1);
+        body(t, nt, t * blocks / nt, (t + 1) * blocks / nt);
+        blas.local_threads(saved);
+    }
+#else
+    (void)threads;
+    const int saved = blas.local_threads(1);
+    body(int64_t(0), int64_t(1), int64_t(0), blocks);
+    blas.local_threads(saved);
+#endif
+}
+
+inline void stream_barrier() {
+#if defined(_OPENMP)
+#pragma omp barrier
+#endif
+}
+
+void ffn_forward(const Blas& blas, const float* x, const float* w1, const float* b1, const float* w2, const float* b2,
+                 const float* gamma, const float* beta, float* packed_w1t, float* packed_w2t, float* hidden,
+                 uint32_t* positive, float* xhat, float* y, float* rstd, uint32_t* keep_bits, int64_t rows, int64_t d,
+                 int64_t f, float eps, uint64_t inner_seed, uint32_t inner_keep, float inner_scale, uint64_t outer_seed,
+                 uint32_t outer_keep, float outer_scale, int64_t block_rows, int64_t threads) {
+    const uint32_t ik0 = (uint32_t)inner_seed, ik1 = (uint32_t)(inner_seed >> 32);
+    const uint32_t ok0 = (uint32_t)outer_seed, ok1 = (uint32_t)(outer_seed >> 32);
+    const int64_t blocks = (rows + block_rows - 1) / block_rows;
+    stream_blocks(blas, blocks, threads, [&](int64_t t, int64_t nt, int64_t first, int64_t end) {
+        if (t == 0) blas.pack(kRowMajor, kBMatrix, kTrans, block_rows, f, d, 1.0f, w1, d, packed_w1t);
+        if (t == (nt > 1 ? 1 : 0)) blas.pack(kRowMajor, kBMatrix, kTrans, block_rows, d, f, 1.0f, w2, f, packed_w2t);
+        stream_barrier();
+        for (int64_t b = first; b < end; ++b) {
+            const int64_t lo = b * block_rows, hi = lo + block_rows < rows ? lo + block_rows : rows;
+            blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, f, d, x + lo * d, d, packed_w1t, f, 0.0f,
+                         hidden + lo * f, f);
+            bias_epilogue_range<true>(nullptr, hidden, b1, lo * f, hi * f, f, ik0, ik1, inner_keep, inner_scale,
+                                      positive);
+            blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, f, hidden + lo * f, f, packed_w2t, d, 0.0f,
+                         xhat + lo * d, d);
+            dropout_add_norm_rows(x, xhat, b2, nullptr, xhat, gamma, beta, y, rstd, keep_bits, lo, hi, d, eps, ok0,
+                                  ok1, outer_keep, outer_scale);
         }
     });
-    for (int64_t c = 0; c < n_sums * cols; ++c) sums[c] = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b)
-        for (int64_t c = 0; c < n_sums * cols; ++c) sums[c] += partials[b * n_sums * cols + c];
+}
+
+// Its backward pass up to the weights' gradients (two large products the caller makes): grad_x gets the residual's
+// gradient plus the body's, grad_outer the second product's output gradient and grad_inner the first's; sums gets
+// those of gamma, beta and b2 (d each), then b1's (f).
+void ffn_backward(const Blas& blas, const float* dy, const float* xhat, const float* rstd, const float* gamma,
+                  const uint32_t* keep_bits, const uint32_t* positive, const float* w1, const float* w2,
+                  float* packed_w2, float* packed_w1, float* grad_x, float* grad_outer, float* grad_inner, float* sums,
+                  int64_t rows, int64_t d, int64_t f, float outer_scale, float inner_scale, int64_t block_rows,
+                  int64_t threads) {
+    const int64_t sum_blocks_n = (rows + kSumRows - 1) / kSumRows;
+    std::vector<float> outer_partial(sum_blocks_n * 3 * d, 0.0f), inner_partial(sum_blocks_n * f, 0.0f);
+    float* outer_partials = outer_partial.data();
+    float* inner_partials = inner_partial.data();
+    const int64_t blocks = (rows + block_rows - 1) / block_rows;
+    stream_blocks(blas, blocks, threads, [&](int64_t t, int64_t nt, int64_t first, int64_t end) {
+        if (t == 0) blas.pack(kRowMajor, kBMatrix, kNoTrans, block_rows, f, d, 1.0f, w2, f, packed_w2);
+        if (t == (nt > 1 ? 1 : 0)) blas.pack(kRowMajor, kBMatrix, kNoTrans, block_rows, d, f, 1.0f, w1, d, packed_w1);
+        stream_barrier();
+        for (int64_t b = first; b < end; ++b) {
+            const int64_t lo = b * block_rows, hi = lo + block_rows < rows ? lo + block_rows : rows;
+            for (int64_t s = lo; s < hi; s += kSumRows)  // block_rows: a multiple of kSumRows
+                dropout_add_norm_backward_rows(dy, xhat, rstd, gamma, keep_bits, nullptr, nullptr, nullptr, grad_x,
+                                               grad_outer, nullptr, outer_partials + s / kSumRows * 3 * d, s,
+                                               s + kSumRows < hi ? s + kSumRows : hi, d, outer_scale);
+            blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, f, d, grad_outer + lo * d, d, packed_w2, f, 0.0f,
+                         grad_inner + lo * f, f);
+            for (int64_t s = lo; s < hi; s += kSumRows)
+                positive_scale_rows(positive, grad_inner, grad_inner, inner_partials + s / kSumRows * f, s,
+                                    s + kSumRows < hi ? s + kSumRows : hi, f, inner_scale);
+            blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, f, grad_inner + lo * f, f, packed_w1, d, 1.0f,
+                         grad_x + lo * d, d);
+        }
+    });
+    sum_blocks(outer_partials, sum_blocks_n, 3 * d, sums);
+    sum_blocks(inner_partials, sum_blocks_n, f, sums + 3 * d);
 }
 
 }  // namespace
@@ -378,6 +522,26 @@ void dropout_add_norm_backward_f32(const float* dy, const float* xhat, const flo
     dropout_add_norm_backward(dy, xhat, rstd, gamma, keep_bits, gate, h, bias, dv, dh, dgate, sums, rows, cols,
                               (float)scale, threads);
 }
+void ffn_forward_f32(const void* pack, const void* compute, const void* local_threads, const float* x,
+                     const float* w1, const float* b1, const float* w2, const float* b2, const float* gamma,
+                     const float* beta, float* packed_w1t, float* packed_w2t, float* hidden, uint32_t* positive,
+                     float* xhat, float* y, float* rstd, uint32_t* keep_bits, int64_t rows, int64_t d, int64_t f,
+                     double eps, uint64_t inner_seed, uint32_t inner_keep, double inner_scale, uint64_t outer_seed,
+                     uint32_t outer_keep, double outer_scale, int64_t block_rows, int64_t threads) {
+    const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
+    ffn_forward(blas, x, w1, b1, w2, b2, gamma, beta, packed_w1t, packed_w2t, hidden, positive, xhat, y, rstd,
+                keep_bits, rows, d, f, (float)eps, inner_seed, inner_keep, (float)inner_scale, outer_seed, outer_keep,
+                (float)outer_scale, block_rows, threads);
+}
+void ffn_backward_f32(const void* pack, const void* compute, const void* local_threads, const float* dy,
+                      const float* xhat, const float* rstd, const float* gamma, const uint32_t* keep_bits,
+                      const uint32_t* positive, const float* w1, const float* w2, float* packed_w2, float* packed_w1,
+                      float* grad_x, float* grad_outer, float* grad_inner, float* sums, int64_t rows, int64_t d,
+                      int64_t f, double outer_scale, double inner_scale, int64_t block_rows, int64_t threads) {
+    const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
+    ffn_backward(blas, dy, xhat, rstd, gamma, keep_bits, positive, w1, w2, packed_w2, packed_w1, grad_x, grad_outer,
+                 grad_inner, sums, rows, d, f, (float)outer_scale, (float)inner_scale, block_rows, threads);
+}
 }
 """
 
@@ -394,10 +558,14 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.dropout_add_norm_f32.restype = None
     lib.dropout_add_norm_backward_f32.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, i, i, f, i]
     lib.dropout_add_norm_backward_f32.restype = None
+    lib.ffn_forward_f32.argtypes = [p] * 18 + [i, i, i, f, u64, u32, f, u64, u32, f, i, i]
+    lib.ffn_forward_f32.restype = None
+    lib.ffn_backward_f32.argtypes = [p] * 17 + [i, i, i, f, f, i, i]
+    lib.ffn_backward_f32.restype = None
 
 
 KERNEL = NativeKernel(
-    "epilogue", _CPP_SOURCE, _bind, abi_version=2, env_var="GATEDFORMER_DROPOUT_BACKEND",
+    "epilogue", _CPP_SOURCE, _bind, abi_version=3, env_var="GATEDFORMER_DROPOUT_BACKEND",
     description="the compiled linear-epilogue kernel", fallback="unfused PyTorch operations",
     extra_cflags=_NO_FMA, avx512=True,
 )
@@ -517,3 +685,58 @@ def gated_dropout_add_norm_backward(grad: Tensor, xhat: Tensor, rstd: Tensor, ga
                                                    dgate.data_ptr(), sums.data_ptr(), rows, cols, scale,
                                                    kernel_threads(grad.numel()))
     return dv, dh, dgate, sums[0], sums[1], sums[2], sums[3]
+
+
+def _stream_block_rows(hidden_width: int) -> int:
+    """Rows per block of the streamed FFN: a multiple of the column sums' blocks (64 rows) whose elements in the
+    hidden layer are a multiple of the mask generator's bulk draws (at most 128 words)."""
+    return 64 if 64 * hidden_width % 128 == 0 else 128
+
+
+def feed_forward_streamed(blas: PackedGemm, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, gamma: Tensor,
+                          beta: Tensor, eps: float, inner_mask: tuple[int, int], inner_scale: float,
+                          outer_mask: tuple[int, int], outer_scale: float) -> tuple[Tensor, ...]:
+    """``norm(x + dropout(W2 dropout(relu(W1 x + b1)) + b2))`` on the rows of contiguous float32 ``x``, each thread
+    streaming its own blocks of rows through the whole sublayer (MKL's packed products via ``blas``): the result of
+    :func:`bias_relu_dropout_` then :func:`dropout_add_norm` on the products, with the same masks. Returns the
+    output, the hidden layer, its positive bits, the normalised rows, ``1/std`` per row and the outer mask's bits."""
+    rows, width = x.shape
+    hidden_width = w1.shape[0]
+    block = _stream_block_rows(hidden_width)
+    packed_w1t = x.new_empty(blas.packed_floats(block, hidden_width, width))
+    packed_w2t = x.new_empty(blas.packed_floats(block, width, hidden_width))
+    hidden, positive = x.new_empty(rows, hidden_width), torch.empty(-(-rows * hidden_width // 32), dtype=torch.int32)
+    xhat, y, rstd = torch.empty_like(x), torch.empty_like(x), x.new_empty(rows)
+    keep_bits = torch.empty(rows, -(-width // 32), dtype=torch.int32)
+    threads = min(kernel_threads(rows * hidden_width), -(-rows // block))
+    KERNEL.library().ffn_forward_f32(
+        blas.pack, blas.compute, blas.local_threads, x.data_ptr(), w1.data_ptr(), b1.data_ptr(), w2.data_ptr(),
+        b2.data_ptr(), gamma.data_ptr(), beta.data_ptr(), packed_w1t.data_ptr(), packed_w2t.data_ptr(),
+        hidden.data_ptr(), positive.data_ptr(), xhat.data_ptr(), y.data_ptr(), rstd.data_ptr(), keep_bits.data_ptr(),
+        rows, width, hidden_width, eps, inner_mask[0], inner_mask[1], inner_scale, outer_mask[0], outer_mask[1],
+        outer_scale, block, threads)
+    return y, hidden, positive, xhat, rstd, keep_bits
+
+
+def feed_forward_streamed_backward(blas: PackedGemm, grad: Tensor, xhat: Tensor, rstd: Tensor, gamma: Tensor,
+                                   keep_bits: Tensor, positive: Tensor, w1: Tensor, w2: Tensor, inner_scale: float,
+                                   outer_scale: float) -> tuple[Tensor, ...]:
+    """The backward pass of :func:`feed_forward_streamed` up to the weights' gradients: x's (the residual's share
+    plus the body's), those of the two products' outputs (``W2``'s and ``W1``'s are their products with the
+    layers' inputs), and the sums for gamma, beta, b2 and b1."""
+    rows, width = xhat.shape
+    hidden_width = w1.shape[0]
+    block = _stream_block_rows(hidden_width)
+    grad = grad.contiguous()
+    packed_w2 = xhat.new_empty(blas.packed_floats(block, hidden_width, width))
+    packed_w1 = xhat.new_empty(blas.packed_floats(block, width, hidden_width))
+    grad_x, grad_outer = torch.empty_like(xhat), torch.empty_like(xhat)
+    grad_inner, sums = xhat.new_empty(rows, hidden_width), xhat.new_empty(3 * width + hidden_width)
+    threads = min(kernel_threads(rows * hidden_width), -(-rows // block))
+    KERNEL.library().ffn_backward_f32(
+        blas.pack, blas.compute, blas.local_threads, grad.data_ptr(), xhat.data_ptr(), rstd.data_ptr(),
+        gamma.data_ptr(), keep_bits.data_ptr(), positive.data_ptr(), w1.data_ptr(), w2.data_ptr(),
+        packed_w2.data_ptr(), packed_w1.data_ptr(), grad_x.data_ptr(), grad_outer.data_ptr(), grad_inner.data_ptr(),
+        sums.data_ptr(), rows, width, hidden_width, outer_scale, inner_scale, block, threads)
+    return (grad_x, grad_outer, grad_inner, sums[:width], sums[width:2 * width], sums[2 * width:3 * width],
+            sums[3 * width:])

@@ -28,7 +28,10 @@ applies the ReLU, the dropout mask, the residual and the LayerNorm in one pass o
   (and a GRC or not), its three products and its tail inside the function too. Besides
   saving the graph nodes between the pieces, it adds the residual's gradient to x's in the products that
   compute the body's (and the gate's) share (``addmm`` into them), where autograd would add them in passes of
-  their own.
+  their own. Where PyTorch links MKL (:mod:`gatedformer.backbones._blas`), a plain FFN sublayer (no gate, unit or
+  EAU) runs up to its weights' gradients in the epilogue kernel's ``feed_forward_streamed``: each thread streams
+  its own blocks of rows through both products (packed weights) and both epilogues, in one parallel region each
+  way instead of one per operation, the hidden rows still in cache between them.
 
 The masks are those of :mod:`gatedformer.backbones.dropout` (Philox, keyed by a seed from torch's generator,
 one draw per call), so a fused and an unfused model with the same seed train alike.
@@ -45,8 +48,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gatedformer.backbones import _attention_kernel, _gate_kernel
+from gatedformer.backbones import _attention_kernel, _blas, _gate_kernel
 from gatedformer.backbones import dropout as dropout_ops
+from gatedformer.backbones._blas import PackedGemm
 from gatedformer.backbones._dropout_kernel import apply_dropout
 from gatedformer.backbones._epilogue_kernel import (
     KERNEL,
@@ -54,6 +58,8 @@ from gatedformer.backbones._epilogue_kernel import (
     bias_relu_dropout_,
     dropout_add_norm,
     dropout_add_norm_backward,
+    feed_forward_streamed,
+    feed_forward_streamed_backward,
     gated_dropout_add_norm_backward,
     scale_where_positive_with_sums,
 )
@@ -307,6 +313,14 @@ def _add_branch_grads(grad_x: Tensor | None, x: Tensor, grad_gate: Tensor | None
     return grad_w_gate, grad_w_unit, grad_b_unit
 
 
+def _streams(x: Tensor, w1: Tensor, w2: Tensor, *branches: Tensor | None) -> PackedGemm | None:
+    """MKL's packed products where a plain FFN sublayer (no gate, unit or EAU in ``branches``) can stream its rows
+    through :func:`feed_forward_streamed`, else ``None``."""
+    if any(branch is not None for branch in branches) or not (w1.is_contiguous() and w2.is_contiguous()):
+        return None
+    return _blas.packed_gemm()
+
+
 class _FeedForwardAddNorm(torch.autograd.Function):
     """``norm(x + [g ⊙] dropout(W2 dropout(relu(W1 x + b1)) + b2 [+ SDU(x)]))``: the two functions above in one
     (with a gated residual connection's gate ``g``, an SDU branch or a highway gate as in :func:`_norm_tail`)."""
@@ -318,11 +332,17 @@ class _FeedForwardAddNorm(torch.autograd.Function):
         *eau, unit_tail, eps, inner_mask, outer_mask = rest  # the EAU's six parameters (or Nones) first
         ctx.scales, ctx.unit_tail = (_INT32_VALUES / inner_mask[1], _INT32_VALUES / outer_mask[1]), unit_tail
         x = x.contiguous()
-        hidden, positive = bias_relu_dropout_(x.mm(w1.t()), b1, *inner_mask, ctx.scales[0])
-        out, tail = _norm_tail(x, hidden.mm(w2.t()), b2, gamma, beta, eps, outer_mask, ctx.scales[1],
-                               None if w_gate is None else (w_gate, b_gate),
-                               None if w_unit is None else (w_unit, b_unit, unit_tail),
-                               None if eau[0] is None else tuple(eau))
+        ctx.blas = _streams(x, w1, w2, w_gate, w_unit, eau[0])
+        if ctx.blas is not None:
+            out, hidden, positive, *tail = feed_forward_streamed(ctx.blas, x, w1, b1, w2, b2, gamma, beta, eps,
+                                                                 inner_mask, ctx.scales[0], outer_mask, ctx.scales[1])
+            tail += [None] * 7  # as _norm_tail's: no gate, carry, branch or EAU
+        else:
+            hidden, positive = bias_relu_dropout_(x.mm(w1.t()), b1, *inner_mask, ctx.scales[0])
+            out, tail = _norm_tail(x, hidden.mm(w2.t()), b2, gamma, beta, eps, outer_mask, ctx.scales[1],
+                                   None if w_gate is None else (w_gate, b_gate),
+                                   None if w_unit is None else (w_unit, b_unit, unit_tail),
+                                   None if eau[0] is None else tuple(eau))
         ctx.save_for_backward(x, w1, positive, hidden, w2, b2, gamma, w_gate, w_unit, *eau, *tail)
         return out
 
@@ -330,10 +350,16 @@ class _FeedForwardAddNorm(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, w1, positive, hidden, w2, b2, gamma, w_gate, w_unit, *rest = ctx.saved_tensors
         eau, tail = tuple(rest[:6]), tuple(rest[6:])
+        needed = ctx.needs_input_grad
+        if ctx.blas is not None:
+            grad_x, grad_outer, grad_inner, grad_gamma, grad_beta, grad_b2, grad_b1 = feed_forward_streamed_backward(
+                ctx.blas, grad, *tail[:2], gamma, tail[2], positive, w1, w2, *ctx.scales)
+            grads = (grad_x, grad_inner.t().mm(x) if needed[1] else None, grad_b1,
+                     grad_outer.t().mm(hidden) if needed[3] else None, grad_b2, grad_gamma, grad_beta)
+            return (*(g if need else None for g, need in zip(grads, needed, strict=False)), *(None,) * 14)
         grad_x, grad_outer, grad_gate, grad_gamma, grad_beta, grad_b2, grad_b_gate, grad_branch, grad_eau = (
             _norm_tail_backward(grad, tail, gamma, b2, ctx.scales[1], ctx.unit_tail, x, eau))
         grad_inner, grad_b1 = scale_where_positive_with_sums(positive, grad_outer.mm(w2), ctx.scales[0], in_place=True)
-        needed = ctx.needs_input_grad
         if not needed[0]:
             grad_x = None
         if grad_x is not None:  # the residual's gradient plus the body's (and the gates'), in the products
