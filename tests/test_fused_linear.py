@@ -451,22 +451,58 @@ def test_streamed_feed_forward_is_the_sublayer_operation_by_operation(batch: int
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_the_language_model_streams_its_plain_feed_forward_sublayers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where MKL's packed products are available, the Transformer's plain FFN sublayers take the streamed kernel
-    (once per layer and step); with GATEDFORMER_PACKED_GEMM=0, or with a gate on the sublayer, they do not."""
+@pytest.mark.parametrize("threads", [1, 2])
+@settings(max_examples=6, deadline=None)
+@given(batch=st.integers(1, 9), length=st.integers(1, 70),
+       heads_and_width=st.sampled_from([(1, 16), (2, 64), (4, 128)]), seed=st.integers(0, 2 ** 16))
+def test_streamed_attention_sublayer_is_the_sublayer_operation_by_operation(batch: int, length: int,
+                                                                            heads_and_width: tuple[int, int],
+                                                                            seed: int, threads: int) -> None:
+    """A plain attention sublayer streamed by blocks of whole sequences (the attention kernel called on each block
+    by its thread) gives the values and every gradient of the same function computed operation by operation;
+    lengths that are not a multiple of 64 rows take several sequences per block."""
+    _packed_gemm_or_skip()
+    heads, width = heads_and_width
+    if not _attention_kernel.kernel_takes(3 * width, heads, 0.0, torch.device("cpu"), torch.float32):
+        pytest.skip("the attention kernel is unavailable here")
+    torch.manual_seed(seed)
+    attention, norm = CausalSelfAttention(width, heads), _affine_norm(width)
+    with torch.no_grad():
+        attention.qkv.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(batch, length, width, requires_grad=True)
+    grad = torch.randn(batch, length, width)
+    params = (x, *attention.parameters(), *norm.parameters())
+    results = {}
+    for streamed in ("1", "0"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch, "get_num_threads", lambda: threads)
+            patch.setenv("GATEDFORMER_PACKED_GEMM", streamed)
+            torch.manual_seed(seed + 1)
+            out = attention.add_norm(x, 0.1, norm)
+            assert out is not None
+            results[streamed] = [out, *_grads(out, grad, *params)]
+    for a, b in zip(results["1"], results["0"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_language_model_streams_its_plain_sublayers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where MKL's packed products are available, the Transformer's plain FFN and attention sublayers take the
+    streamed kernels (once per layer and step each); with GATEDFORMER_PACKED_GEMM=0, or with a gate on the
+    sublayer, they do not."""
     _packed_gemm_or_skip()
     calls = []
-    real = fused_linear.feed_forward_streamed
-    monkeypatch.setattr(fused_linear, "feed_forward_streamed", lambda *a: calls.append(1) or real(*a))
+    for name in ("feed_forward_streamed", "attention_sublayer_streamed"):
+        real = getattr(fused_linear, name)
+        monkeypatch.setattr(fused_linear, name, lambda *a, real=real: calls.append(1) or real(*a))
 
     def one_step(gates: str) -> int:
         calls.clear()
-        model = TransformerLM(vocab_size=11, d_model=16, n_layers=2, n_heads=2, d_ffn=32, gates=gates)
+        model = TransformerLM(vocab_size=11, d_model=32, n_layers=2, n_heads=2, d_ffn=32, gates=gates)
         logits, _ = model(torch.randint(0, 11, (2, 9)))
         logits.sum().backward()
         return len(calls)
 
-    assert one_step("") == 2
+    assert one_step("") == 4
     assert one_step("+σ SDU") == 0
     monkeypatch.setenv("GATEDFORMER_PACKED_GEMM", "0")
     assert one_step("") == 0

@@ -569,6 +569,15 @@ def supported_head_sizes(lib: ctypes.CDLL | None = None) -> tuple[int, ...]:
     return tuple(h for h in SUPPORTED_HEAD_SIZES if lib.attention_head_supported(h))
 
 
+def kernel_addresses() -> tuple[int, int]:
+    """The addresses of the compiled ``attention_forward_f32`` and ``attention_backward_f32``, for a kernel that calls
+    them on its own threads (see ``_epilogue_kernel.attention_sublayer_streamed``)."""
+    lib = KERNEL.library()
+    forward, backward = (ctypes.cast(fn, ctypes.c_void_p).value for fn in (lib.attention_forward_f32,
+                                                                           lib.attention_backward_f32))
+    return forward or 0, backward or 0
+
+
 def packed_forward(qkv: Tensor, n_heads: int, keep_lse: bool = True,
                    bias: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """The kernel's forward pass on contiguous ``(B, L, 3·H·D)`` projections (plus ``bias``, ``(3·H·D,)``, added as

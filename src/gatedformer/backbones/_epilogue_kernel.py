@@ -19,6 +19,7 @@ the dropout kernel's switch, ``GATEDFORMER_DROPOUT_BACKEND``; without the kernel
 from __future__ import annotations
 
 import ctypes
+import math
 
 import numpy as np
 import torch
@@ -34,9 +35,9 @@ from gatedformer.backbones._dropout_kernel import (
 )
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 
-__all__ = ["KERNEL", "bias_dropout_add_", "bias_relu_dropout_", "dropout_add_norm", "dropout_add_norm_backward",
-           "feed_forward_streamed", "feed_forward_streamed_backward", "gated_dropout_add_norm_backward",
-           "scale_where_positive_with_sums"]
+__all__ = ["KERNEL", "attention_sublayer_streamed", "attention_sublayer_streamed_backward", "bias_dropout_add_",
+           "bias_relu_dropout_", "dropout_add_norm", "dropout_add_norm_backward", "feed_forward_streamed",
+           "feed_forward_streamed_backward", "gated_dropout_add_norm_backward", "scale_where_positive_with_sums"]
 
 _CPP_SOURCE = PHILOX_CPP + r"""
 #if defined(_OPENMP)
@@ -493,6 +494,84 @@ void ffn_backward(const Blas& blas, const float* dy, const float* xhat, const fl
     sum_blocks(inner_partials, sum_blocks_n, f, sums + 3 * d);
 }
 
+
+// ---- A whole post-LN causal self-attention sublayer, streamed the same way by blocks of whole sequences ----------
+// norm(x + dropout(Wo attention(Wqkv x + bqkv) + bo)); the attention kernel (another library) comes in by address,
+// called on each block's sequences on the calling thread.
+typedef int (*AttentionForwardFn)(const float* qkv, const float* bias, float* out, float* lse, int64_t B, int64_t L,
+                                  int64_t H, int64_t D, double scale, int64_t threads);
+typedef int (*AttentionBackwardFn)(const float* qkv, const float* bias, const float* out, const float* grad_out,
+                                   const float* lse, float* grad_qkv, float* grad_bias, int64_t B, int64_t L,
+                                   int64_t H, int64_t D, double scale, int64_t threads);
+
+void attention_sublayer_forward(const Blas& blas, AttentionForwardFn attend, const float* x, const float* w_qkv,
+                                const float* b_qkv, const float* w_out, const float* b_out, const float* gamma,
+                                const float* beta, float* packed_qkv, float* packed_out, float* qkv, float* attended,
+                                float* lse, float* xhat, float* y, float* rstd, uint32_t* keep_bits, int64_t batch,
+                                int64_t length, int64_t heads, int64_t d, float eps, uint64_t seed, uint32_t keep,
+                                float scale, int64_t block_sequences, int64_t threads) {
+    const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    const int64_t blocks = (batch + block_sequences - 1) / block_sequences, head = d / heads;
+    const double softmax_scale = 1.0 / std::sqrt((double)head);
+    stream_blocks(blas, blocks, threads, [&](int64_t t, int64_t nt, int64_t first, int64_t end) {
+        const int64_t rows_max = block_sequences * length;
+        if (t == 0) blas.pack(kRowMajor, kBMatrix, kTrans, rows_max, 3 * d, d, 1.0f, w_qkv, d, packed_qkv);
+        if (t == (nt > 1 ? 1 : 0)) blas.pack(kRowMajor, kBMatrix, kTrans, rows_max, d, d, 1.0f, w_out, d, packed_out);
+        stream_barrier();
+        for (int64_t b = first; b < end; ++b) {
+            const int64_t s0 = b * block_sequences, s1 = s0 + block_sequences < batch ? s0 + block_sequences : batch;
+            const int64_t lo = s0 * length, hi = s1 * length;
+            blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, 3 * d, d, x + lo * d, d, packed_qkv, 3 * d, 0.0f,
+                         qkv + lo * 3 * d, 3 * d);
+            attend(qkv + lo * 3 * d, b_qkv, attended + lo * d, lse + s0 * heads * length, s1 - s0, length, heads, head,
+                   softmax_scale, 1);
+            blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, attended + lo * d, d, packed_out, d,
+                         0.0f, xhat + lo * d, d);
+            dropout_add_norm_rows(x, xhat, b_out, nullptr, xhat, gamma, beta, y, rstd, keep_bits, lo, hi, d, eps, k0,
+                                  k1, keep, scale);
+        }
+    });
+}
+
+// Its backward pass up to the weights' gradients: grad_x (the residual's and the body's), grad_projected (the output
+// projection's output gradient), grad_qkv, grad_bias_qkv per sequence, and sums: gamma's, beta's and bo's.
+void attention_sublayer_backward(const Blas& blas, AttentionBackwardFn attend_back, const float* dy, const float* xhat,
+                                 const float* rstd, const float* gamma, const uint32_t* keep_bits, const float* qkv,
+                                 const float* b_qkv, const float* attended, const float* lse, const float* w_qkv,
+                                 const float* w_out, float* packed_out, float* packed_qkv, float* grad_x,
+                                 float* grad_projected, float* grad_attended, float* grad_qkv, float* grad_b_qkv,
+                                 float* sums, int64_t batch, int64_t length, int64_t heads, int64_t d, float scale,
+                                 int64_t block_sequences, int64_t threads) {
+    const int64_t rows = batch * length, sum_blocks_n = (rows + kSumRows - 1) / kSumRows;
+    std::vector<float> partial(sum_blocks_n * 3 * d, 0.0f);
+    float* partials = partial.data();
+    const int64_t blocks = (batch + block_sequences - 1) / block_sequences, head = d / heads;
+    const double softmax_scale = 1.0 / std::sqrt((double)head);
+    stream_blocks(blas, blocks, threads, [&](int64_t t, int64_t nt, int64_t first, int64_t end) {
+        const int64_t rows_max = block_sequences * length;
+        if (t == 0) blas.pack(kRowMajor, kBMatrix, kNoTrans, rows_max, d, d, 1.0f, w_out, d, packed_out);
+        if (t == (nt > 1 ? 1 : 0)) blas.pack(kRowMajor, kBMatrix, kNoTrans, rows_max, d, 3 * d, 1.0f, w_qkv, d,
+                                             packed_qkv);
+        stream_barrier();
+        for (int64_t b = first; b < end; ++b) {
+            const int64_t s0 = b * block_sequences, s1 = s0 + block_sequences < batch ? s0 + block_sequences : batch;
+            const int64_t lo = s0 * length, hi = s1 * length;
+            for (int64_t s = lo; s < hi; s += kSumRows)  // blocks of whole sequences: a multiple of kSumRows rows
+                dropout_add_norm_backward_rows(dy, xhat, rstd, gamma, keep_bits, nullptr, nullptr, nullptr, grad_x,
+                                               grad_projected, nullptr, partials + s / kSumRows * 3 * d, s,
+                                               s + kSumRows < hi ? s + kSumRows : hi, d, scale);
+            blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, grad_projected + lo * d, d, packed_out, d, 0.0f,
+                         grad_attended + lo * d, d);
+            attend_back(qkv + lo * 3 * d, b_qkv, attended + lo * d, grad_attended + lo * d, lse + s0 * heads * length,
+                        grad_qkv + lo * 3 * d, grad_b_qkv == nullptr ? nullptr : grad_b_qkv + s0 * 3 * d, s1 - s0,
+                        length, heads, head, softmax_scale, 1);
+            blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, 3 * d, grad_qkv + lo * 3 * d, 3 * d, packed_qkv, d,
+                         1.0f, grad_x + lo * d, d);
+        }
+    });
+    sum_blocks(partials, sum_blocks_n, 3 * d, sums);
+}
+
 }  // namespace
 
 extern "C" {
@@ -542,6 +621,32 @@ void ffn_backward_f32(const void* pack, const void* compute, const void* local_t
     ffn_backward(blas, dy, xhat, rstd, gamma, keep_bits, positive, w1, w2, packed_w2, packed_w1, grad_x, grad_outer,
                  grad_inner, sums, rows, d, f, (float)outer_scale, (float)inner_scale, block_rows, threads);
 }
+void attention_sublayer_forward_f32(const void* pack, const void* compute, const void* local_threads,
+                                    const void* attend, const float* x, const float* w_qkv, const float* b_qkv,
+                                    const float* w_out, const float* b_out, const float* gamma, const float* beta,
+                                    float* packed_qkv, float* packed_out, float* qkv, float* attended, float* lse,
+                                    float* xhat, float* y, float* rstd, uint32_t* keep_bits, int64_t batch,
+                                    int64_t length, int64_t heads, int64_t d, double eps, uint64_t seed,
+                                    uint32_t keep, double scale, int64_t block_sequences, int64_t threads) {
+    const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
+    attention_sublayer_forward(blas, (AttentionForwardFn)attend, x, w_qkv, b_qkv, w_out, b_out, gamma, beta,
+                               packed_qkv, packed_out, qkv, attended, lse, xhat, y, rstd, keep_bits, batch, length,
+                               heads, d, (float)eps, seed, keep, (float)scale, block_sequences, threads);
+}
+void attention_sublayer_backward_f32(const void* pack, const void* compute, const void* local_threads,
+                                     const void* attend_back, const float* dy, const float* xhat, const float* rstd,
+                                     const float* gamma, const uint32_t* keep_bits, const float* qkv,
+                                     const float* b_qkv, const float* attended, const float* lse, const float* w_qkv,
+                                     const float* w_out, float* packed_out, float* packed_qkv, float* grad_x,
+                                     float* grad_projected, float* grad_attended, float* grad_qkv, float* grad_b_qkv,
+                                     float* sums, int64_t batch, int64_t length, int64_t heads, int64_t d,
+                                     double scale, int64_t block_sequences, int64_t threads) {
+    const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
+    attention_sublayer_backward(blas, (AttentionBackwardFn)attend_back, dy, xhat, rstd, gamma, keep_bits, qkv, b_qkv,
+                                attended, lse, w_qkv, w_out, packed_out, packed_qkv, grad_x, grad_projected,
+                                grad_attended, grad_qkv, grad_b_qkv, sums, batch, length, heads, d, (float)scale,
+                                block_sequences, threads);
+}
 }
 """
 
@@ -562,6 +667,10 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.ffn_forward_f32.restype = None
     lib.ffn_backward_f32.argtypes = [p] * 17 + [i, i, i, f, f, i, i]
     lib.ffn_backward_f32.restype = None
+    lib.attention_sublayer_forward_f32.argtypes = [p] * 20 + [i, i, i, i, f, u64, u32, f, i, i]
+    lib.attention_sublayer_forward_f32.restype = None
+    lib.attention_sublayer_backward_f32.argtypes = [p] * 23 + [i, i, i, i, f, i, i]
+    lib.attention_sublayer_backward_f32.restype = None
 
 
 KERNEL = NativeKernel(
@@ -740,3 +849,64 @@ def feed_forward_streamed_backward(blas: PackedGemm, grad: Tensor, xhat: Tensor,
         sums.data_ptr(), rows, width, hidden_width, outer_scale, inner_scale, block, threads)
     return (grad_x, grad_outer, grad_inner, sums[:width], sums[width:2 * width], sums[2 * width:3 * width],
             sums[3 * width:])
+
+
+def _block_sequences(length: int) -> int:
+    """Sequences per block of the streamed attention sublayer: the fewest whose rows are a whole number of the
+    column sums' 64-row blocks."""
+    return 64 // math.gcd(length, 64)
+
+
+def attention_sublayer_streamed(blas: PackedGemm, attend: int, x: Tensor, batch: int, n_heads: int, w_qkv: Tensor,
+                                b_qkv: Tensor, w_out: Tensor, b_out: Tensor, gamma: Tensor, beta: Tensor, eps: float,
+                                mask: tuple[int, int], scale: float) -> tuple[Tensor, ...]:
+    """``norm(x + dropout(Wo attention(Wqkv x + bqkv) + bo))`` on the rows of ``batch`` sequences, each thread
+    streaming its own blocks of whole sequences through the sublayer (MKL's packed products via ``blas``; ``attend``:
+    the address of the attention kernel's forward function, run on the calling thread). Returns the output, the
+    projections (without their bias), the attention's output and log-sum-exps, the normalised rows, ``1/std`` per
+    row and the mask's bits."""
+    rows, width = x.shape
+    length, block = rows // batch, _block_sequences(rows // batch)
+    block_rows = block * length
+    packed_qkv = x.new_empty(blas.packed_floats(block_rows, 3 * width, width))
+    packed_out = x.new_empty(blas.packed_floats(block_rows, width, width))
+    qkv, attended = x.new_empty(rows, 3 * width), torch.empty_like(x)
+    lse = x.new_empty(batch, n_heads, length)
+    xhat, y, rstd = torch.empty_like(x), torch.empty_like(x), x.new_empty(rows)
+    keep_bits = torch.empty(rows, -(-width // 32), dtype=torch.int32)
+    threads = min(kernel_threads(3 * rows * width), -(-batch // block))
+    KERNEL.library().attention_sublayer_forward_f32(
+        blas.pack, blas.compute, blas.local_threads, attend, x.data_ptr(), w_qkv.data_ptr(), b_qkv.data_ptr(),
+        w_out.data_ptr(), b_out.data_ptr(), gamma.data_ptr(), beta.data_ptr(), packed_qkv.data_ptr(),
+        packed_out.data_ptr(), qkv.data_ptr(), attended.data_ptr(), lse.data_ptr(), xhat.data_ptr(), y.data_ptr(),
+        rstd.data_ptr(), keep_bits.data_ptr(), batch, length, n_heads, width, eps, mask[0], mask[1], scale, block,
+        threads)
+    return y, qkv, attended, lse, xhat, rstd, keep_bits
+
+
+def attention_sublayer_streamed_backward(blas: PackedGemm, attend_back: int, grad: Tensor, xhat: Tensor, rstd: Tensor,
+                                         gamma: Tensor, keep_bits: Tensor, qkv: Tensor, b_qkv: Tensor,
+                                         attended: Tensor, lse: Tensor, w_qkv: Tensor, w_out: Tensor,
+                                         scale: float, bias_grad: bool) -> tuple[Tensor | None, ...]:
+    """The backward pass of :func:`attention_sublayer_streamed` up to the weights' gradients: x's, those of the output
+    projection's output and of the projections (``Wo``'s and ``Wqkv``'s are their products with the inputs), the
+    projections' bias gradient (with ``bias_grad``) and the sums for gamma, beta and bo."""
+    rows, width = xhat.shape
+    batch, n_heads, length = lse.shape
+    block = _block_sequences(length)
+    grad = grad.contiguous()
+    packed_out = xhat.new_empty(blas.packed_floats(block * length, width, width))
+    packed_qkv = xhat.new_empty(blas.packed_floats(block * length, width, 3 * width))
+    grad_x, grad_projected, grad_attended = torch.empty_like(xhat), torch.empty_like(xhat), torch.empty_like(xhat)
+    grad_qkv, sums = torch.empty_like(qkv), xhat.new_empty(3 * width)
+    per_sequence = qkv.new_empty(batch, 3 * width) if bias_grad else None
+    threads = min(kernel_threads(3 * rows * width), -(-batch // block))
+    KERNEL.library().attention_sublayer_backward_f32(
+        blas.pack, blas.compute, blas.local_threads, attend_back, grad.data_ptr(), xhat.data_ptr(), rstd.data_ptr(),
+        gamma.data_ptr(), keep_bits.data_ptr(), qkv.data_ptr(), b_qkv.data_ptr(), attended.data_ptr(),
+        lse.data_ptr(), w_qkv.data_ptr(), w_out.data_ptr(), packed_out.data_ptr(), packed_qkv.data_ptr(),
+        grad_x.data_ptr(), grad_projected.data_ptr(), grad_attended.data_ptr(), grad_qkv.data_ptr(),
+        None if per_sequence is None else per_sequence.data_ptr(), sums.data_ptr(), batch, length, n_heads, width,
+        scale, block, threads)
+    return (grad_x, grad_projected, grad_qkv, None if per_sequence is None else per_sequence.sum(0), sums[:width],
+            sums[width:2 * width], sums[2 * width:])

@@ -54,6 +54,8 @@ from gatedformer.backbones._blas import PackedGemm
 from gatedformer.backbones._dropout_kernel import apply_dropout
 from gatedformer.backbones._epilogue_kernel import (
     KERNEL,
+    attention_sublayer_streamed,
+    attention_sublayer_streamed_backward,
     bias_dropout_add_,
     bias_relu_dropout_,
     dropout_add_norm,
@@ -314,8 +316,8 @@ def _add_branch_grads(grad_x: Tensor | None, x: Tensor, grad_gate: Tensor | None
 
 
 def _streams(x: Tensor, w1: Tensor, w2: Tensor, *branches: Tensor | None) -> PackedGemm | None:
-    """MKL's packed products where a plain FFN sublayer (no gate, unit or EAU in ``branches``) can stream its rows
-    through :func:`feed_forward_streamed`, else ``None``."""
+    """MKL's packed products where a plain sublayer (no gate, unit or EAU in ``branches``) can stream its rows through
+    ``feed_forward_streamed`` or ``attention_sublayer_streamed``, else ``None``."""
     if any(branch is not None for branch in branches) or not (w1.is_contiguous() and w2.is_contiguous()):
         return None
     return _blas.packed_gemm()
@@ -384,14 +386,22 @@ class _AttentionAddNorm(torch.autograd.Function):
         *eau, unit_tail, eps, batch, n_heads, mask = rest  # the EAU's six parameters (or Nones) first
         ctx.scale, ctx.n_heads, ctx.unit_tail = _INT32_VALUES / mask[1], n_heads, unit_tail
         x = x.contiguous()
-        # The bias is added by the kernel as it reads Q, K and V (addmm would first copy it into every row).
-        qkv = x.mm(w_qkv.t()).view(batch, -1, w_qkv.shape[0])
-        attended, lse = _attention_kernel.packed_forward(qkv, n_heads, bias=b_qkv)
-        attended = attended.view(x.shape[0], -1)
-        out, tail = _norm_tail(x, attended.mm(w_out.t()), b_out, gamma, beta, eps, mask, ctx.scale,
-                               None if w_gate is None else (w_gate, b_gate),
-                               None if w_unit is None else (w_unit, b_unit, unit_tail),
-                               None if eau[0] is None else tuple(eau))
+        ctx.blas = _streams(x, w_qkv, w_out, w_gate, w_unit, eau[0])
+        if ctx.blas is not None:
+            out, qkv, attended, lse, *tail = attention_sublayer_streamed(
+                ctx.blas, _attention_kernel.kernel_addresses()[0], x, batch, n_heads, w_qkv, b_qkv, w_out, b_out,
+                gamma, beta, eps, mask, ctx.scale)
+            qkv = qkv.view(batch, -1, w_qkv.shape[0])
+            tail += [None] * 7  # as _norm_tail's: no gate, carry, branch or EAU
+        else:
+            # The bias is added by the kernel as it reads Q, K and V (addmm would first copy it into every row).
+            qkv = x.mm(w_qkv.t()).view(batch, -1, w_qkv.shape[0])
+            attended, lse = _attention_kernel.packed_forward(qkv, n_heads, bias=b_qkv)
+            attended = attended.view(x.shape[0], -1)
+            out, tail = _norm_tail(x, attended.mm(w_out.t()), b_out, gamma, beta, eps, mask, ctx.scale,
+                                   None if w_gate is None else (w_gate, b_gate),
+                                   None if w_unit is None else (w_unit, b_unit, unit_tail),
+                                   None if eau[0] is None else tuple(eau))
         ctx.save_for_backward(x, w_qkv, b_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, w_unit, *eau, *tail)
         return out
 
@@ -399,10 +409,18 @@ class _AttentionAddNorm(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, w_qkv, b_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, w_unit, *rest = ctx.saved_tensors
         eau, tail = tuple(rest[:6]), tuple(rest[6:])
+        needed = ctx.needs_input_grad
+        if ctx.blas is not None:
+            grad_x, grad_projected, grad_qkv, grad_b_qkv, grad_gamma, grad_beta, grad_b_out = (
+                attention_sublayer_streamed_backward(ctx.blas, _attention_kernel.kernel_addresses()[1], grad,
+                                                     *tail[:2], gamma, tail[2], qkv.view(x.shape[0], -1), b_qkv,
+                                                     attended, lse, w_qkv, w_out, ctx.scale, needed[2]))
+            grads = (grad_x, grad_qkv.t().mm(x) if needed[1] else None, grad_b_qkv,
+                     grad_projected.t().mm(attended) if needed[3] else None, grad_b_out, grad_gamma, grad_beta)
+            return (*(g if need else None for g, need in zip(grads, needed, strict=False)), *(None,) * 15)
         grad_x, grad_projected, grad_gate, grad_gamma, grad_beta, grad_b_out, grad_b_gate, grad_branch, grad_eau = (
             _norm_tail_backward(grad, tail, gamma, b_out, ctx.scale, ctx.unit_tail, x, eau))
         grad_attended = grad_projected.mm(w_out).view(qkv.shape[0], qkv.shape[1], -1)
-        needed = ctx.needs_input_grad
         grad_qkv, grad_b_qkv = _attention_kernel.packed_backward(qkv, attended.view(grad_attended.shape), grad_attended,
                                                                  lse, ctx.n_heads, bias=b_qkv, bias_grad=needed[2])
         grad_qkv = grad_qkv.view(x.shape[0], -1)
