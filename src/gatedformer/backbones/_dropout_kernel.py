@@ -41,6 +41,7 @@ PHILOX_CPP = r"""
 // Philox4x32-10 mask words; see gatedformer/backbones/_dropout_kernel.py for the layout. It opens an
 // anonymous namespace that the source after it closes. Generated and compiled by gatedformer.
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <vector>
 #if defined(__AVX2__)

@@ -406,6 +406,28 @@ struct Blas {
     LocalThreadsFn local_threads;
 };
 
+// The two packed weights of one call: scratch, freed on return. MKL asks for several MB each whatever the sizes,
+// of which only the packed weight's own size is written, so most of the pages are never touched. 64-byte aligned
+// by hand (C++14 has no aligned allocation).
+struct PackedPair {
+    void* raw_first;
+    void* raw_second;
+    float* first;
+    float* second;
+    PackedPair(int64_t first_floats, int64_t second_floats)
+        : raw_first(std::malloc((size_t)first_floats * 4 + 64)),
+          raw_second(std::malloc((size_t)second_floats * 4 + 64)), first(aligned(raw_first)),
+          second(aligned(raw_second)) {}
+    ~PackedPair() {
+        std::free(raw_first);
+        std::free(raw_second);
+    }
+    PackedPair(const PackedPair&) = delete;
+    PackedPair& operator=(const PackedPair&) = delete;
+    bool ok() const { return raw_first != nullptr && raw_second != nullptr; }
+    static float* aligned(void* raw) { return (float*)(((uintptr_t)raw + 63) / 64 * 64); }
+};
+
 // body(thread, threads, first_block, end_block) on `threads` OpenMP threads, each with MKL on one thread and a
 // contiguous share of `blocks`.
 template <typename Fn>
@@ -601,51 +623,67 @@ void dropout_add_norm_backward_f32(const float* dy, const float* xhat, const flo
     dropout_add_norm_backward(dy, xhat, rstd, gamma, keep_bits, gate, h, bias, dv, dh, dgate, sums, rows, cols,
                               (float)scale, threads);
 }
-void ffn_forward_f32(const void* pack, const void* compute, const void* local_threads, const float* x,
+int ffn_forward_f32(const void* pack, const void* compute, const void* local_threads, const float* x,
                      const float* w1, const float* b1, const float* w2, const float* b2, const float* gamma,
-                     const float* beta, float* packed_w1t, float* packed_w2t, float* hidden, uint32_t* positive,
+                     const float* beta, int64_t packed_w1t_floats, int64_t packed_w2t_floats, float* hidden,
+                     uint32_t* positive,
                      float* xhat, float* y, float* rstd, uint32_t* keep_bits, int64_t rows, int64_t d, int64_t f,
                      double eps, uint64_t inner_seed, uint32_t inner_keep, double inner_scale, uint64_t outer_seed,
                      uint32_t outer_keep, double outer_scale, int64_t block_rows, int64_t threads) {
     const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
-    ffn_forward(blas, x, w1, b1, w2, b2, gamma, beta, packed_w1t, packed_w2t, hidden, positive, xhat, y, rstd,
+    PackedPair packed(packed_w1t_floats, packed_w2t_floats);
+    if (!packed.ok()) return 1;
+    ffn_forward(blas, x, w1, b1, w2, b2, gamma, beta, packed.first, packed.second, hidden, positive, xhat, y, rstd,
                 keep_bits, rows, d, f, (float)eps, inner_seed, inner_keep, (float)inner_scale, outer_seed, outer_keep,
                 (float)outer_scale, block_rows, threads);
+    return 0;
 }
-void ffn_backward_f32(const void* pack, const void* compute, const void* local_threads, const float* dy,
+int ffn_backward_f32(const void* pack, const void* compute, const void* local_threads, const float* dy,
                       const float* xhat, const float* rstd, const float* gamma, const uint32_t* keep_bits,
-                      const uint32_t* positive, const float* w1, const float* w2, float* packed_w2, float* packed_w1,
+                      const uint32_t* positive, const float* w1, const float* w2, int64_t packed_w2_floats,
+                      int64_t packed_w1_floats,
                       float* grad_x, float* grad_outer, float* grad_inner, float* sums, int64_t rows, int64_t d,
                       int64_t f, double outer_scale, double inner_scale, int64_t block_rows, int64_t threads) {
     const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
-    ffn_backward(blas, dy, xhat, rstd, gamma, keep_bits, positive, w1, w2, packed_w2, packed_w1, grad_x, grad_outer,
-                 grad_inner, sums, rows, d, f, (float)outer_scale, (float)inner_scale, block_rows, threads);
+    PackedPair packed(packed_w2_floats, packed_w1_floats);
+    if (!packed.ok()) return 1;
+    ffn_backward(blas, dy, xhat, rstd, gamma, keep_bits, positive, w1, w2, packed.first, packed.second, grad_x,
+                 grad_outer, grad_inner, sums, rows, d, f, (float)outer_scale, (float)inner_scale, block_rows, threads);
+    return 0;
 }
-void attention_sublayer_forward_f32(const void* pack, const void* compute, const void* local_threads,
+int attention_sublayer_forward_f32(const void* pack, const void* compute, const void* local_threads,
                                     const void* attend, const float* x, const float* w_qkv, const float* b_qkv,
                                     const float* w_out, const float* b_out, const float* gamma, const float* beta,
-                                    float* packed_qkv, float* packed_out, float* qkv, float* attended, float* lse,
+                                    int64_t packed_qkv_floats, int64_t packed_out_floats, float* qkv,
+                                    float* attended, float* lse,
                                     float* xhat, float* y, float* rstd, uint32_t* keep_bits, int64_t batch,
                                     int64_t length, int64_t heads, int64_t d, double eps, uint64_t seed,
                                     uint32_t keep, double scale, int64_t block_sequences, int64_t threads) {
     const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
+    PackedPair packed(packed_qkv_floats, packed_out_floats);
+    if (!packed.ok()) return 1;
     attention_sublayer_forward(blas, (AttentionForwardFn)attend, x, w_qkv, b_qkv, w_out, b_out, gamma, beta,
-                               packed_qkv, packed_out, qkv, attended, lse, xhat, y, rstd, keep_bits, batch, length,
-                               heads, d, (float)eps, seed, keep, (float)scale, block_sequences, threads);
+                               packed.first, packed.second, qkv, attended, lse, xhat, y, rstd, keep_bits, batch,
+                               length, heads, d, (float)eps, seed, keep, (float)scale, block_sequences, threads);
+    return 0;
 }
-void attention_sublayer_backward_f32(const void* pack, const void* compute, const void* local_threads,
+int attention_sublayer_backward_f32(const void* pack, const void* compute, const void* local_threads,
                                      const void* attend_back, const float* dy, const float* xhat, const float* rstd,
                                      const float* gamma, const uint32_t* keep_bits, const float* qkv,
                                      const float* b_qkv, const float* attended, const float* lse, const float* w_qkv,
-                                     const float* w_out, float* packed_out, float* packed_qkv, float* grad_x,
+                                     const float* w_out, int64_t packed_out_floats, int64_t packed_qkv_floats,
+                                     float* grad_x,
                                      float* grad_projected, float* grad_attended, float* grad_qkv, float* grad_b_qkv,
                                      float* sums, int64_t batch, int64_t length, int64_t heads, int64_t d,
                                      double scale, int64_t block_sequences, int64_t threads) {
     const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
+    PackedPair packed(packed_out_floats, packed_qkv_floats);
+    if (!packed.ok()) return 1;
     attention_sublayer_backward(blas, (AttentionBackwardFn)attend_back, dy, xhat, rstd, gamma, keep_bits, qkv, b_qkv,
-                                attended, lse, w_qkv, w_out, packed_out, packed_qkv, grad_x, grad_projected,
+                                attended, lse, w_qkv, w_out, packed.first, packed.second, grad_x, grad_projected,
                                 grad_attended, grad_qkv, grad_b_qkv, sums, batch, length, heads, d, (float)scale,
                                 block_sequences, threads);
+    return 0;
 }
 }
 """
@@ -663,18 +701,18 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.dropout_add_norm_f32.restype = None
     lib.dropout_add_norm_backward_f32.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, i, i, f, i]
     lib.dropout_add_norm_backward_f32.restype = None
-    lib.ffn_forward_f32.argtypes = [p] * 18 + [i, i, i, f, u64, u32, f, u64, u32, f, i, i]
-    lib.ffn_forward_f32.restype = None
-    lib.ffn_backward_f32.argtypes = [p] * 17 + [i, i, i, f, f, i, i]
-    lib.ffn_backward_f32.restype = None
-    lib.attention_sublayer_forward_f32.argtypes = [p] * 20 + [i, i, i, i, f, u64, u32, f, i, i]
-    lib.attention_sublayer_forward_f32.restype = None
-    lib.attention_sublayer_backward_f32.argtypes = [p] * 23 + [i, i, i, i, f, i, i]
-    lib.attention_sublayer_backward_f32.restype = None
+    lib.ffn_forward_f32.argtypes = [p] * 10 + [i, i] + [p] * 6 + [i, i, i, f, u64, u32, f, u64, u32, f, i, i]
+    lib.ffn_forward_f32.restype = ctypes.c_int
+    lib.ffn_backward_f32.argtypes = [p] * 9 + [i, i] + [p] * 6 + [i, i, i, f, f, i, i]
+    lib.ffn_backward_f32.restype = ctypes.c_int
+    lib.attention_sublayer_forward_f32.argtypes = [p] * 11 + [i, i] + [p] * 7 + [i, i, i, i, f, u64, u32, f, i, i]
+    lib.attention_sublayer_forward_f32.restype = ctypes.c_int
+    lib.attention_sublayer_backward_f32.argtypes = [p] * 15 + [i, i] + [p] * 6 + [i, i, i, i, f, i, i]
+    lib.attention_sublayer_backward_f32.restype = ctypes.c_int
 
 
 KERNEL = NativeKernel(
-    "epilogue", _CPP_SOURCE, _bind, abi_version=3, env_var="GATEDFORMER_DROPOUT_BACKEND",
+    "epilogue", _CPP_SOURCE, _bind, abi_version=4, env_var="GATEDFORMER_DROPOUT_BACKEND",
     description="the compiled linear-epilogue kernel", fallback="unfused PyTorch operations",
     extra_cflags=_NO_FMA, avx512=True,
 )
@@ -802,6 +840,12 @@ def _stream_block_rows(hidden_width: int) -> int:
     return 64 if 64 * hidden_width % 128 == 0 else 128
 
 
+def _check_scratch(status: int) -> None:
+    if status != 0:
+        raise MemoryError("the streamed sublayer kernel could not allocate its packed weights; free memory or set "
+                          "GATEDFORMER_PACKED_GEMM=0")
+
+
 def feed_forward_streamed(blas: PackedGemm, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, gamma: Tensor,
                           beta: Tensor, eps: float, inner_mask: tuple[int, int], inner_scale: float,
                           outer_mask: tuple[int, int], outer_scale: float) -> tuple[Tensor, ...]:
@@ -812,18 +856,17 @@ def feed_forward_streamed(blas: PackedGemm, x: Tensor, w1: Tensor, b1: Tensor, w
     rows, width = x.shape
     hidden_width = w1.shape[0]
     block = _stream_block_rows(hidden_width)
-    packed_w1t = x.new_empty(blas.packed_floats(block, hidden_width, width))
-    packed_w2t = x.new_empty(blas.packed_floats(block, width, hidden_width))
     hidden, positive = x.new_empty(rows, hidden_width), torch.empty(-(-rows * hidden_width // 32), dtype=torch.int32)
     xhat, y, rstd = torch.empty_like(x), torch.empty_like(x), x.new_empty(rows)
     keep_bits = torch.empty(rows, -(-width // 32), dtype=torch.int32)
     threads = min(kernel_threads(rows * hidden_width), -(-rows // block))
-    KERNEL.library().ffn_forward_f32(
+    _check_scratch(KERNEL.library().ffn_forward_f32(
         blas.pack, blas.compute, blas.local_threads, x.data_ptr(), w1.data_ptr(), b1.data_ptr(), w2.data_ptr(),
-        b2.data_ptr(), gamma.data_ptr(), beta.data_ptr(), packed_w1t.data_ptr(), packed_w2t.data_ptr(),
-        hidden.data_ptr(), positive.data_ptr(), xhat.data_ptr(), y.data_ptr(), rstd.data_ptr(), keep_bits.data_ptr(),
+        b2.data_ptr(), gamma.data_ptr(), beta.data_ptr(), blas.packed_floats(block, hidden_width, width),
+        blas.packed_floats(block, width, hidden_width), hidden.data_ptr(), positive.data_ptr(), xhat.data_ptr(),
+        y.data_ptr(), rstd.data_ptr(), keep_bits.data_ptr(),
         rows, width, hidden_width, eps, inner_mask[0], inner_mask[1], inner_scale, outer_mask[0], outer_mask[1],
-        outer_scale, block, threads)
+        outer_scale, block, threads))
     return y, hidden, positive, xhat, rstd, keep_bits
 
 
@@ -837,16 +880,15 @@ def feed_forward_streamed_backward(blas: PackedGemm, grad: Tensor, xhat: Tensor,
     hidden_width = w1.shape[0]
     block = _stream_block_rows(hidden_width)
     grad = grad.contiguous()
-    packed_w2 = xhat.new_empty(blas.packed_floats(block, hidden_width, width))
-    packed_w1 = xhat.new_empty(blas.packed_floats(block, width, hidden_width))
     grad_x, grad_outer = torch.empty_like(xhat), torch.empty_like(xhat)
     grad_inner, sums = xhat.new_empty(rows, hidden_width), xhat.new_empty(3 * width + hidden_width)
     threads = min(kernel_threads(rows * hidden_width), -(-rows // block))
-    KERNEL.library().ffn_backward_f32(
+    _check_scratch(KERNEL.library().ffn_backward_f32(
         blas.pack, blas.compute, blas.local_threads, grad.data_ptr(), xhat.data_ptr(), rstd.data_ptr(),
         gamma.data_ptr(), keep_bits.data_ptr(), positive.data_ptr(), w1.data_ptr(), w2.data_ptr(),
-        packed_w2.data_ptr(), packed_w1.data_ptr(), grad_x.data_ptr(), grad_outer.data_ptr(), grad_inner.data_ptr(),
-        sums.data_ptr(), rows, width, hidden_width, outer_scale, inner_scale, block, threads)
+        blas.packed_floats(block, hidden_width, width), blas.packed_floats(block, width, hidden_width),
+        grad_x.data_ptr(), grad_outer.data_ptr(), grad_inner.data_ptr(), sums.data_ptr(), rows, width, hidden_width,
+        outer_scale, inner_scale, block, threads))
     return (grad_x, grad_outer, grad_inner, sums[:width], sums[width:2 * width], sums[2 * width:3 * width],
             sums[3 * width:])
 
@@ -868,19 +910,17 @@ def attention_sublayer_streamed(blas: PackedGemm, attend: int, x: Tensor, batch:
     rows, width = x.shape
     length, block = rows // batch, _block_sequences(rows // batch)
     block_rows = block * length
-    packed_qkv = x.new_empty(blas.packed_floats(block_rows, 3 * width, width))
-    packed_out = x.new_empty(blas.packed_floats(block_rows, width, width))
     qkv, attended = x.new_empty(rows, 3 * width), torch.empty_like(x)
     lse = x.new_empty(batch, n_heads, length)
     xhat, y, rstd = torch.empty_like(x), torch.empty_like(x), x.new_empty(rows)
     keep_bits = torch.empty(rows, -(-width // 32), dtype=torch.int32)
     threads = min(kernel_threads(3 * rows * width), -(-batch // block))
-    KERNEL.library().attention_sublayer_forward_f32(
+    _check_scratch(KERNEL.library().attention_sublayer_forward_f32(
         blas.pack, blas.compute, blas.local_threads, attend, x.data_ptr(), w_qkv.data_ptr(), b_qkv.data_ptr(),
-        w_out.data_ptr(), b_out.data_ptr(), gamma.data_ptr(), beta.data_ptr(), packed_qkv.data_ptr(),
-        packed_out.data_ptr(), qkv.data_ptr(), attended.data_ptr(), lse.data_ptr(), xhat.data_ptr(), y.data_ptr(),
-        rstd.data_ptr(), keep_bits.data_ptr(), batch, length, n_heads, width, eps, mask[0], mask[1], scale, block,
-        threads)
+        w_out.data_ptr(), b_out.data_ptr(), gamma.data_ptr(), beta.data_ptr(),
+        blas.packed_floats(block_rows, 3 * width, width), blas.packed_floats(block_rows, width, width),
+        qkv.data_ptr(), attended.data_ptr(), lse.data_ptr(), xhat.data_ptr(), y.data_ptr(), rstd.data_ptr(),
+        keep_bits.data_ptr(), batch, length, n_heads, width, eps, mask[0], mask[1], scale, block, threads))
     return y, qkv, attended, lse, xhat, rstd, keep_bits
 
 
@@ -895,18 +935,16 @@ def attention_sublayer_streamed_backward(blas: PackedGemm, attend_back: int, gra
     batch, n_heads, length = lse.shape
     block = _block_sequences(length)
     grad = grad.contiguous()
-    packed_out = xhat.new_empty(blas.packed_floats(block * length, width, width))
-    packed_qkv = xhat.new_empty(blas.packed_floats(block * length, width, 3 * width))
     grad_x, grad_projected, grad_attended = torch.empty_like(xhat), torch.empty_like(xhat), torch.empty_like(xhat)
     grad_qkv, sums = torch.empty_like(qkv), xhat.new_empty(3 * width)
     per_sequence = qkv.new_empty(batch, 3 * width) if bias_grad else None
     threads = min(kernel_threads(3 * rows * width), -(-batch // block))
-    KERNEL.library().attention_sublayer_backward_f32(
+    _check_scratch(KERNEL.library().attention_sublayer_backward_f32(
         blas.pack, blas.compute, blas.local_threads, attend_back, grad.data_ptr(), xhat.data_ptr(), rstd.data_ptr(),
         gamma.data_ptr(), keep_bits.data_ptr(), qkv.data_ptr(), b_qkv.data_ptr(), attended.data_ptr(),
-        lse.data_ptr(), w_qkv.data_ptr(), w_out.data_ptr(), packed_out.data_ptr(), packed_qkv.data_ptr(),
-        grad_x.data_ptr(), grad_projected.data_ptr(), grad_attended.data_ptr(), grad_qkv.data_ptr(),
-        None if per_sequence is None else per_sequence.data_ptr(), sums.data_ptr(), batch, length, n_heads, width,
-        scale, block, threads)
+        lse.data_ptr(), w_qkv.data_ptr(), w_out.data_ptr(), blas.packed_floats(block * length, width, width),
+        blas.packed_floats(block * length, width, 3 * width), grad_x.data_ptr(), grad_projected.data_ptr(),
+        grad_attended.data_ptr(), grad_qkv.data_ptr(), None if per_sequence is None else per_sequence.data_ptr(),
+        sums.data_ptr(), batch, length, n_heads, width, scale, block, threads))
     return (grad_x, grad_projected, grad_qkv, None if per_sequence is None else per_sequence.sum(0), sums[:width],
             sums[width:2 * width], sums[2 * width:])
