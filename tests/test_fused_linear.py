@@ -485,24 +485,64 @@ def test_streamed_attention_sublayer_is_the_sublayer_operation_by_operation(batc
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("branches", [b for b in _BRANCHES if b])
+@pytest.mark.parametrize("threads", [1, 2])
+@settings(max_examples=3, deadline=None)
+@given(batch=st.integers(1, 4), length=st.integers(1, 70), width_ffn=st.sampled_from([(16, 64), (32, 96), (128, 512)]),
+       seed=st.integers(0, 2 ** 16))
+def test_streamed_bodies_of_gated_sublayers_are_the_operations_one_by_one(batch: int, length: int,
+                                                                          width_ffn: tuple[int, int], seed: int,
+                                                                          threads: int, branches: str) -> None:
+    """With a GRC, an SDU, a highway gate, a gated MHDPA or an EAU the FFN's and the attention's bodies are streamed
+    up to their last product and the gates follow: values and every gradient (x's with the gates' shares added to
+    the body's in the stream) as computed operation by operation."""
+    _packed_gemm_or_skip()
+    width, hidden_width = width_ffn
+    heads = width // 16
+    if not _attention_kernel.kernel_takes(3 * width, heads, 0.0, torch.device("cpu"), torch.float32):
+        pytest.skip("the attention kernel is unavailable here")
+    torch.manual_seed(seed)
+    ffn, attention, norm = FeedForward(width, hidden_width, 0.2), CausalSelfAttention(width, heads), _affine_norm(width)
+    gate, unit, eau = _random_branches(branches, width)
+    x = torch.randn(batch, length, width, requires_grad=True)
+    grad = torch.randn(batch, length, width)
+    params = (x, *ffn.parameters(), *attention.parameters(), *norm.parameters(), *_parameters(gate, unit, eau))
+    results = {}
+    for streamed in ("1", "0"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch, "get_num_threads", lambda: threads)
+            patch.setenv("GATEDFORMER_PACKED_GEMM", streamed)
+            torch.manual_seed(seed + 1)
+            middle = attention.add_norm(x, 0.1, norm, gate, unit, eau)
+            assert middle is not None
+            out = ffn.add_norm(middle, 0.1, norm, gate, unit, eau)
+            assert out is not None
+            results[streamed] = [out, *_grads(out, grad, *params)]
+    for a, b in zip(results["1"], results["0"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_the_language_model_streams_its_plain_sublayers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where MKL's packed products are available, the Transformer's plain FFN and attention sublayers take the
-    streamed kernels (once per layer and step each); with GATEDFORMER_PACKED_GEMM=0, or with a gate on the
-    sublayer, they do not."""
+    streamed kernels (once per layer and step each), and gated ones stream their bodies; with
+    GATEDFORMER_PACKED_GEMM=0 neither."""
     _packed_gemm_or_skip()
     calls = []
-    for name in ("feed_forward_streamed", "attention_sublayer_streamed"):
+    for name, kind in (("feed_forward_streamed", "whole"), ("attention_sublayer_streamed", "whole"),
+                       ("feed_forward_body_streamed", "body"), ("attention_body_streamed", "body")):
         real = getattr(fused_linear, name)
-        monkeypatch.setattr(fused_linear, name, lambda *a, real=real: calls.append(1) or real(*a))
+        monkeypatch.setattr(fused_linear, name, lambda *a, real=real, kind=kind: calls.append(kind) or real(*a))
 
-    def one_step(gates: str) -> int:
+    def one_step(gates: str) -> tuple[int, int]:
         calls.clear()
         model = TransformerLM(vocab_size=11, d_model=32, n_layers=2, n_heads=2, d_ffn=32, gates=gates)
         logits, _ = model(torch.randint(0, 11, (2, 9)))
         logits.sum().backward()
-        return len(calls)
+        return calls.count("whole"), calls.count("body")
 
-    assert one_step("") == 4
-    assert one_step("+σ SDU") == 0
+    assert one_step("") == (4, 0)
+    assert one_step("+σ SDU") == (0, 4)
+    assert one_step("+GRC") == (0, 4)
     monkeypatch.setenv("GATEDFORMER_PACKED_GEMM", "0")
-    assert one_step("") == 0
+    assert one_step("") == (0, 0)
+    assert one_step("+σ SDU") == (0, 0)

@@ -35,9 +35,11 @@ from gatedformer.backbones._dropout_kernel import (
 )
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 
-__all__ = ["KERNEL", "attention_sublayer_streamed", "attention_sublayer_streamed_backward", "bias_dropout_add_",
-           "bias_relu_dropout_", "dropout_add_norm", "dropout_add_norm_backward", "feed_forward_streamed",
-           "feed_forward_streamed_backward", "gated_dropout_add_norm_backward", "scale_where_positive_with_sums"]
+__all__ = ["KERNEL", "attention_body_streamed", "attention_body_streamed_backward", "attention_sublayer_streamed",
+           "attention_sublayer_streamed_backward", "bias_dropout_add_", "bias_relu_dropout_", "dropout_add_norm",
+           "dropout_add_norm_backward", "feed_forward_body_streamed", "feed_forward_body_streamed_backward",
+           "feed_forward_streamed", "feed_forward_streamed_backward", "gated_dropout_add_norm_backward",
+           "scale_where_positive_with_sums"]
 
 _CPP_SOURCE = PHILOX_CPP + r"""
 #if defined(_OPENMP)
@@ -474,15 +476,17 @@ void ffn_forward(const Blas& blas, const float* x, const float* w1, const float*
                                       positive);
             blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, f, hidden + lo * f, f, packed_w2t, d, 0.0f,
                          xhat + lo * d, d);
-            dropout_add_norm_rows(x, xhat, b2, nullptr, xhat, gamma, beta, y, rstd, keep_bits, lo, hi, d, eps, ok0,
-                                  ok1, outer_keep, outer_scale);
+            if (gamma != nullptr)
+                dropout_add_norm_rows(x, xhat, b2, nullptr, xhat, gamma, beta, y, rstd, keep_bits, lo, hi, d, eps, ok0,
+                                      ok1, outer_keep, outer_scale);
         }
     });
 }
 
 // Its backward pass up to the weights' gradients (two large products the caller makes): grad_x gets the residual's
 // gradient plus the body's, grad_outer the second product's output gradient and grad_inner the first's; sums gets
-// those of gamma, beta and b2 (d each), then b1's (f).
+// those of gamma, beta and b2 (d each), then b1's (f). Without dy (the body only, gamma null in the forward pass),
+// grad_outer is given and grad_x already holds the rest of x's gradient, to which the body's is added.
 void ffn_backward(const Blas& blas, const float* dy, const float* xhat, const float* rstd, const float* gamma,
                   const uint32_t* keep_bits, const uint32_t* positive, const float* w1, const float* w2,
                   float* packed_w2, float* packed_w1, float* grad_x, float* grad_outer, float* grad_inner, float* sums,
@@ -499,7 +503,7 @@ void ffn_backward(const Blas& blas, const float* dy, const float* xhat, const fl
         stream_barrier();
         for (int64_t b = first; b < end; ++b) {
             const int64_t lo = b * block_rows, hi = lo + block_rows < rows ? lo + block_rows : rows;
-            for (int64_t s = lo; s < hi; s += kSumRows)  // block_rows: a multiple of kSumRows
+            for (int64_t s = lo; dy != nullptr && s < hi; s += kSumRows)  // block_rows: a multiple of kSumRows
                 dropout_add_norm_backward_rows(dy, xhat, rstd, gamma, keep_bits, nullptr, nullptr, nullptr, grad_x,
                                                grad_outer, nullptr, outer_partials + s / kSumRows * 3 * d, s,
                                                s + kSumRows < hi ? s + kSumRows : hi, d, outer_scale);
@@ -519,7 +523,8 @@ void ffn_backward(const Blas& blas, const float* dy, const float* xhat, const fl
 
 // ---- A whole post-LN causal self-attention sublayer, streamed the same way by blocks of whole sequences ----------
 // norm(x + dropout(Wo attention(Wqkv x + bqkv) + bo)); the attention kernel (another library) comes in by address,
-// called on each block's sequences on the calling thread.
+// called on each block's sequences on the calling thread. As the FFN's, with gamma null the forward pass stops at
+// the output projection's product (in xhat) and the backward pass, without dy, starts from its given gradient.
 typedef int (*AttentionForwardFn)(const float* qkv, const float* bias, float* out, float* lse, int64_t B, int64_t L,
                                   int64_t H, int64_t D, double scale, int64_t threads);
 typedef int (*AttentionBackwardFn)(const float* qkv, const float* bias, const float* out, const float* grad_out,
@@ -549,8 +554,9 @@ void attention_sublayer_forward(const Blas& blas, AttentionForwardFn attend, con
                    softmax_scale, 1);
             blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, attended + lo * d, d, packed_out, d,
                          0.0f, xhat + lo * d, d);
-            dropout_add_norm_rows(x, xhat, b_out, nullptr, xhat, gamma, beta, y, rstd, keep_bits, lo, hi, d, eps, k0,
-                                  k1, keep, scale);
+            if (gamma != nullptr)
+                dropout_add_norm_rows(x, xhat, b_out, nullptr, xhat, gamma, beta, y, rstd, keep_bits, lo, hi, d, eps,
+                                      k0, k1, keep, scale);
         }
     });
 }
@@ -578,7 +584,7 @@ void attention_sublayer_backward(const Blas& blas, AttentionBackwardFn attend_ba
         for (int64_t b = first; b < end; ++b) {
             const int64_t s0 = b * block_sequences, s1 = s0 + block_sequences < batch ? s0 + block_sequences : batch;
             const int64_t lo = s0 * length, hi = s1 * length;
-            for (int64_t s = lo; s < hi; s += kSumRows)  // blocks of whole sequences: a multiple of kSumRows rows
+            for (int64_t s = lo; dy != nullptr && s < hi; s += kSumRows)  // whole sequences: a multiple of kSumRows
                 dropout_add_norm_backward_rows(dy, xhat, rstd, gamma, keep_bits, nullptr, nullptr, nullptr, grad_x,
                                                grad_projected, nullptr, partials + s / kSumRows * 3 * d, s,
                                                s + kSumRows < hi ? s + kSumRows : hi, d, scale);
@@ -712,7 +718,7 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 KERNEL = NativeKernel(
-    "epilogue", _CPP_SOURCE, _bind, abi_version=4, env_var="GATEDFORMER_DROPOUT_BACKEND",
+    "epilogue", _CPP_SOURCE, _bind, abi_version=5, env_var="GATEDFORMER_DROPOUT_BACKEND",
     description="the compiled linear-epilogue kernel", fallback="unfused PyTorch operations",
     extra_cflags=_NO_FMA, avx512=True,
 )
@@ -893,6 +899,43 @@ def feed_forward_streamed_backward(blas: PackedGemm, grad: Tensor, xhat: Tensor,
             sums[3 * width:])
 
 
+def feed_forward_body_streamed(blas: PackedGemm, x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor,
+                               inner_mask: tuple[int, int], inner_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``W2 dropout(relu(W1 x + b1))`` (no bias) streamed as :func:`feed_forward_streamed`, for a sublayer whose
+    gates and LayerNorm come after it: the product, the hidden layer and its positive bits."""
+    rows, width = x.shape
+    hidden_width = w1.shape[0]
+    block = _stream_block_rows(hidden_width)
+    hidden, positive = x.new_empty(rows, hidden_width), torch.empty(-(-rows * hidden_width // 32), dtype=torch.int32)
+    projected = torch.empty_like(x)
+    threads = min(kernel_threads(rows * hidden_width), -(-rows // block))
+    _check_scratch(KERNEL.library().ffn_forward_f32(
+        blas.pack, blas.compute, blas.local_threads, x.data_ptr(), w1.data_ptr(), b1.data_ptr(), w2.data_ptr(),
+        None, None, None, blas.packed_floats(block, hidden_width, width),
+        blas.packed_floats(block, width, hidden_width), hidden.data_ptr(), positive.data_ptr(), projected.data_ptr(),
+        None, None, None, rows, width, hidden_width, 0.0, inner_mask[0], inner_mask[1], inner_scale, 0, 0, 0.0,
+        block, threads))
+    return projected, hidden, positive
+
+
+def feed_forward_body_streamed_backward(blas: PackedGemm, grad_projected: Tensor, grad_x: Tensor, positive: Tensor,
+                                        w1: Tensor, w2: Tensor, inner_scale: float) -> tuple[Tensor, Tensor]:
+    """The backward pass of :func:`feed_forward_body_streamed` from its product's gradient: adds the body's share to
+    ``grad_x`` (contiguous, in place) and returns the first product's output gradient and b1's."""
+    rows, width = grad_x.shape
+    hidden_width = w1.shape[0]
+    block = _stream_block_rows(hidden_width)
+    grad_projected = grad_projected.contiguous()
+    grad_inner, sums = grad_x.new_empty(rows, hidden_width), grad_x.new_empty(3 * width + hidden_width)
+    threads = min(kernel_threads(rows * hidden_width), -(-rows // block))
+    _check_scratch(KERNEL.library().ffn_backward_f32(
+        blas.pack, blas.compute, blas.local_threads, None, None, None, None, None, positive.data_ptr(),
+        w1.data_ptr(), w2.data_ptr(), blas.packed_floats(block, hidden_width, width),
+        blas.packed_floats(block, width, hidden_width), grad_x.data_ptr(), grad_projected.data_ptr(),
+        grad_inner.data_ptr(), sums.data_ptr(), rows, width, hidden_width, 0.0, inner_scale, block, threads))
+    return grad_inner, sums[3 * width:]
+
+
 def _block_sequences(length: int) -> int:
     """Sequences per block of the streamed attention sublayer: the fewest whose rows are a whole number of the
     column sums' 64-row blocks."""
@@ -922,6 +965,48 @@ def attention_sublayer_streamed(blas: PackedGemm, attend: int, x: Tensor, batch:
         qkv.data_ptr(), attended.data_ptr(), lse.data_ptr(), xhat.data_ptr(), y.data_ptr(), rstd.data_ptr(),
         keep_bits.data_ptr(), batch, length, n_heads, width, eps, mask[0], mask[1], scale, block, threads))
     return y, qkv, attended, lse, xhat, rstd, keep_bits
+
+
+def attention_body_streamed(blas: PackedGemm, attend: int, x: Tensor, batch: int, n_heads: int, w_qkv: Tensor,
+                            b_qkv: Tensor, w_out: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``Wo attention(Wqkv x + bqkv)`` (no bias) streamed as :func:`attention_sublayer_streamed`, for a sublayer whose
+    gates and LayerNorm come after it: the product, the projections (without their bias), the attention's output
+    and its log-sum-exps."""
+    rows, width = x.shape
+    length, block = rows // batch, _block_sequences(rows // batch)
+    block_rows = block * length
+    qkv, attended, projected = x.new_empty(rows, 3 * width), torch.empty_like(x), torch.empty_like(x)
+    lse = x.new_empty(batch, n_heads, length)
+    threads = min(kernel_threads(3 * rows * width), -(-batch // block))
+    _check_scratch(KERNEL.library().attention_sublayer_forward_f32(
+        blas.pack, blas.compute, blas.local_threads, attend, x.data_ptr(), w_qkv.data_ptr(), b_qkv.data_ptr(),
+        w_out.data_ptr(), None, None, None, blas.packed_floats(block_rows, 3 * width, width),
+        blas.packed_floats(block_rows, width, width), qkv.data_ptr(), attended.data_ptr(), lse.data_ptr(),
+        projected.data_ptr(), None, None, None, batch, length, n_heads, width, 0.0, 0, 0, 0.0, block, threads))
+    return projected, qkv, attended, lse
+
+
+def attention_body_streamed_backward(blas: PackedGemm, attend_back: int, grad_projected: Tensor, grad_x: Tensor,
+                                     qkv: Tensor, b_qkv: Tensor, attended: Tensor, lse: Tensor, w_qkv: Tensor,
+                                     w_out: Tensor, bias_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """The backward pass of :func:`attention_body_streamed` from its product's gradient: adds the body's share to
+    ``grad_x`` (contiguous, in place) and returns the projections' output gradient and (with ``bias_grad``) their
+    bias's."""
+    rows, width = grad_x.shape
+    batch, n_heads, length = lse.shape
+    block = _block_sequences(length)
+    grad_projected = grad_projected.contiguous()
+    grad_attended, grad_qkv, sums = torch.empty_like(grad_x), torch.empty_like(qkv), grad_x.new_empty(3 * width)
+    per_sequence = qkv.new_empty(batch, 3 * width) if bias_grad else None
+    threads = min(kernel_threads(3 * rows * width), -(-batch // block))
+    _check_scratch(KERNEL.library().attention_sublayer_backward_f32(
+        blas.pack, blas.compute, blas.local_threads, attend_back, None, None, None, None, None, qkv.data_ptr(),
+        b_qkv.data_ptr(), attended.data_ptr(), lse.data_ptr(), w_qkv.data_ptr(), w_out.data_ptr(),
+        blas.packed_floats(block * length, width, width), blas.packed_floats(block * length, width, 3 * width),
+        grad_x.data_ptr(), grad_projected.data_ptr(), grad_attended.data_ptr(), grad_qkv.data_ptr(),
+        None if per_sequence is None else per_sequence.data_ptr(), sums.data_ptr(), batch, length, n_heads, width,
+        0.0, block, threads))
+    return grad_qkv, None if per_sequence is None else per_sequence.sum(0)
 
 
 def attention_sublayer_streamed_backward(blas: PackedGemm, attend_back: int, grad: Tensor, xhat: Tensor, rstd: Tensor,

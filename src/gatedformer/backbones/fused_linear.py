@@ -54,12 +54,16 @@ from gatedformer.backbones._blas import PackedGemm
 from gatedformer.backbones._dropout_kernel import apply_dropout
 from gatedformer.backbones._epilogue_kernel import (
     KERNEL,
+    attention_body_streamed,
+    attention_body_streamed_backward,
     attention_sublayer_streamed,
     attention_sublayer_streamed_backward,
     bias_dropout_add_,
     bias_relu_dropout_,
     dropout_add_norm,
     dropout_add_norm_backward,
+    feed_forward_body_streamed,
+    feed_forward_body_streamed_backward,
     feed_forward_streamed,
     feed_forward_streamed_backward,
     gated_dropout_add_norm_backward,
@@ -315,10 +319,11 @@ def _add_branch_grads(grad_x: Tensor | None, x: Tensor, grad_gate: Tensor | None
     return grad_w_gate, grad_w_unit, grad_b_unit
 
 
-def _streams(x: Tensor, w1: Tensor, w2: Tensor, *branches: Tensor | None) -> PackedGemm | None:
-    """MKL's packed products where a plain sublayer (no gate, unit or EAU in ``branches``) can stream its rows through
-    ``feed_forward_streamed`` or ``attention_sublayer_streamed``, else ``None``."""
-    if any(branch is not None for branch in branches) or not (w1.is_contiguous() and w2.is_contiguous()):
+def _streams(w1: Tensor, w2: Tensor) -> PackedGemm | None:
+    """MKL's packed products where a sublayer's body can stream its rows through the epilogue kernel's
+    ``feed_forward_streamed`` or ``attention_sublayer_streamed`` (a plain sublayer, its LayerNorm too) or their
+    ``_body_`` forms (gates after them), else ``None``."""
+    if not (w1.is_contiguous() and w2.is_contiguous()):
         return None
     return _blas.packed_gemm()
 
@@ -334,14 +339,20 @@ class _FeedForwardAddNorm(torch.autograd.Function):
         *eau, unit_tail, eps, inner_mask, outer_mask = rest  # the EAU's six parameters (or Nones) first
         ctx.scales, ctx.unit_tail = (_INT32_VALUES / inner_mask[1], _INT32_VALUES / outer_mask[1]), unit_tail
         x = x.contiguous()
-        ctx.blas = _streams(x, w1, w2, w_gate, w_unit, eau[0])
-        if ctx.blas is not None:
+        ctx.blas = _streams(w1, w2)
+        ctx.plain = w_gate is None and w_unit is None and eau[0] is None
+        if ctx.blas is not None and ctx.plain:
             out, hidden, positive, *tail = feed_forward_streamed(ctx.blas, x, w1, b1, w2, b2, gamma, beta, eps,
                                                                  inner_mask, ctx.scales[0], outer_mask, ctx.scales[1])
             tail += [None] * 7  # as _norm_tail's: no gate, carry, branch or EAU
         else:
-            hidden, positive = bias_relu_dropout_(x.mm(w1.t()), b1, *inner_mask, ctx.scales[0])
-            out, tail = _norm_tail(x, hidden.mm(w2.t()), b2, gamma, beta, eps, outer_mask, ctx.scales[1],
+            if ctx.blas is not None:
+                projected, hidden, positive = feed_forward_body_streamed(ctx.blas, x, w1, b1, w2, inner_mask,
+                                                                         ctx.scales[0])
+            else:
+                hidden, positive = bias_relu_dropout_(x.mm(w1.t()), b1, *inner_mask, ctx.scales[0])
+                projected = hidden.mm(w2.t())
+            out, tail = _norm_tail(x, projected, b2, gamma, beta, eps, outer_mask, ctx.scales[1],
                                    None if w_gate is None else (w_gate, b_gate),
                                    None if w_unit is None else (w_unit, b_unit, unit_tail),
                                    None if eau[0] is None else tuple(eau))
@@ -353,7 +364,7 @@ class _FeedForwardAddNorm(torch.autograd.Function):
         x, w1, positive, hidden, w2, b2, gamma, w_gate, w_unit, *rest = ctx.saved_tensors
         eau, tail = tuple(rest[:6]), tuple(rest[6:])
         needed = ctx.needs_input_grad
-        if ctx.blas is not None:
+        if ctx.blas is not None and ctx.plain:
             grad_x, grad_outer, grad_inner, grad_gamma, grad_beta, grad_b2, grad_b1 = feed_forward_streamed_backward(
                 ctx.blas, grad, *tail[:2], gamma, tail[2], positive, w1, w2, *ctx.scales)
             grads = (grad_x, grad_inner.t().mm(x) if needed[1] else None, grad_b1,
@@ -361,11 +372,18 @@ class _FeedForwardAddNorm(torch.autograd.Function):
             return (*(g if need else None for g, need in zip(grads, needed, strict=False)), *(None,) * 14)
         grad_x, grad_outer, grad_gate, grad_gamma, grad_beta, grad_b2, grad_b_gate, grad_branch, grad_eau = (
             _norm_tail_backward(grad, tail, gamma, b2, ctx.scales[1], ctx.unit_tail, x, eau))
-        grad_inner, grad_b1 = scale_where_positive_with_sums(positive, grad_outer.mm(w2), ctx.scales[0], in_place=True)
         if not needed[0]:
             grad_x = None
-        if grad_x is not None:  # the residual's gradient plus the body's (and the gates'), in the products
-            grad_x.addmm_(grad_inner, w1)
+        if ctx.blas is not None:  # the body's share of x's gradient added in the stream's last product
+            grad_x = torch.zeros_like(x) if grad_x is None else grad_x.contiguous()
+            grad_inner, grad_b1 = feed_forward_body_streamed_backward(ctx.blas, grad_outer, grad_x, positive, w1, w2,
+                                                                      ctx.scales[0])
+            grad_x = grad_x if needed[0] else None
+        else:
+            grad_inner, grad_b1 = scale_where_positive_with_sums(positive, grad_outer.mm(w2), ctx.scales[0],
+                                                                 in_place=True)
+            if grad_x is not None:  # the residual's gradient plus the body's (and the gates'), in the products
+                grad_x.addmm_(grad_inner, w1)
         grad_w_gate, grad_w_unit, grad_b_unit = _add_branch_grads(grad_x, x, grad_gate, w_gate, grad_branch, w_unit,
                                                                 (needed[7], needed[9], needed[10]))
         grad_w1 = grad_inner.t().mm(x) if needed[1] else None
@@ -386,19 +404,26 @@ class _AttentionAddNorm(torch.autograd.Function):
         *eau, unit_tail, eps, batch, n_heads, mask = rest  # the EAU's six parameters (or Nones) first
         ctx.scale, ctx.n_heads, ctx.unit_tail = _INT32_VALUES / mask[1], n_heads, unit_tail
         x = x.contiguous()
-        ctx.blas = _streams(x, w_qkv, w_out, w_gate, w_unit, eau[0])
-        if ctx.blas is not None:
+        ctx.blas = _streams(w_qkv, w_out)
+        ctx.plain = w_gate is None and w_unit is None and eau[0] is None
+        if ctx.blas is not None and ctx.plain:
             out, qkv, attended, lse, *tail = attention_sublayer_streamed(
                 ctx.blas, _attention_kernel.kernel_addresses()[0], x, batch, n_heads, w_qkv, b_qkv, w_out, b_out,
                 gamma, beta, eps, mask, ctx.scale)
             qkv = qkv.view(batch, -1, w_qkv.shape[0])
             tail += [None] * 7  # as _norm_tail's: no gate, carry, branch or EAU
         else:
-            # The bias is added by the kernel as it reads Q, K and V (addmm would first copy it into every row).
-            qkv = x.mm(w_qkv.t()).view(batch, -1, w_qkv.shape[0])
-            attended, lse = _attention_kernel.packed_forward(qkv, n_heads, bias=b_qkv)
-            attended = attended.view(x.shape[0], -1)
-            out, tail = _norm_tail(x, attended.mm(w_out.t()), b_out, gamma, beta, eps, mask, ctx.scale,
+            if ctx.blas is not None:
+                projected, qkv, attended, lse = attention_body_streamed(
+                    ctx.blas, _attention_kernel.kernel_addresses()[0], x, batch, n_heads, w_qkv, b_qkv, w_out)
+                qkv = qkv.view(batch, -1, w_qkv.shape[0])
+            else:
+                # The bias is added by the kernel as it reads Q, K and V (addmm would first copy it into every row).
+                qkv = x.mm(w_qkv.t()).view(batch, -1, w_qkv.shape[0])
+                attended, lse = _attention_kernel.packed_forward(qkv, n_heads, bias=b_qkv)
+                attended = attended.view(x.shape[0], -1)
+                projected = attended.mm(w_out.t())
+            out, tail = _norm_tail(x, projected, b_out, gamma, beta, eps, mask, ctx.scale,
                                    None if w_gate is None else (w_gate, b_gate),
                                    None if w_unit is None else (w_unit, b_unit, unit_tail),
                                    None if eau[0] is None else tuple(eau))
@@ -410,7 +435,7 @@ class _AttentionAddNorm(torch.autograd.Function):
         x, w_qkv, b_qkv, qkv, attended, lse, w_out, b_out, gamma, w_gate, w_unit, *rest = ctx.saved_tensors
         eau, tail = tuple(rest[:6]), tuple(rest[6:])
         needed = ctx.needs_input_grad
-        if ctx.blas is not None:
+        if ctx.blas is not None and ctx.plain:
             grad_x, grad_projected, grad_qkv, grad_b_qkv, grad_gamma, grad_beta, grad_b_out = (
                 attention_sublayer_streamed_backward(ctx.blas, _attention_kernel.kernel_addresses()[1], grad,
                                                      *tail[:2], gamma, tail[2], qkv.view(x.shape[0], -1), b_qkv,
@@ -420,14 +445,22 @@ class _AttentionAddNorm(torch.autograd.Function):
             return (*(g if need else None for g, need in zip(grads, needed, strict=False)), *(None,) * 15)
         grad_x, grad_projected, grad_gate, grad_gamma, grad_beta, grad_b_out, grad_b_gate, grad_branch, grad_eau = (
             _norm_tail_backward(grad, tail, gamma, b_out, ctx.scale, ctx.unit_tail, x, eau))
-        grad_attended = grad_projected.mm(w_out).view(qkv.shape[0], qkv.shape[1], -1)
-        grad_qkv, grad_b_qkv = _attention_kernel.packed_backward(qkv, attended.view(grad_attended.shape), grad_attended,
-                                                                 lse, ctx.n_heads, bias=b_qkv, bias_grad=needed[2])
-        grad_qkv = grad_qkv.view(x.shape[0], -1)
         if not needed[0]:
             grad_x = None
-        if grad_x is not None:  # the residual's gradient plus the body's (and the gates'), in the products
-            grad_x.addmm_(grad_qkv, w_qkv)
+        if ctx.blas is not None:  # the body's share of x's gradient added in the stream's last product
+            grad_x = torch.zeros_like(x) if grad_x is None else grad_x.contiguous()
+            grad_qkv, grad_b_qkv = attention_body_streamed_backward(
+                ctx.blas, _attention_kernel.kernel_addresses()[1], grad_projected, grad_x, qkv.view(x.shape[0], -1),
+                b_qkv, attended, lse, w_qkv, w_out, needed[2])
+            grad_x = grad_x if needed[0] else None
+        else:
+            grad_attended = grad_projected.mm(w_out).view(qkv.shape[0], qkv.shape[1], -1)
+            grad_qkv, grad_b_qkv = _attention_kernel.packed_backward(qkv, attended.view(grad_attended.shape),
+                                                                     grad_attended, lse, ctx.n_heads, bias=b_qkv,
+                                                                     bias_grad=needed[2])
+            grad_qkv = grad_qkv.view(x.shape[0], -1)
+            if grad_x is not None:  # the residual's gradient plus the body's (and the gates'), in the products
+                grad_x.addmm_(grad_qkv, w_qkv)
         grad_w_gate, grad_w_unit, grad_b_unit = _add_branch_grads(grad_x, x, grad_gate, w_gate, grad_branch, w_unit,
                                                                 (needed[7], needed[9], needed[10]))
         grad_w_qkv = grad_qkv.t().mm(x) if needed[1] else None
