@@ -319,6 +319,12 @@ def _add_branch_grads(grad_x: Tensor | None, x: Tensor, grad_gate: Tensor | None
     return grad_w_gate, grad_w_unit, grad_b_unit
 
 
+def _wide_weight_grad(grad: Tensor, x: Tensor) -> Tensor:
+    """``gradᵀ x``, the gradient of a weight with more outputs than inputs: MKL makes ``(xᵀ grad)ᵀ`` faster, even
+    with the copy into the weight's layout (2 % of the bench Transformer's step on one thread, 1 % on two)."""
+    return x.t().mm(grad).t().contiguous()
+
+
 def _streams(w1: Tensor, w2: Tensor) -> PackedGemm | None:
     """MKL's packed products where a sublayer's body can stream its rows through the epilogue kernel's
     ``feed_forward_streamed`` or ``attention_sublayer_streamed`` (a plain sublayer, its LayerNorm too) or their
@@ -367,7 +373,7 @@ class _FeedForwardAddNorm(torch.autograd.Function):
         if ctx.blas is not None and ctx.plain:
             grad_x, grad_outer, grad_inner, grad_gamma, grad_beta, grad_b2, grad_b1 = feed_forward_streamed_backward(
                 ctx.blas, grad, *tail[:2], gamma, tail[2], positive, w1, w2, *ctx.scales)
-            grads = (grad_x, grad_inner.t().mm(x) if needed[1] else None, grad_b1,
+            grads = (grad_x, _wide_weight_grad(grad_inner, x) if needed[1] else None, grad_b1,
                      grad_outer.t().mm(hidden) if needed[3] else None, grad_b2, grad_gamma, grad_beta)
             return (*(g if need else None for g, need in zip(grads, needed, strict=False)), *(None,) * 14)
         grad_x, grad_outer, grad_gate, grad_gamma, grad_beta, grad_b2, grad_b_gate, grad_branch, grad_eau = (
@@ -386,7 +392,7 @@ class _FeedForwardAddNorm(torch.autograd.Function):
                 grad_x.addmm_(grad_inner, w1)
         grad_w_gate, grad_w_unit, grad_b_unit = _add_branch_grads(grad_x, x, grad_gate, w_gate, grad_branch, w_unit,
                                                                 (needed[7], needed[9], needed[10]))
-        grad_w1 = grad_inner.t().mm(x) if needed[1] else None
+        grad_w1 = _wide_weight_grad(grad_inner, x) if needed[1] else None
         grad_w2 = grad_outer.t().mm(hidden) if needed[3] else None
         grads = (grad_x, grad_w1, grad_b1, grad_w2, grad_b2, grad_gamma, grad_beta, grad_w_gate, grad_b_gate,
                  grad_w_unit, grad_b_unit, *(grad_eau or (None,) * 6))
@@ -440,7 +446,7 @@ class _AttentionAddNorm(torch.autograd.Function):
                 attention_sublayer_streamed_backward(ctx.blas, _attention_kernel.kernel_addresses()[1], grad,
                                                      *tail[:2], gamma, tail[2], qkv.view(x.shape[0], -1), b_qkv,
                                                      attended, lse, w_qkv, w_out, ctx.scale, needed[2]))
-            grads = (grad_x, grad_qkv.t().mm(x) if needed[1] else None, grad_b_qkv,
+            grads = (grad_x, _wide_weight_grad(grad_qkv, x) if needed[1] else None, grad_b_qkv,
                      grad_projected.t().mm(attended) if needed[3] else None, grad_b_out, grad_gamma, grad_beta)
             return (*(g if need else None for g, need in zip(grads, needed, strict=False)), *(None,) * 15)
         grad_x, grad_projected, grad_gate, grad_gamma, grad_beta, grad_b_out, grad_b_gate, grad_branch, grad_eau = (
@@ -463,7 +469,7 @@ class _AttentionAddNorm(torch.autograd.Function):
                 grad_x.addmm_(grad_qkv, w_qkv)
         grad_w_gate, grad_w_unit, grad_b_unit = _add_branch_grads(grad_x, x, grad_gate, w_gate, grad_branch, w_unit,
                                                                 (needed[7], needed[9], needed[10]))
-        grad_w_qkv = grad_qkv.t().mm(x) if needed[1] else None
+        grad_w_qkv = _wide_weight_grad(grad_qkv, x) if needed[1] else None
         grad_w_out = grad_projected.t().mm(attended) if needed[3] else None
         grads = (grad_x, grad_w_qkv, grad_b_qkv, grad_w_out, grad_b_out, grad_gamma, grad_beta, grad_w_gate,
                  grad_b_gate, grad_w_unit, grad_b_unit, *(grad_eau or (None,) * 6))
