@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,10 +30,14 @@ class PackedGemm:
     compute: int
     local_threads: int
     _size: ctypes._CFuncPtr
+    _sizes: dict[tuple[int, int, int], int] = field(default_factory=dict, compare=False)
 
     def packed_floats(self, m: int, n: int, k: int) -> int:
         """Floats of the buffer that a packed ``k × n`` right-hand side of an ``m``-row product takes."""
-        return -(-int(self._size(_B_MATRIX, m, n, k)) // 4)
+        key = (m, n, k)
+        if key not in self._sizes:  # asked four times per sublayer and step, always for the same few shapes
+            self._sizes[key] = -(-int(self._size(_B_MATRIX, m, n, k)) // 4)
+        return self._sizes[key]
 
 
 def _torch_cpu_library() -> ctypes.CDLL | None:
