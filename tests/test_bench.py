@@ -21,6 +21,7 @@ from gatedformer.analysis.bench import (
     count_flops,
     main,
     measure_memory,
+    paired_ratio,
     run_bench,
     time_round_robin,
 )
@@ -62,8 +63,9 @@ def test_every_backbone_and_variant_gets_a_row_with_the_documented_fields() -> N
         assert row["peak_mem_mb"] > 0
         assert row["train_gflop"] == pytest.approx(3 * row["eval_gflop"])
         if row["variant"] != "baseline":
-            assert {"extra_flops_pct", "extra_time_pct", "gate_target_met"} <= row.keys()
+            assert {"extra_flops_pct", "extra_time_pct", "extra_time_paired_pct", "gate_target_met"} <= row.keys()
             assert row["extra_flops_pct"] > 0
+            assert row["gate_target_met"] == (row["extra_time_paired_pct"] <= row["extra_flops_pct"] + 10.0)
 
 
 def test_json_output_parses_and_the_cli_has_the_subcommand(capsys: pytest.CaptureFixture) -> None:
@@ -205,6 +207,18 @@ def test_round_robin_timing_and_failing_contenders() -> None:
     assert all(len(t.samples) == 4 and t.first_call is not None for t in times.values())
     timing = Timing([1.0, 2.0, 3.0, 4.0])
     assert timing.median == 2.5 and timing.quartiles == (1.75, 3.25)
+
+
+def test_paired_ratio_cancels_drift_shared_by_a_round() -> None:
+    """The median over rounds of variant / baseline in the same round: a variant 10 % slower in every round of a
+    machine whose speed drifts threefold gives 1.1, and a round where only the variant was disturbed moves it
+    no more than any other single round."""
+    drift = [1.0, 3.0, 1.2, 2.5, 1.1]
+    base = Timing([0.1 * d for d in drift])
+    assert paired_ratio(Timing([0.11 * d for d in drift]), base) == pytest.approx(1.1)
+    disturbed = Timing([0.11 * d * (5.0 if i == 1 else 1.0) for i, d in enumerate(drift)])
+    assert paired_ratio(disturbed, base) == pytest.approx(1.1)
+    assert paired_ratio(Timing([0.2, 0.3, 0.4]), Timing([0.1, 0.3, 0.8])) == pytest.approx(1.0)  # ratios 2, 1, 0.5
 
 
 def test_bad_options_are_config_errors() -> None:
