@@ -220,7 +220,8 @@ def _eau_backward(grad: Tensor, saved: tuple[Tensor, ...], w_in: Tensor, w_eval:
     width = s.shape[1]
     grad_evaluated, grad_adjusted = torch.empty_like(evaluated), torch.empty_like(adjusted)
     tail_backward("eau", grad, None, evaluated, width, adjusted, width, grad_evaluated, width, grad_adjusted, width)
-    grad_hidden = grad_evaluated.mm(w_eval).masked_fill_(hidden <= 0, 0.0)  # through the ReLU
+    # through the ReLU: one pass (where hidden > 0), not a comparison then a masked fill
+    grad_hidden = torch.ops.aten.threshold_backward(grad_evaluated.mm(w_eval), hidden, 0.0)
     parameters = (grad_hidden.t().mm(s), grad_hidden.sum(0), grad_evaluated.t().mm(hidden), grad_evaluated.sum(0),
                   grad_adjusted.t().mm(s), grad_adjusted.sum(0))
     return grad.addmm_(grad_adjusted, w_adj).addmm_(grad_hidden, w_in), parameters
