@@ -31,7 +31,9 @@ applies the ReLU, the dropout mask, the residual and the LayerNorm in one pass o
   their own. Where PyTorch links MKL (:mod:`gatedformer.backbones._blas`), a plain FFN sublayer (no gate, unit or
   EAU) runs up to its weights' gradients in the epilogue kernel's ``feed_forward_streamed``: each thread streams
   its own blocks of rows through both products (packed weights) and both epilogues, in one parallel region each
-  way instead of one per operation, the hidden rows still in cache between them.
+  way instead of one per operation, the hidden rows still in cache between them; attention likewise, by blocks
+  of whole sequences (``attention_sublayer_streamed``). A gated sublayer streams its body the same way up to
+  the last product (``feed_forward_body_streamed``, ``attention_body_streamed``) and its gates follow.
 
 The masks are those of :mod:`gatedformer.backbones.dropout` (Philox, keyed by a seed from torch's generator,
 one draw per call), so a fused and an unfused model with the same seed train alike.
