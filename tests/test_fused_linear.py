@@ -546,3 +546,19 @@ def test_the_language_model_streams_its_plain_sublayers(monkeypatch: pytest.Monk
     monkeypatch.setenv("GATEDFORMER_PACKED_GEMM", "0")
     assert one_step("") == (0, 0)
     assert one_step("+σ SDU") == (0, 0)
+
+
+def test_a_streamed_kernel_without_scratch_memory_says_how_to_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The streamed kernels allocate MKL's packed weights themselves; where that fails the sublayer raises one
+    MemoryError that names the switch back to the unstreamed path, and that path still computes it."""
+    _packed_gemm_or_skip()
+    library = _epilogue_kernel.KERNEL.library()
+    ffn, norm = FeedForward(16, 32, 0.1), nn.LayerNorm(16)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(library, "ffn_forward_f32", lambda *args: 1)
+        with pytest.raises(MemoryError, match="GATEDFORMER_PACKED_GEMM=0"):
+            ffn.add_norm(x, 0.1, norm)
+    monkeypatch.setenv("GATEDFORMER_PACKED_GEMM", "0")
+    monkeypatch.setattr(library, "ffn_forward_f32", lambda *args: 1)
+    assert ffn.add_norm(x, 0.1, norm) is not None
