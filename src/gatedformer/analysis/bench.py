@@ -1196,6 +1196,10 @@ def format_report(report: BenchReport) -> str:
                           _mb(r.get("peak_mem_mb")), _pct(r.get("extra_flops_pct")),
                           _pct(r.get("extra_time_pct")), _pct(r.get("extra_time_paired_pct")),
                           {True: "yes", False: "NO"}.get(r.get("gate_target_met"), "") + "*" * bool(r.get("noisy"))])
+        if any("extra_time_paired_pct" in r for r in models):
+            extra_notes.append("models: +time = the variant's median over its baseline's; +time/round = the median "
+                               "over rounds of the two calls in the same round, which the gate target "
+                               "(≤ +FLOPs + 10 points) is judged on")
         if any(r.get("noisy") for r in models):
             extra_notes.append(f"models: * = the IQR of the variant or its baseline exceeds {_NOISY_SPREAD_PCT:.0f}% "
                                "of the median (a busy machine): rerun with more --repeats, or --threads 1")
