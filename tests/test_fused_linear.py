@@ -23,7 +23,12 @@ from gatedformer.backbones import (
 from gatedformer.backbones.attention import CausalSelfAttention
 from gatedformer.backbones.blocks import FeedForward
 from gatedformer.backbones.dropout import dropout, dropout_add, relu_dropout
-from gatedformer.backbones.fused_linear import fusion_applies, linear_dropout_add, linear_relu_dropout
+from gatedformer.backbones.fused_linear import (
+    _wide_weight_grad,
+    fusion_applies,
+    linear_dropout_add,
+    linear_relu_dropout,
+)
 from gatedformer.backbones.transformer import TransformerLM
 from gatedformer.config import ModelConfig
 from gatedformer.gates import EAU, SDU, GatedMHDPA, GatedResidual, HighwayGate
@@ -562,3 +567,12 @@ def test_a_streamed_kernel_without_scratch_memory_says_how_to_go_on(monkeypatch:
     monkeypatch.setenv("GATEDFORMER_PACKED_GEMM", "0")
     monkeypatch.setattr(library, "ffn_forward_f32", lambda *args: 1)
     assert ffn.add_norm(x, 0.1, norm) is not None
+
+
+@pytest.mark.parametrize("outputs", [512, 96, 50])
+def test_wide_weight_gradient_is_grad_transposed_times_x_in_the_weights_layout(outputs: int) -> None:
+    generator = torch.Generator().manual_seed(outputs)
+    grad, x = torch.randn(300, outputs, generator=generator), torch.randn(300, 24, generator=generator)
+    result = _wide_weight_grad(grad, x)
+    assert result.shape == (outputs, 24) and result.is_contiguous()
+    torch.testing.assert_close(result, grad.t().mm(x), rtol=1e-5, atol=1e-4)

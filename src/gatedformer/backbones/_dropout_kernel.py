@@ -209,9 +209,89 @@ void positive_scale(const T* y, const T* g, T* out, int64_t n, T scale, int64_t 
     });
 }
 
+// One row segment of embed_dropout: y = (e * scale + pos) * factor, pos and the mask words optional.
+inline void embed_run(const float* __restrict e, const float* __restrict pos, float* __restrict y,
+                      const uint32_t* __restrict words, int64_t m, float scale, uint32_t keep_below,
+                      float drop_scale) {
+    if (pos != nullptr && words != nullptr) {
+        for (int64_t j = 0; j < m; ++j) y[j] = (e[j] * scale + pos[j]) * (words[j] < keep_below ? drop_scale : 0.0f);
+    } else if (pos != nullptr) {
+        for (int64_t j = 0; j < m; ++j) y[j] = e[j] * scale + pos[j];
+    } else if (words != nullptr) {
+        for (int64_t j = 0; j < m; ++j) y[j] = (e[j] * scale) * (words[j] < keep_below ? drop_scale : 0.0f);
+    } else {
+        for (int64_t j = 0; j < m; ++j) y[j] = e[j] * scale;
+    }
+}
+
+// out[r, c] = (table[tokens[r], c] * scale + positions[r % length, c]) * factor(r d + c): a scaled embedding
+// look-up, positions (or none) and dropout (or none: dropout false) in one pass over the rows, each element with
+// the mask word that dropout_f32 would give it. Returns the number of tokens outside [0, vocab) (nothing written).
+int64_t embed_dropout(const float* table, const int64_t* tokens, const float* positions, float* out, int64_t rows,
+                      int64_t d, int64_t vocab, int64_t length, float scale, bool dropout, uint64_t seed,
+                      uint32_t keep_below, float drop_scale, int64_t threads) {
+    int64_t bad = 0;
+    for (int64_t r = 0; r < rows; ++r) bad += tokens[r] < 0 || tokens[r] >= vocab;
+    if (bad != 0) return bad;
+    const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    gatedformer::parallel_chunks(rows * d, threads, kBulk, [=](int64_t lo, int64_t hi) {
+        alignas(64) uint32_t words[kBulk];
+        for (int64_t start = lo; start < hi; start += kBulk) {  // chunks start at multiples of kBulk
+            const int64_t end = hi - start < kBulk ? hi : start + kBulk;
+            if (dropout) draw_bulk((uint64_t)start / kTile, k0, k1, words);
+            for (int64_t p = start; p < end;) {  // the row segments of this draw
+                const int64_t r = p / d, c = p - r * d, m = end - p < d - c ? end - p : d - c;
+                embed_run(table + tokens[r] * d + c, positions != nullptr ? positions + (r % length) * d + c : nullptr,
+                          out + p, dropout ? words + (p - start) : nullptr, m, scale, keep_below, drop_scale);
+                p += m;
+            }
+        }
+    });
+    return 0;
+}
+
+// Its backward pass: grad_table[tokens[r], c] += grad[r, c] * factor(r d + c) * scale. The threads split the
+// columns (in whole draws where d allows), so that no two of them add into the same element; each draws the words
+// of its own columns again.
+void embed_dropout_backward(const float* grad, const int64_t* tokens, float* grad_table, int64_t rows, int64_t d,
+                            float scale, bool dropout, uint64_t seed, uint32_t keep_below, float drop_scale,
+                            int64_t threads) {
+    const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    gatedformer::parallel_chunks(d, threads, kDraw, [=](int64_t c0, int64_t c1) {
+        alignas(64) uint32_t words[kDraw];
+        for (int64_t r = 0; r < rows; ++r) {
+            const float* __restrict g = grad + r * d;
+            float* __restrict t = grad_table + tokens[r] * d;
+            if (!dropout) {
+                for (int64_t c = c0; c < c1; ++c) t[c] += g[c] * scale;
+                continue;
+            }
+            for (int64_t p = r * d + c0, end = r * d + c1; p < end;) {
+                const int64_t base = p / kDraw * kDraw, stop = end < base + kDraw ? end : base + kDraw;
+                draw_words((uint64_t)base / kTile, k0, k1, words);
+                for (int64_t q = p; q < stop; ++q)
+                    t[q - r * d] += (g[q - r * d] * (words[q - base] < keep_below ? drop_scale : 0.0f)) * scale;
+                p = stop;
+            }
+        }
+    });
+}
+
 }  // namespace
 
 extern "C" {
+int64_t embed_dropout_f32(const float* table, const int64_t* tokens, const float* positions, float* out,
+                          int64_t rows, int64_t d, int64_t vocab, int64_t length, double scale, int64_t dropout,
+                          uint64_t seed, uint32_t keep_below, double drop_scale, int64_t threads) {
+    return embed_dropout(table, tokens, positions, out, rows, d, vocab, length, (float)scale, dropout != 0, seed,
+                         keep_below, (float)drop_scale, threads);
+}
+void embed_dropout_backward_f32(const float* grad, const int64_t* tokens, float* grad_table, int64_t rows, int64_t d,
+                                double scale, int64_t dropout, uint64_t seed, uint32_t keep_below, double drop_scale,
+                                int64_t threads) {
+    embed_dropout_backward(grad, tokens, grad_table, rows, d, (float)scale, dropout != 0, seed, keep_below,
+                           (float)drop_scale, threads);
+}
 #define DROPOUT_DEFINE(T, SUFFIX)                                                                           \
     void dropout_##SUFFIX(const T* x, T* y, int64_t n, uint64_t seed, uint32_t keep_below, double scale,    \
                           int64_t threads) {                                                                \
@@ -249,13 +329,17 @@ def _bind(lib: ctypes.CDLL) -> None:
         getattr(lib, f"positive_scale_{suffix}").restype = None
     lib.dropout_tile_words.argtypes = [u64, u64, p]
     lib.dropout_tile_words.restype = None
+    lib.embed_dropout_f32.argtypes = [p, p, p, p, i, i, i, i, f, i, u64, u32, f, i]
+    lib.embed_dropout_f32.restype = i
+    lib.embed_dropout_backward_f32.argtypes = [p, p, p, i, i, f, i, u64, u32, f, i]
+    lib.embed_dropout_backward_f32.restype = None
 
 
 _NO_FMA = ("-ffp-contract=off",)
 """No fused multiply-add, so that ``base + x * scale`` rounds as PyTorch's two operations do."""
 
 KERNEL = NativeKernel(
-    "dropout", _CPP_SOURCE, _bind, abi_version=7, env_var="GATEDFORMER_DROPOUT_BACKEND",
+    "dropout", _CPP_SOURCE, _bind, abi_version=8, env_var="GATEDFORMER_DROPOUT_BACKEND",
     description="the compiled dropout kernel", fallback="PyTorch's own dropout",
     # No fused multiply-add, so that ``base + x * scale`` rounds as PyTorch's two operations do.
     extra_cflags=_NO_FMA, avx512=True,
@@ -346,3 +430,34 @@ def scale_where_positive(y: Tensor, grad: Tensor, scale: float) -> Tensor:
         fn(y.data_ptr(), grad.data_ptr(), out.data_ptr(), y.numel(), scale, kernel_threads(y.numel()))
         return out
     return grad * (y > 0).to(grad.dtype).mul_(scale)
+
+
+def embed_dropout(table: Tensor, tokens: Tensor, positions: Tensor | None, scale: float,
+                  mask: tuple[int, int, float] | None) -> Tensor:
+    """``(table[tokens] * scale + positions)`` times the mask ``(seed, keep_below, drop scale)`` (none: no dropout)
+    in one pass, the mask :func:`apply_dropout` would give the sum. ``table`` ``(V, d)`` and ``positions``
+    ``(L, d)`` contiguous float32, ``tokens`` ``(..., L)`` contiguous int64; needs the compiled kernel."""
+    vocab, width = table.shape
+    length = tokens.shape[-1]
+    out = table.new_empty(*tokens.shape, width)
+    seed, keep_below, drop_scale = mask or (0, 0, 1.0)
+    bad = KERNEL.library().embed_dropout_f32(
+        table.data_ptr(), tokens.data_ptr(), None if positions is None else positions.data_ptr(), out.data_ptr(),
+        tokens.numel(), width, vocab, length, scale, mask is not None, seed, keep_below, drop_scale,
+        kernel_threads(out.numel()))
+    if bad:
+        raise IndexError(f"index out of range in self: {bad} token ids outside [0, {vocab}) for an embedding of "
+                         f"{vocab} rows")
+    return out
+
+
+def embed_dropout_backward(grad: Tensor, tokens: Tensor, vocab: int, scale: float,
+                           mask: tuple[int, int, float] | None) -> Tensor:
+    """The table's gradient for :func:`embed_dropout`'s output gradient ``grad`` (contiguous float32)."""
+    width = grad.shape[-1]
+    grad_table = grad.new_zeros(vocab, width)
+    seed, keep_below, drop_scale = mask or (0, 0, 1.0)
+    KERNEL.library().embed_dropout_backward_f32(
+        grad.data_ptr(), tokens.data_ptr(), grad_table.data_ptr(), tokens.numel(), width, scale, mask is not None,
+        seed, keep_below, drop_scale, kernel_threads(grad.numel()))
+    return grad_table

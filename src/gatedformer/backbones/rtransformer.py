@@ -26,6 +26,7 @@ from gatedformer.backbones.attention import CausalSelfAttention
 from gatedformer.backbones.blocks import Sublayer, make_ffn
 from gatedformer.backbones.dropout import Dropout
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
+from gatedformer.backbones.token_embedding import embed_tokens
 
 __all__ = ["RNN_TYPES", "LocalRNN", "RTransformerLM", "RTransformerLayer"]
 
@@ -186,7 +187,7 @@ class RTransformerLM(nn.Module):
             self.output.weight = self.embedding.weight
 
     def forward(self, tokens: Tensor, state: object = None) -> tuple[Tensor, None]:
-        x = self.emb_dropout(self.embedding(tokens) * math.sqrt(self.d_model))
+        x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), dropout=self.emb_dropout)
         for layer in self.layers:
             x = layer(x)
         if self.final_norm is not None:

@@ -42,6 +42,7 @@ from gatedformer.backbones.attention import sinusoidal_positions
 from gatedformer.backbones.blocks import Sublayer, make_ffn
 from gatedformer.backbones.dropout import Dropout
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
+from gatedformer.backbones.token_embedding import embed_tokens
 
 Cache = list[dict[str, Any]]
 
@@ -211,9 +212,8 @@ class Seq2SeqTransformer(nn.Module):
         length = tokens.shape[1]
         if offset + length > self.max_len:
             raise ValueError(f"sequence of {offset + length} tokens is longer than max_len n={self.max_len}")
-        x = table(tokens) * math.sqrt(self.d_model)
-        x = x + self.positions[offset: offset + length].to(x.dtype)
-        return self.emb_dropout(x)
+        return embed_tokens(tokens, table, math.sqrt(self.d_model), self.positions[offset: offset + length],
+                            self.emb_dropout)
 
     # -- the three entry points -----------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from gatedformer.backbones._sru_kernel import kernel_backend, sru_recurrence, sru_recurrence_reference
 from gatedformer.backbones.dropout import Dropout, dropout
+from gatedformer.backbones.token_embedding import embed_tokens
 
 __all__ = [
     "SRU",
@@ -346,7 +347,7 @@ class SRULanguageModel(nn.Module):
     def forward(self, tokens: Tensor, state: Tensor | None = None) -> tuple[Tensor, Tensor]:
         if tokens.dim() != 2:
             raise ValueError(f"tokens must have shape (B, L), got {tuple(tokens.shape)}")
-        x = self.embedding(tokens.t()) * math.sqrt(self.d_model)
-        h, new_state = self.sru(self.dropout(x), state)
+        x = embed_tokens(tokens.t(), self.embedding, math.sqrt(self.d_model), dropout=self.dropout)
+        h, new_state = self.sru(x, state)
         logits = self.output(self.dropout(self.final_norm(h)))
         return logits.transpose(0, 1), new_state

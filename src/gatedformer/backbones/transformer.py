@@ -11,6 +11,7 @@ from gatedformer.backbones.blocks import Sublayer, make_ffn
 from gatedformer.backbones.dropout import Dropout
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
 from gatedformer.backbones.sru import SRU
+from gatedformer.backbones.token_embedding import embed_tokens
 
 _POSITIONS_CACHED = 1024
 """Rows of the sinusoidal table built with the model (a longer input extends it)."""
@@ -84,9 +85,8 @@ class TransformerLM(nn.Module):
         return self.positions[:length]
 
     def forward(self, tokens: Tensor, state: object = None) -> tuple[Tensor, None]:
-        x = self.embedding(tokens) * math.sqrt(self.d_model)
-        x = x + self._positions(tokens.shape[1]).to(x.dtype)
-        x = self.emb_dropout(x)
+        x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), self._positions(tokens.shape[1]),
+                         self.emb_dropout)
         for layer in self.layers:
             x = layer(x)
         if self.final_norm is not None:

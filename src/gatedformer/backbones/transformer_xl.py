@@ -33,6 +33,7 @@ from gatedformer.backbones.attention import sinusoidal_positions
 from gatedformer.backbones.blocks import Sublayer, make_ffn
 from gatedformer.backbones.dropout import Dropout
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
+from gatedformer.backbones.token_embedding import embed_tokens
 
 __all__ = ["RelativeMultiHeadAttention", "TransformerXLLM", "TransformerXLLayer", "rel_shift",
            "relative_positions"]
@@ -229,7 +230,7 @@ class TransformerXLLM(nn.Module):
         batch, length = tokens.shape
         memories = self._check_state(state, batch)
         mem_len_in = memories[0].shape[1] if memories else 0
-        x = self.emb_dropout(self.embedding(tokens) * math.sqrt(self.d_model))
+        x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), dropout=self.emb_dropout)
         pos = self.emb_dropout(relative_positions(mem_len_in + length, self.d_model, x.device, x.dtype))
         inputs = []
         for i, layer in enumerate(self.layers):
