@@ -330,11 +330,11 @@ def test_only_post_norm_sublayers_without_an_eau_run_as_one_function() -> None:
     assert not any(getattr(module, "fuse_sublayer", False) for module in pre_norm.modules())
 
 
-@pytest.mark.parametrize("case", ["eval", "float64", "hooked", "no bias", "p=0"])
+@pytest.mark.parametrize("case", ["eval", "float64", "hooked", "no bias", "p=1"])
 def test_everything_else_is_computed_unfused(case: str) -> None:
     linear = nn.Linear(4, 6, bias=case != "no bias")
     x = torch.randn(3, 4)
-    p, training = (0.0 if case == "p=0" else 0.2), case != "eval"
+    p, training = (1.0 if case == "p=1" else 0.2), case != "eval"
     if case == "float64":
         linear, x = linear.double(), x.double()
     seen: list[Tensor] = []
@@ -349,6 +349,19 @@ def test_everything_else_is_computed_unfused(case: str) -> None:
         assert len(seen) == 2  # the hook saw the layer's call inside linear_relu_dropout too
 
 
+def test_without_dropout_a_linear_layer_still_fuses_and_draws_no_seed() -> None:
+    _kernel_or_skip()
+    linear, x = nn.Linear(4, 6), torch.randn(3, 4)
+    assert fusion_applies(x, linear, 0.0, True)
+    torch.manual_seed(0)
+    out = linear_relu_dropout(x, linear, 0.0)
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(3))  # no seed drawn, as dropout(p=0) draws none
+    torch.testing.assert_close(out, linear(x).relu(), rtol=1e-6, atol=1e-6)
+    assert type(out.grad_fn).__name__ != "ReluBackward0"
+
+
 def test_sublayers_fuse_only_where_no_gate_stands_between() -> None:
     model = TransformerLM(vocab_size=11, d_model=16, n_layers=3, n_heads=2, d_ffn=32,
                           gates="+EAU L1 + highway L2 + σ L3/ffn")
@@ -357,19 +370,21 @@ def test_sublayers_fuse_only_where_no_gate_stands_between() -> None:
                      "layers.2.attn": True, "layers.2.ffn": False}
 
 
-@pytest.mark.parametrize(("backbone", "gates", "norm"), [
-    *[("transformer", gates, "post") for gates in ["", "+σ SDU", "+highway gate", "+gated MHDPA", "+EAU", "+GRC",
-                                                    "+EAU+GRC"]],
-    *[("transformer", gates, "pre") for gates in ["", "+highway gate", "+EAU+GRC"]],
-    ("rtransformer", "+σ SDU", "post"), ("transformer-xl", "+EAU+GRC", "post"), ("sru-transformer", "", "post"),
+@pytest.mark.parametrize(("backbone", "gates", "norm", "dropout"), [
+    *[("transformer", gates, "post", 0.2) for gates in ["", "+σ SDU", "+highway gate", "+gated MHDPA", "+EAU",
+                                                         "+GRC", "+EAU+GRC"]],
+    *[("transformer", gates, "pre", 0.2) for gates in ["", "+highway gate", "+EAU+GRC"]],
+    ("rtransformer", "+σ SDU", "post", 0.2), ("transformer-xl", "+EAU+GRC", "post", 0.2),
+    ("sru-transformer", "", "post", 0.2),
+    *[("transformer", gates, norm, 0.0) for gates in ["", "+GRC", "+σ SDU"] for norm in ["post", "pre"]],
 ])
-def test_language_model_trains_the_same_fused_or_not(backbone: str, gates: str, norm: str,
+def test_language_model_trains_the_same_fused_or_not(backbone: str, gates: str, norm: str, dropout: float,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every sublayer form (post- and pre-LN, each gate, each backbone built on Sublayer): the fused passes
-    give the loss and every gradient of the model computed as written."""
+    """Every sublayer form (post- and pre-LN, each gate, each backbone built on Sublayer; with dropout and
+    without): the fused passes give the loss and every gradient of the model computed as written."""
     _kernel_or_skip()
     torch.manual_seed(0)
-    cfg = ModelConfig(backbone=backbone, d_model=32, n_layers=2, n_heads=2, d_ffn=64, dropout=0.2, gates=gates,
+    cfg = ModelConfig(backbone=backbone, d_model=32, n_layers=2, n_heads=2, d_ffn=64, dropout=dropout, gates=gates,
                       norm=norm, rnn_window=3, mem_len=8)
     model = build_model(cfg, 30)
     tokens = torch.randint(0, 30, (3, 17))
@@ -576,3 +591,53 @@ def test_wide_weight_gradient_is_grad_transposed_times_x_in_the_weights_layout(o
     result = _wide_weight_grad(grad, x)
     assert result.shape == (outputs, 24) and result.is_contiguous()
     torch.testing.assert_close(result, grad.t().mm(x), rtol=1e-5, atol=1e-4)
+
+
+def test_without_dropout_the_sublayers_stay_fused_and_draw_no_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """p = 0 is the kernels' keep-everything mask (keep_below 2**32, 0 in their 32-bit argument): the fused and
+    streamed functions still run, the output is the one computed as written, and torch's generator moves on
+    exactly as it does unfused (not at all)."""
+    _kernel_or_skip()
+    calls = []
+    for name in ("_FeedForwardAddNorm", "_AttentionAddNorm"):
+        real = getattr(fused_linear, name).apply
+        monkeypatch.setattr(getattr(fused_linear, name), "apply",
+                            lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    torch.manual_seed(0)
+    model = TransformerLM(vocab_size=11, d_model=32, n_layers=2, n_heads=2, d_ffn=64, dropout=0.0)
+    tokens = torch.randint(0, 11, (2, 9))
+    torch.manual_seed(3)
+    fused = model(tokens)[0]
+    after_fused = torch.rand(4)
+    assert calls.count("_FeedForwardAddNorm") == calls.count("_AttentionAddNorm") == 2
+    fused.sum().backward()
+    fused_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    monkeypatch.setattr(fused_linear, "fusion_applies", lambda *args: False)
+    torch.manual_seed(3)
+    plain = model(tokens)[0]
+    after_plain = torch.rand(4)
+    plain.sum().backward()
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+    assert torch.equal(after_fused, after_plain)
+    for a, b in zip(fused_grads, [p.grad for p in model.parameters()], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", _native.ISAS)
+def test_a_keep_below_of_two_to_the_32_keeps_every_element(isa: str, kernel_build) -> None:  # noqa: ANN001
+    """The epilogue kernels read keep_below 2**32 (0 in their 32-bit argument) as "keep everything", in every
+    build."""
+    _kernel_or_skip()
+    kernel_build(_epilogue_kernel.KERNEL, isa)
+    h, bias, base = torch.randn(64, 40), torch.randn(40), torch.randn(64, 40)
+    gamma, beta = torch.randn(40), torch.randn(40)
+    relu, _ = _epilogue_kernel.bias_relu_dropout_(h.clone(), bias, 7, 2 ** 32, 1.0)
+    assert torch.equal(relu, (h + bias).relu())
+    added = _epilogue_kernel.bias_dropout_add_(h.clone(), base, bias, 7, 2 ** 32, 1.0)
+    assert torch.equal(added, base + (h + bias))
+    y, _, _, bits = _epilogue_kernel.dropout_add_norm(h.clone(), base, bias, gamma, beta, 1e-5, 7, 2 ** 32, 1.0)
+    reference = torch.nn.functional.layer_norm(base + (h + bias), (40,), gamma, beta, 1e-5)
+    torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(bits[:, 0], torch.full((64,), -1, dtype=torch.int32))  # columns 0-31 kept
+    assert torch.equal(bits[:, 1], torch.full((64,), 0xFF, dtype=torch.int32))  # and 32-39

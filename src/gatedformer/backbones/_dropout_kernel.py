@@ -29,8 +29,8 @@ from torch import Tensor
 
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 
-__all__ = ["KERNEL", "PHILOX_CPP", "apply_dropout", "apply_dropout_add", "apply_relu_dropout", "philox4x32_10",
-           "philox_words", "scale_where_positive"]
+__all__ = ["KERNEL", "PHILOX_CPP", "apply_dropout", "apply_dropout_add", "apply_relu_dropout", "keep_word",
+           "philox4x32_10", "philox_words", "scale_where_positive"]
 
 _MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
 _KEY_STEPS = (0x9E3779B9, 0xBB67AE85)
@@ -52,6 +52,10 @@ namespace {
 
 constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kStep0 = 0x9E3779B9u, kStep1 = 0xBB67AE85u;
 constexpr int64_t kLanes = 8, kTile = 4 * kLanes;
+
+// An element is kept where its mask word is below keep_below (the number of the 2^32 words that keep it), that is
+// where word <= keep_below - 1: in 32 bits a keep_below of 0 stands for 2^32, every element kept (p = 0).
+inline uint32_t last_kept(uint32_t keep_below) { return keep_below - 1u; }
 
 // The 32 words of tile `tile`: words[e * 8 + l] is word e of Philox4x32-10 at counter (8 tile + l, 0, 0).
 #if defined(__AVX2__)
@@ -176,12 +180,13 @@ _CPP_SOURCE = PHILOX_CPP + r"""
 template <typename T, bool ReluToo>
 inline void masked_scale_run(const T* __restrict base, const T* __restrict x, T* __restrict y,
                              const uint32_t* __restrict words, int64_t m, uint32_t keep_below, T scale) {
+    const uint32_t last = last_kept(keep_below);
     if (base != nullptr) {
-        for (int64_t j = 0; j < m; ++j) y[j] = base[j] + x[j] * (words[j] < keep_below ? scale : T(0));
+        for (int64_t j = 0; j < m; ++j) y[j] = base[j] + x[j] * (words[j] <= last ? scale : T(0));
         return;
     }
     for (int64_t j = 0; j < m; ++j) {
-        const bool keep = words[j] < keep_below && (!ReluToo || x[j] > T(0));
+        const bool keep = words[j] <= last && (!ReluToo || x[j] > T(0));
         y[j] = x[j] * (keep ? scale : T(0));
     }
 }
@@ -213,12 +218,13 @@ void positive_scale(const T* y, const T* g, T* out, int64_t n, T scale, int64_t 
 inline void embed_run(const float* __restrict e, const float* __restrict pos, float* __restrict y,
                       const uint32_t* __restrict words, int64_t m, float scale, uint32_t keep_below,
                       float drop_scale) {
+    const uint32_t last = last_kept(keep_below);
     if (pos != nullptr && words != nullptr) {
-        for (int64_t j = 0; j < m; ++j) y[j] = (e[j] * scale + pos[j]) * (words[j] < keep_below ? drop_scale : 0.0f);
+        for (int64_t j = 0; j < m; ++j) y[j] = (e[j] * scale + pos[j]) * (words[j] <= last ? drop_scale : 0.0f);
     } else if (pos != nullptr) {
         for (int64_t j = 0; j < m; ++j) y[j] = e[j] * scale + pos[j];
     } else if (words != nullptr) {
-        for (int64_t j = 0; j < m; ++j) y[j] = (e[j] * scale) * (words[j] < keep_below ? drop_scale : 0.0f);
+        for (int64_t j = 0; j < m; ++j) y[j] = (e[j] * scale) * (words[j] <= last ? drop_scale : 0.0f);
     } else {
         for (int64_t j = 0; j < m; ++j) y[j] = e[j] * scale;
     }
@@ -256,7 +262,7 @@ int64_t embed_dropout(const float* table, const int64_t* tokens, const float* po
 void embed_dropout_backward(const float* grad, const int64_t* tokens, float* grad_table, int64_t rows, int64_t d,
                             float scale, bool dropout, uint64_t seed, uint32_t keep_below, float drop_scale,
                             int64_t threads) {
-    const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32), last = last_kept(keep_below);
     gatedformer::parallel_chunks(d, threads, kDraw, [=](int64_t c0, int64_t c1) {
         alignas(64) uint32_t words[kDraw];
         for (int64_t r = 0; r < rows; ++r) {
@@ -270,7 +276,7 @@ void embed_dropout_backward(const float* grad, const int64_t* tokens, float* gra
                 const int64_t base = p / kDraw * kDraw, stop = end < base + kDraw ? end : base + kDraw;
                 draw_words((uint64_t)base / kTile, k0, k1, words);
                 for (int64_t q = p; q < stop; ++q)
-                    t[q - r * d] += (g[q - r * d] * (words[q - base] < keep_below ? drop_scale : 0.0f)) * scale;
+                    t[q - r * d] += (g[q - r * d] * (words[q - base] <= last ? drop_scale : 0.0f)) * scale;
                 p = stop;
             }
         }
@@ -339,7 +345,7 @@ _NO_FMA = ("-ffp-contract=off",)
 """No fused multiply-add, so that ``base + x * scale`` rounds as PyTorch's two operations do."""
 
 KERNEL = NativeKernel(
-    "dropout", _CPP_SOURCE, _bind, abi_version=8, env_var="GATEDFORMER_DROPOUT_BACKEND",
+    "dropout", _CPP_SOURCE, _bind, abi_version=9, env_var="GATEDFORMER_DROPOUT_BACKEND",
     description="the compiled dropout kernel", fallback="PyTorch's own dropout",
     # No fused multiply-add, so that ``base + x * scale`` rounds as PyTorch's two operations do.
     extra_cflags=_NO_FMA, avx512=True,
@@ -382,12 +388,18 @@ def philox_words(count: int, seed: int, start: int = 0) -> np.ndarray:
 # ---- the operations (contiguous CPU tensors) --------------------------------------------------------
 
 
+def keep_word(keep_below: int) -> int:
+    """``keep_below`` as the kernels' 32-bit argument: ``2**32`` (``p`` 0, every element kept) becomes 0, which they
+    read as ``2**32`` (see ``last_kept`` in :data:`PHILOX_CPP`)."""
+    return keep_below % 2 ** 32
+
+
 def _native_ok(x: Tensor) -> bool:
     return x.dtype in _NATIVE_DTYPES and KERNEL.pick_backend(x.device) == "native"
 
 
 def _reference_keep(x: Tensor, seed: int, keep_below: int) -> Tensor:
-    return torch.from_numpy(philox_words(x.numel(), seed) < np.uint32(keep_below)).view(x.shape)
+    return torch.from_numpy(philox_words(x.numel(), seed).astype(np.int64) < keep_below).view(x.shape)
 
 
 def apply_dropout(x: Tensor, seed: int, keep_below: int, scale: float) -> Tensor:
@@ -395,7 +407,7 @@ def apply_dropout(x: Tensor, seed: int, keep_below: int, scale: float) -> Tensor
     if _native_ok(x):
         out = torch.empty_like(x)
         fn = getattr(KERNEL.library(), f"dropout_{_NATIVE_DTYPES[x.dtype]}")
-        fn(x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_below, scale, kernel_threads(x.numel()))
+        fn(x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_word(keep_below), scale, kernel_threads(x.numel()))
         return out
     return x * _reference_keep(x, seed, keep_below).to(x.dtype).mul_(scale)
 
@@ -405,7 +417,7 @@ def apply_dropout_add(base: Tensor, x: Tensor, seed: int, keep_below: int, scale
     if _native_ok(x) and base.dtype == x.dtype:
         out = torch.empty_like(x)
         fn = getattr(KERNEL.library(), f"dropout_add_{_NATIVE_DTYPES[x.dtype]}")
-        fn(base.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_below, scale,
+        fn(base.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_word(keep_below), scale,
            kernel_threads(x.numel()))
         return out
     return base + x * _reference_keep(x, seed, keep_below).to(x.dtype).mul_(scale)
@@ -416,7 +428,7 @@ def apply_relu_dropout(x: Tensor, seed: int, keep_below: int, scale: float) -> T
     if _native_ok(x):
         out = torch.empty_like(x)
         fn = getattr(KERNEL.library(), f"relu_dropout_{_NATIVE_DTYPES[x.dtype]}")
-        fn(x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_below, scale, kernel_threads(x.numel()))
+        fn(x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_word(keep_below), scale, kernel_threads(x.numel()))
         return out
     return x * (_reference_keep(x, seed, keep_below) & (x > 0)).to(x.dtype).mul_(scale)
 

@@ -32,6 +32,7 @@ from gatedformer.backbones._dropout_kernel import (
     apply_dropout,
     apply_dropout_add,
     apply_relu_dropout,
+    keep_word,
 )
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 
@@ -75,6 +76,7 @@ inline uint32_t positive_bits(const float* x, int64_t count) {
 template <bool ReluToo>
 void bias_epilogue_range(const float* base, float* h, const float* bias, int64_t lo, int64_t hi, int64_t cols,
                          uint32_t k0, uint32_t k1, uint32_t keep_below, float scale, uint32_t* positive) {
+    const uint32_t last = last_kept(keep_below);
     alignas(64) uint32_t words[kBulk];
     int64_t col = lo % cols;
     for (int64_t start = lo; start < hi; start += kBulk) {  // lo: a multiple of kBulk
@@ -88,11 +90,11 @@ void bias_epilogue_range(const float* base, float* h, const float* bias, int64_t
             if (base != nullptr) {
                 const float* as = base + start + j;
                 for (int64_t k = 0; k < run; ++k)
-                    hs[k] = as[k] + (hs[k] + bs[k]) * (ws[k] < keep_below ? scale : 0.0f);
+                    hs[k] = as[k] + (hs[k] + bs[k]) * (ws[k] <= last ? scale : 0.0f);
             } else {
                 for (int64_t k = 0; k < run; ++k) {
                     const float v = hs[k] + bs[k];
-                    const bool keep = ws[k] < keep_below && (!ReluToo || v > 0.0f);
+                    const bool keep = ws[k] <= last && (!ReluToo || v > 0.0f);
                     hs[k] = v * (keep ? scale : 0.0f);
                 }
             }
@@ -193,20 +195,21 @@ inline float lanes_sum(v16f x) {
 inline v16f keep_factor(const uint32_t* words, uint32_t keep_below, float scale) {
     v16u w;
     for (int k = 0; k < 16; ++k) w[k] = words[k];
-    return w < (v16u{} + keep_below) ? v16f{} + scale : v16f{};
+    return w <= (v16u{} + last_kept(keep_below)) ? v16f{} + scale : v16f{};
 }
 
-// Bit k set where words[k] < keep_below, for k < count <= 32.
+// Bit k set where words[k] keeps its element, for k < count <= 32.
 inline uint32_t keep_bits32(const uint32_t* words, int64_t count, uint32_t keep_below) {
+    const uint32_t last = last_kept(keep_below);
 #if defined(__AVX512F__)
     if (count == 32) {
-        const __m512i limit = _mm512_set1_epi32((int)keep_below);
-        return (uint32_t)_mm512_cmplt_epu32_mask(_mm512_loadu_si512(words), limit)
-             | (uint32_t)_mm512_cmplt_epu32_mask(_mm512_loadu_si512(words + 16), limit) << 16;
+        const __m512i limit = _mm512_set1_epi32((int)last);
+        return (uint32_t)_mm512_cmple_epu32_mask(_mm512_loadu_si512(words), limit)
+             | (uint32_t)_mm512_cmple_epu32_mask(_mm512_loadu_si512(words + 16), limit) << 16;
     }
 #endif
     uint32_t bits = 0;
-    for (int64_t k = 0; k < count; ++k) bits |= (uint32_t)(words[k] < keep_below) << k;
+    for (int64_t k = 0; k < count; ++k) bits |= (uint32_t)(words[k] <= last) << k;
     return bits;
 }
 
@@ -242,7 +245,7 @@ void dropout_add_norm_rows(const float* base, const float* h, const float* bias,
             sums += v;
         }
         for (int64_t c = whole; c < cols; ++c) {
-            const float kept = (hr[c] + bias[c]) * (words[c] < keep_below ? scale : 0.0f);
+            const float kept = (hr[c] + bias[c]) * (words[c] <= last_kept(keep_below) ? scale : 0.0f);
             xr[c] = br[c] + (gr != nullptr ? gr[c] * kept : kept);
             sum += xr[c];
         }
@@ -718,7 +721,7 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 KERNEL = NativeKernel(
-    "epilogue", _CPP_SOURCE, _bind, abi_version=5, env_var="GATEDFORMER_DROPOUT_BACKEND",
+    "epilogue", _CPP_SOURCE, _bind, abi_version=6, env_var="GATEDFORMER_DROPOUT_BACKEND",
     description="the compiled linear-epilogue kernel", fallback="unfused PyTorch operations",
     extra_cflags=_NO_FMA, avx512=True,
 )
@@ -737,8 +740,9 @@ def bias_relu_dropout_(h: Tensor, bias: Tensor, seed: int, keep_below: int, scal
     """
     positive = torch.empty(-(-h.numel() // 32), dtype=torch.int32)
     if _native_ok(h) and h.dtype == torch.float32:
-        KERNEL.library().bias_relu_dropout_f32(h.data_ptr(), bias.data_ptr(), h.numel(), h.shape[-1], seed, keep_below,
-                                               scale, kernel_threads(h.numel()), positive.data_ptr())
+        KERNEL.library().bias_relu_dropout_f32(h.data_ptr(), bias.data_ptr(), h.numel(), h.shape[-1], seed,
+                                               keep_word(keep_below), scale, kernel_threads(h.numel()),
+                                               positive.data_ptr())
         return h, positive
     h.copy_(apply_relu_dropout(h + bias, seed, keep_below, scale))
     return h, _pack_bits(h.reshape(-1) > 0)
@@ -760,8 +764,8 @@ def bias_dropout_add_(h: Tensor, base: Tensor | None, bias: Tensor, seed: int, k
     a ``base``, only the bias and the mask."""
     if _native_ok(h) and h.dtype == torch.float32 and (base is None or base.dtype == h.dtype):
         KERNEL.library().bias_dropout_add_f32(None if base is None else base.data_ptr(), h.data_ptr(),
-                                              bias.data_ptr(), h.numel(), h.shape[-1], seed, keep_below, scale,
-                                              kernel_threads(h.numel()))
+                                              bias.data_ptr(), h.numel(), h.shape[-1], seed, keep_word(keep_below),
+                                              scale, kernel_threads(h.numel()))
         return h
     if base is None:
         return h.copy_(apply_dropout(h + bias, seed, keep_below, scale))
@@ -803,7 +807,7 @@ def dropout_add_norm(h: Tensor, base: Tensor, bias: Tensor | None, gamma: Tensor
     KERNEL.library().dropout_add_norm_f32(base.data_ptr(), h.data_ptr(), bias.data_ptr(),
                                           None if gate is None else gate.data_ptr(), xhat.data_ptr(),
                                           gamma.data_ptr(), beta.data_ptr(), y.data_ptr(), rstd.data_ptr(),
-                                          keep_bits.data_ptr(), rows, cols, eps, seed, keep_below, scale,
+                                          keep_bits.data_ptr(), rows, cols, eps, seed, keep_word(keep_below), scale,
                                           kernel_threads(h.numel()))
     return y, xhat, rstd, keep_bits
 
@@ -871,7 +875,8 @@ def feed_forward_streamed(blas: PackedGemm, x: Tensor, w1: Tensor, b1: Tensor, w
         b2.data_ptr(), gamma.data_ptr(), beta.data_ptr(), blas.packed_floats(block, hidden_width, width),
         blas.packed_floats(block, width, hidden_width), hidden.data_ptr(), positive.data_ptr(), xhat.data_ptr(),
         y.data_ptr(), rstd.data_ptr(), keep_bits.data_ptr(),
-        rows, width, hidden_width, eps, inner_mask[0], inner_mask[1], inner_scale, outer_mask[0], outer_mask[1],
+        rows, width, hidden_width, eps, inner_mask[0], keep_word(inner_mask[1]), inner_scale, outer_mask[0],
+        keep_word(outer_mask[1]),
         outer_scale, block, threads))
     return y, hidden, positive, xhat, rstd, keep_bits
 
@@ -913,8 +918,8 @@ def feed_forward_body_streamed(blas: PackedGemm, x: Tensor, w1: Tensor, b1: Tens
         blas.pack, blas.compute, blas.local_threads, x.data_ptr(), w1.data_ptr(), b1.data_ptr(), w2.data_ptr(),
         None, None, None, blas.packed_floats(block, hidden_width, width),
         blas.packed_floats(block, width, hidden_width), hidden.data_ptr(), positive.data_ptr(), projected.data_ptr(),
-        None, None, None, rows, width, hidden_width, 0.0, inner_mask[0], inner_mask[1], inner_scale, 0, 0, 0.0,
-        block, threads))
+        None, None, None, rows, width, hidden_width, 0.0, inner_mask[0], keep_word(inner_mask[1]), inner_scale, 0, 0,
+        0.0, block, threads))
     return projected, hidden, positive
 
 
@@ -963,7 +968,8 @@ def attention_sublayer_streamed(blas: PackedGemm, attend: int, x: Tensor, batch:
         w_out.data_ptr(), b_out.data_ptr(), gamma.data_ptr(), beta.data_ptr(),
         blas.packed_floats(block_rows, 3 * width, width), blas.packed_floats(block_rows, width, width),
         qkv.data_ptr(), attended.data_ptr(), lse.data_ptr(), xhat.data_ptr(), y.data_ptr(), rstd.data_ptr(),
-        keep_bits.data_ptr(), batch, length, n_heads, width, eps, mask[0], mask[1], scale, block, threads))
+        keep_bits.data_ptr(), batch, length, n_heads, width, eps, mask[0], keep_word(mask[1]), scale, block,
+        threads))
     return y, qkv, attended, lse, xhat, rstd, keep_bits
 
 

@@ -104,8 +104,18 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float, dtype: torch.dtype 
     return apply_dropout(torch.ones(shape, dtype=dtype), _draw_seed(), keep_below, _INT32_VALUES / keep_below)
 
 
-def _fast_path(x: Tensor, p: float, inplace: bool = False) -> bool:
-    return (x.device.type == "cpu" and not inplace and 0 < _keep_below(p) < _INT32_VALUES
+def _mask_seed(keep_below: int) -> int:
+    """The seed of a mask that keeps ``keep_below`` of the ``2**32`` words: drawn from torch's generator, except
+    when every element is kept (``p`` 0), which draws nothing, as the unfused operations do not."""
+    return _draw_seed() if keep_below < _INT32_VALUES else 0
+
+
+def _fast_path(x: Tensor, p: float, inplace: bool = False, keep_all: bool = False) -> bool:
+    """Whether the kernel takes ``x`` with dropout ``p`` (0 < p < 1; with ``keep_all``, as the fused layers that
+    carry a dropout in their epilogue pass, p = 0 too)."""
+    keep_below = _keep_below(p)
+    return (x.device.type == "cpu" and not inplace
+            and 0 < keep_below <= (_INT32_VALUES if keep_all else _INT32_VALUES - 1)
             and x.is_floating_point() and not torch.compiler.is_compiling()
             and KERNEL.pick_backend(x.device) == "native")
 

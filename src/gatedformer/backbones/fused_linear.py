@@ -36,9 +36,11 @@ applies the ReLU, the dropout mask, the residual and the LayerNorm in one pass o
   the last product (``feed_forward_body_streamed``, ``attention_body_streamed``) and its gates follow.
 
 The masks are those of :mod:`gatedformer.backbones.dropout` (Philox, keyed by a seed from torch's generator,
-one draw per call), so a fused and an unfused model with the same seed train alike.
+one draw per call), so a fused and an unfused model with the same seed train alike. With ``p = 0`` the mask keeps
+every element and no seed is drawn, as the unfused operations draw none, so a model without dropout trains on the
+same fused path.
 
-Each takes its fused path only where it applies: training with ``0 < p < 1``, float32 on the CPU outside
+Each takes its fused path only where it applies: training with ``0 <= p < 1``, float32 on the CPU outside
 ``torch.compile`` and autocast, the compiled dropout and epilogue kernels available
 (:mod:`gatedformer.backbones._epilogue_kernel`), and a plain :class:`torch.nn.Linear`
 with a bias and a plain :class:`torch.nn.LayerNorm`, without hooks (so that hooks on them still see every
@@ -91,7 +93,7 @@ def fusion_applies(x: Tensor, linear: nn.Module, p: float, training: bool) -> bo
     return (training and type(linear) is nn.Linear and linear.bias is not None and unhooked(linear)
             and x.dtype == torch.float32 and linear.weight.dtype == torch.float32
             and linear.weight.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
-            and dropout_ops._fast_path(x, p) and KERNEL.pick_backend(x.device) == "native")
+            and dropout_ops._fast_path(x, p, keep_all=True) and KERNEL.pick_backend(x.device) == "native")
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -100,7 +102,7 @@ def _rows(x: Tensor) -> Tensor:
 
 def _on_rows(function: type[torch.autograd.Function], x: Tensor, linear: nn.Linear, p: float) -> Tensor:
     """``function`` of ``x``'s rows, ``linear``'s parameters and a fresh mask seed, back in ``x``'s shape."""
-    out = function.apply(_rows(x), linear.weight, linear.bias, dropout_ops._draw_seed(), dropout_ops._keep_below(p))
+    out = function.apply(_rows(x), linear.weight, linear.bias, *_mask(p))
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -497,8 +499,7 @@ def linear_dropout_add(base: Tensor, x: Tensor, linear: nn.Linear, p: float, tra
     if not fusion_applies(x, linear, p, training) or base.shape != (*x.shape[:-1], linear.out_features) \
             or base.dtype != x.dtype:
         return dropout_ops.dropout_add(base, linear(x), p, training)
-    out = _LinearDropoutAdd.apply(_rows(base), _rows(x), linear.weight, linear.bias, dropout_ops._draw_seed(),
-                                  dropout_ops._keep_below(p))
+    out = _LinearDropoutAdd.apply(_rows(base), _rows(x), linear.weight, linear.bias, *_mask(p))
     return out.view(base.shape)
 
 
@@ -510,7 +511,7 @@ def linear_dropout_add_norm(base: Tensor, x: Tensor, linear: nn.Linear, p: float
             or base.dtype != x.dtype or not _plain_layer_norm(norm, linear.out_features):
         return norm(linear_dropout_add(base, x, linear, p, training))
     out = _LinearDropoutAddNorm.apply(_rows(base), _rows(x), linear.weight, linear.bias, norm.weight, norm.bias,
-                                      norm.eps, dropout_ops._draw_seed(), dropout_ops._keep_below(p))
+                                      norm.eps, *_mask(p))
     return out.view(base.shape)
 
 
@@ -518,13 +519,12 @@ def dropout_add_layer_norm(base: Tensor, x: Tensor, p: float, norm: nn.LayerNorm
     """``norm(base + dropout(x, p))`` (a post-LN residual connection around any sublayer output ``x``), in one
     kernel each way where the dropout's fast path applies, outside autocast, for a plain
     :class:`torch.nn.LayerNorm` over the last dimension and ``base`` of ``x``'s shape."""
-    if not (training and dropout_ops._fast_path(x, p) and KERNEL.pick_backend(x.device) == "native"
+    if not (training and dropout_ops._fast_path(x, p, keep_all=True) and KERNEL.pick_backend(x.device) == "native"
             and x.dtype == torch.float32 and base.shape == x.shape
             and base.dtype == x.dtype and not torch.is_autocast_enabled("cpu")
             and _plain_layer_norm(norm, x.shape[-1])):
         return norm(dropout_ops.dropout_add(base, x, p, training))
-    out = _DropoutAddNorm.apply(_rows(base), _rows(x), norm.weight, norm.bias, norm.eps, dropout_ops._draw_seed(),
-                                dropout_ops._keep_below(p))
+    out = _DropoutAddNorm.apply(_rows(base), _rows(x), norm.weight, norm.bias, norm.eps, *_mask(p))
     return out.view(base.shape)
 
 
@@ -536,7 +536,9 @@ def linear_dropout(x: Tensor, linear: nn.Linear, p: float, training: bool = True
 
 
 def _mask(p: float) -> tuple[int, int]:
-    return dropout_ops._draw_seed(), dropout_ops._keep_below(p)
+    """A dropout mask's seed and ``keep_below`` (``2**32`` for p = 0: no seed drawn, every element kept)."""
+    keep_below = dropout_ops._keep_below(p)
+    return dropout_ops._mask_seed(keep_below), keep_below
 
 
 def _gate_fuses(gate: nn.Module | None, x: Tensor, p: float, training: bool) -> bool:
