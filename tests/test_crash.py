@@ -183,17 +183,17 @@ def test_nonfinite_loss_keeps_the_last_good_checkpoint(reference: dict, tmp_path
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     build_model = loop.build_model
 
-    def poisoned(config, vocab_size):  # from the 11th training forward on, the logits are NaN
+    def poisoned(config, vocab_size):  # from the 11th training forward on, the loss (or the logits) is NaN
         model = build_model(config, vocab_size)
         forward, calls = model.forward, []
 
-        def nan_forward(x, state=None):
-            logits, new_state = forward(x, state)
+        def nan_forward(x, state=None, **kwargs):
+            out, new_state = forward(x, state, **kwargs)
             if model.training:
                 calls.append(1)
                 if len(calls) >= 11:
-                    logits = logits * float("nan")
-            return logits, new_state
+                    out = out * float("nan")
+            return out, new_state
 
         model.forward = nan_forward
         return model

@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import inspect
 import json
 import math
 import os
@@ -614,6 +615,8 @@ class _LMRunner:
         self.forward = torch.compile(model) if options.compile else model
         self.optimizer = _make_optimizer(model, options.optimizer, device)
         self.bf16 = options.bf16
+        # gatedformer's language models compute their loss with the output layer (output_loss); the peers as usual
+        self.takes_targets = "targets" in inspect.signature(model.forward).parameters
         self.state = None
         # Carried state (Transformer-XL memories) in its steady state: fill the memory up to memory_len.
         if memory_len > 0:
@@ -627,7 +630,10 @@ class _LMRunner:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _loss(self, logits: Tensor) -> Tensor:
+    def _logits_loss(self, forward: Callable[..., tuple[Tensor, object]]) -> Tensor:
+        if self.takes_targets:
+            return forward(self.x, self.state, targets=self.y)[0]
+        logits, _ = forward(self.x, self.state)
         return F.cross_entropy(logits.float().reshape(-1, self.vocab), self.y.reshape(-1))
 
     def train_step(self, eager: bool = False) -> None:
@@ -635,8 +641,7 @@ class _LMRunner:
         if not self.model.training:  # as a training loop, which does not walk every module each step
             self.model.train()
         with self._autocast():
-            logits, _ = (self.model if eager else self.forward)(self.x, self.state)
-        loss = self._loss(logits)
+            loss = self._logits_loss(self.model if eager else self.forward)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         else:
@@ -649,8 +654,7 @@ class _LMRunner:
         if self.model.training:
             self.model.eval()
         with torch.no_grad(), self._autocast():
-            logits, _ = self.forward(self.x, self.state)
-            self._loss(logits)
+            self._logits_loss(self.forward)
 
 
 def count_parameters(model: nn.Module) -> int:

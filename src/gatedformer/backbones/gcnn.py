@@ -61,6 +61,7 @@ from torch.nn import functional as F
 from gatedformer.backbones.dropout import Dropout
 from gatedformer.backbones.fused_gates import glu_residual
 from gatedformer.backbones.fused_linear import unhooked
+from gatedformer.backbones.output_loss import logits_or_loss
 from gatedformer.gates import GLU
 
 __all__ = ["GatedConvBlock", "GatedConvLM", "GatedConvLayer", "causal_conv1d", "glu_init_std"]
@@ -240,13 +241,16 @@ class GatedConvLM(nn.Module):
     def receptive_field(self) -> int:
         return self.n_layers * (self.kernel_size - 1) + 1
 
-    def forward(self, tokens: Tensor, state: object = None) -> tuple[Tensor, None]:
+    def forward(self, tokens: Tensor, state: object = None, *, targets: Tensor | None = None,
+                reduction: str = "mean") -> tuple[Tensor, None]:
+        """``(logits (B, L, V), None)``, or with ``targets`` their cross-entropy in place of the logits (see
+        :class:`~gatedformer.backbones.transformer.TransformerLM`)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must have shape (B, L), got {tuple(tokens.shape)}")
         x = self.embedding(tokens)
         for block in self.layers:
             x = block(x)
-        return self.output(self.dropout(x)), None
+        return logits_or_loss(self.output, self.dropout(x), targets, reduction=reduction), None
 
     def init_check_layers(self) -> list[dict]:
         """The sites :func:`gatedformer.analysis.init_check.init_check` measures: each block's gated

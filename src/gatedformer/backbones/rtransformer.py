@@ -25,6 +25,7 @@ from gatedformer.backbones._gru_kernel import gru_step
 from gatedformer.backbones.attention import CausalSelfAttention
 from gatedformer.backbones.blocks import Sublayer, make_ffn
 from gatedformer.backbones.dropout import Dropout
+from gatedformer.backbones.output_loss import logits_or_loss
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
 from gatedformer.backbones.token_embedding import embed_tokens
 
@@ -186,10 +187,13 @@ class RTransformerLM(nn.Module):
         if tie_embeddings:
             self.output.weight = self.embedding.weight
 
-    def forward(self, tokens: Tensor, state: object = None) -> tuple[Tensor, None]:
+    def forward(self, tokens: Tensor, state: object = None, *, targets: Tensor | None = None,
+                reduction: str = "mean") -> tuple[Tensor, None]:
+        """``(logits (B, L, V), None)``, or with ``targets`` their cross-entropy in place of the logits (see
+        :class:`~gatedformer.backbones.transformer.TransformerLM`)."""
         x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), dropout=self.emb_dropout)
         for layer in self.layers:
             x = layer(x)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return self.output(x), None
+        return logits_or_loss(self.output, x, targets, reduction=reduction), None

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from gatedformer.backbones._sru_kernel import kernel_backend, sru_recurrence, sru_recurrence_reference
 from gatedformer.backbones.dropout import Dropout, dropout
+from gatedformer.backbones.output_loss import logits_or_loss
 from gatedformer.backbones.token_embedding import embed_tokens
 
 __all__ = [
@@ -344,10 +345,15 @@ class SRULanguageModel(nn.Module):
             nn.init.normal_(self.embedding.weight, std=d_model**-0.5)
             self.output.bias.zero_()
 
-    def forward(self, tokens: Tensor, state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, tokens: Tensor, state: Tensor | None = None, *, targets: Tensor | None = None,
+                reduction: str = "mean") -> tuple[Tensor, Tensor]:
+        """``(logits (B, L, V), state)``, or with ``targets`` their cross-entropy in place of the logits (see
+        :class:`~gatedformer.backbones.transformer.TransformerLM`)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must have shape (B, L), got {tuple(tokens.shape)}")
         x = embed_tokens(tokens.t(), self.embedding, math.sqrt(self.d_model), dropout=self.dropout)
         h, new_state = self.sru(x, state)
-        logits = self.output(self.dropout(self.final_norm(h)))
-        return logits.transpose(0, 1), new_state
+        hidden = self.dropout(self.final_norm(h))
+        if targets is not None:  # time-major, as the hidden states
+            return logits_or_loss(self.output, hidden, targets.t(), reduction=reduction), new_state
+        return self.output(hidden).transpose(0, 1), new_state

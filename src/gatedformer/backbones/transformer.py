@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from gatedformer.backbones.attention import CausalSelfAttention, sinusoidal_positions
 from gatedformer.backbones.blocks import Sublayer, make_ffn
 from gatedformer.backbones.dropout import Dropout
+from gatedformer.backbones.output_loss import logits_or_loss
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
 from gatedformer.backbones.sru import SRU
 from gatedformer.backbones.token_embedding import embed_tokens
@@ -54,7 +55,9 @@ class TransformerLM(nn.Module):
     """Token embedding + sinusoidal positions, ``n_layers`` causal Transformer layers, softmax output.
 
     ``forward(tokens (B, L)) -> (logits (B, L, V), None)``; the second value is the recurrent
-    state every language model returns (this one has none).
+    state every language model returns (this one has none). ``forward(tokens, targets=targets)`` returns the
+    cross-entropy of those logits against ``targets (B, L)`` in their place (``reduction`` ``"mean"`` or ``"sum"``),
+    computed without materialising them (:func:`~gatedformer.backbones.output_loss.linear_cross_entropy`).
     """
 
     def __init__(self, vocab_size: int, d_model: int = 128, n_layers: int = 3, n_heads: int = 4,
@@ -84,11 +87,12 @@ class TransformerLM(nn.Module):
                                                   self.positions.device)
         return self.positions[:length]
 
-    def forward(self, tokens: Tensor, state: object = None) -> tuple[Tensor, None]:
+    def forward(self, tokens: Tensor, state: object = None, *, targets: Tensor | None = None,
+                reduction: str = "mean") -> tuple[Tensor, None]:
         x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), self._positions(tokens.shape[1]),
                          self.emb_dropout)
         for layer in self.layers:
             x = layer(x)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return self.output(x), None
+        return logits_or_loss(self.output, x, targets, reduction=reduction), None

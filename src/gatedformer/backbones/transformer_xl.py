@@ -32,6 +32,7 @@ from torch.nn import functional as F
 from gatedformer.backbones.attention import sinusoidal_positions
 from gatedformer.backbones.blocks import Sublayer, make_ffn
 from gatedformer.backbones.dropout import Dropout
+from gatedformer.backbones.output_loss import logits_or_loss
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
 from gatedformer.backbones.token_embedding import embed_tokens
 
@@ -226,7 +227,10 @@ class TransformerXLLM(nn.Module):
             )
         return list(state)
 
-    def forward(self, tokens: Tensor, state: list[Tensor] | None = None) -> tuple[Tensor, list[Tensor] | None]:
+    def forward(self, tokens: Tensor, state: list[Tensor] | None = None, *, targets: Tensor | None = None,
+                reduction: str = "mean") -> tuple[Tensor, list[Tensor] | None]:
+        """``(logits (B, L, V), memories)``, or with ``targets`` their cross-entropy in place of the logits (see
+        :class:`~gatedformer.backbones.transformer.TransformerLM`)."""
         batch, length = tokens.shape
         memories = self._check_state(state, batch)
         mem_len_in = memories[0].shape[1] if memories else 0
@@ -238,7 +242,7 @@ class TransformerXLLM(nn.Module):
             x = layer(x, memories[i] if memories else None, pos)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return self.output(x), self._update_memories(memories, inputs)
+        return logits_or_loss(self.output, x, targets, reduction=reduction), self._update_memories(memories, inputs)
 
     @torch.no_grad()
     def _update_memories(self, memories: list[Tensor] | None, inputs: list[Tensor]) -> list[Tensor] | None:

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from gatedformer.backbones import build_model
 from gatedformer.config import TRANSLATION_CORPORA, RunConfig, config_from_dict, validate
@@ -121,9 +120,8 @@ def evaluate(model: nn.Module, stream: LMStream, device: torch.device, precision
         x, y = stream.window(k)
         x, y = x.to(device), y.to(device)
         with _autocast(device, precision):
-            logits, state = model(x, state)
-        total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                 reduction="sum").item()
+            loss, state = model(x, state, targets=y, reduction="sum")
+        total += loss.item()
         count += y.numel()
     model.train(was_training)
     return total / max(count, 1)
@@ -346,8 +344,8 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
             started = time.perf_counter()
             x, y = x.to(device), y.to(device)
             with _autocast(device, tcfg.precision):
-                logits, new_carry = compiled(x, carry)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+                # the model's loss: its output layer and the cross-entropy as one function (see output_loss)
+                loss, new_carry = compiled(x, carry, targets=y)
             # The log records the loss of the global batch: the mean over the ranks.
             loss_value, stepped = optimise(loss, model, optimizer, scheduler, config, step, out_dir,
                                   lambda loss: distributed.mean_over_ranks(ddp, loss))
