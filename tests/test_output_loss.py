@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from gatedformer import Seq2SeqTransformer
 from gatedformer.backbones import BUILDERS, _cross_entropy_kernel, build_model, output_loss
 from gatedformer.backbones.output_loss import fused_loss_applies, linear_cross_entropy
 from gatedformer.config import RunConfig, apply_overrides, validate
@@ -22,10 +23,10 @@ def _kernel_or_skip() -> None:
 
 
 def _unfused(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, ignore_index: int = -100,
-             reduction: str = "mean") -> Tensor:
+             reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
     logits = F.linear(hidden, weight, bias)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index,
-                           reduction=reduction)
+                           reduction=reduction, label_smoothing=label_smoothing)
 
 
 def _calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
@@ -39,13 +40,13 @@ def _calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 @pytest.mark.parametrize("threads", [1, 2])
 @settings(max_examples=20, deadline=None)
 @given(rows=st.integers(1, 200), vocab=st.integers(1, 700), width=st.integers(1, 40), with_bias=st.booleans(),
-       reduction=st.sampled_from(["mean", "sum"]), budget=st.sampled_from([1 << 22, 500]),
-       seed=st.integers(0, 2 ** 16))
+       reduction=st.sampled_from(["mean", "sum"]), smoothing=st.sampled_from([0.0, 0.1, 1.0]),
+       budget=st.sampled_from([1 << 22, 500]), seed=st.integers(0, 2 ** 16))
 def test_fused_loss_and_gradients_are_those_of_linear_then_cross_entropy(
-        threads: int, rows: int, vocab: int, width: int, with_bias: bool, reduction: str, budget: int,
-        seed: int) -> None:
-    """Random shapes, a bias or none, ignored targets, both reductions, the rows in one block or in many (a
-    small logits budget), one thread or two."""
+        threads: int, rows: int, vocab: int, width: int, with_bias: bool, reduction: str, smoothing: float,
+        budget: int, seed: int) -> None:
+    """Random shapes, a bias or none, ignored targets, both reductions, label smoothing or none, the rows in one
+    block or in many (a small logits budget), one thread or two."""
     _kernel_or_skip()
     generator = torch.Generator().manual_seed(seed)
     hidden = torch.randn(rows, width, generator=generator, requires_grad=True)
@@ -61,12 +62,13 @@ def test_fused_loss_and_gradients_are_those_of_linear_then_cross_entropy(
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(output_loss, "LOGITS_BUDGET", budget)
             calls = _calls(patch)
-            fused = linear_cross_entropy(hidden, weight, bias, targets, reduction=reduction)
+            fused = linear_cross_entropy(hidden, weight, bias, targets, reduction=reduction,
+                                         label_smoothing=smoothing)
             fused_grads = torch.autograd.grad(fused * 1.5, inputs)
     finally:
         torch.set_num_threads(previous)
     assert len(calls) == -(-rows // max(1, min(rows, budget // vocab)))
-    expected = _unfused(hidden, weight, bias, targets, reduction=reduction)
+    expected = _unfused(hidden, weight, bias, targets, reduction=reduction, label_smoothing=smoothing)
     torch.testing.assert_close(fused, expected, rtol=2e-5, atol=2e-5)
     for got, want in zip(fused_grads, torch.autograd.grad(expected * 1.5, inputs), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
@@ -97,7 +99,7 @@ def test_without_autograd_the_kernel_computes_no_gradient(monkeypatch: pytest.Mo
     with torch.no_grad():
         loss = linear_cross_entropy(hidden, weight, None, targets, reduction="sum")
     torch.testing.assert_close(loss, _unfused(hidden, weight, None, targets, reduction="sum").detach())
-    assert calls[0][7] == 0  # want_grad
+    assert calls[0][8] == 0  # want_grad
 
 
 def test_edge_cases_are_those_of_cross_entropy() -> None:
@@ -117,6 +119,8 @@ def test_edge_cases_are_those_of_cross_entropy() -> None:
     # a target out of the vocabulary: one IndexError naming it
     with pytest.raises(IndexError, match="target 7 is out of bounds for a vocabulary of 5"):
         linear_cross_entropy(hidden, weight, None, torch.tensor([0, 1, 7, 2, 3, 4]))
+    with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\]"):
+        linear_cross_entropy(hidden, weight, None, ignored, label_smoothing=1.5)
     with pytest.raises(ValueError, match="reduction must be one of mean, sum"):
         linear_cross_entropy(hidden, weight, None, ignored, reduction="none")
     with pytest.raises(ValueError, match="one target per position"):
@@ -194,3 +198,23 @@ def test_hooks_on_the_output_layer_still_see_its_logits(monkeypatch: pytest.Monk
     loss, _ = model(tokens, targets=targets)
     assert seen == [(2, 5, 23)] and calls == []
     torch.testing.assert_close(loss, F.cross_entropy(model(tokens)[0].reshape(-1, 23), targets.reshape(-1)))
+
+
+def test_the_translation_model_returns_its_smoothed_loss_given_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decoder's output layer and the label-smoothed, padding-ignoring loss the translation trainer asks for."""
+    _kernel_or_skip()
+    calls = _calls(monkeypatch)
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(23, 29, layers=2, d_model=16, ffn=32, heads=2, max_len=24, dropout=0.1)
+    src, tgt_in, tgt_out = torch.randint(4, 23, (3, 7)), torch.randint(4, 29, (3, 6)), torch.randint(4, 29, (3, 6))
+    tgt_out[:, -2:] = 1  # padding
+    torch.manual_seed(1)
+    logits = model(src, tgt_in)
+    expected = F.cross_entropy(logits.reshape(-1, 29), tgt_out.reshape(-1), ignore_index=1, label_smoothing=0.1)
+    torch.manual_seed(1)
+    loss = model(src, tgt_in, targets=tgt_out, ignore_index=1, label_smoothing=0.1)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    params = list(model.parameters())
+    for got, want in zip(torch.autograd.grad(loss, params), torch.autograd.grad(expected, params), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert calls

@@ -1,9 +1,10 @@
 """Softmax cross-entropy over rows of logits, in place: what :mod:`gatedformer.backbones.output_loss` computes with.
 
 For each row ``x`` of a ``(rows, V)`` block of logits (the output layer's product, its bias added here as the
-row is read) the kernel computes the log-sum-exp and the row's loss ``lse(x) - x[target]`` and, when asked,
-writes the loss's gradient over the row, ``scale · (softmax(x) - onehot(target))`` (zero for a row whose target
-is the ignored index), and sums those rows per column for the bias's gradient. A row of a 10k-word vocabulary
+row is read) the kernel computes the log-sum-exp and the row's loss ``lse(x) - Σ_j q_j x_j`` against the target
+distribution ``q = (1 - ε) onehot(target) + ε / V`` (label smoothing ``ε``, 0 by default: ``lse(x) - x[target]``)
+and, when asked, writes the loss's gradient over the row, ``scale · (softmax(x) - q)`` (zero for a row whose
+target is the ignored index), and sums those rows per column for the bias's gradient. A row of a 10k-word vocabulary
 (40 KB) stays in the core's cache through its three passes (bias and maximum, sum of exponentials, gradient),
 where ``log_softmax``, ``nll_loss`` and their backward passes would each stream the whole block through memory.
 
@@ -76,13 +77,14 @@ constexpr int kW = 1;
 
 inline float exp_one(float x) { return std::exp(x < -87.0f ? -87.0f : x); }
 
-// x[j] += bias[j] (bias may be null); returns the largest x[j], or NaN if any x[j] is NaN.
-float add_bias_max(float* x, const float* bias, int64_t n) {
-    float top = -INFINITY;
+// x[j] += bias[j] (bias may be null); returns the largest x[j], or NaN if any x[j] is NaN, and adds up the x[j]
+// in `total` (for label smoothing).
+float add_bias_max(float* x, const float* bias, int64_t n, float& total) {
+    float top = -INFINITY, sum = 0.0f;
     bool nan = false;
     int64_t j = 0;
 #if defined(__AVX2__)
-    vec lanes = splat(-INFINITY);
+    vec lanes = splat(-INFINITY), sums = splat(0.0f);
     ivec bad = ivec{};
     for (; j + kW <= n; j += kW) {
         vec v = load(x + j);
@@ -92,17 +94,21 @@ float add_bias_max(float* x, const float* bias, int64_t n) {
         }
         bad |= (ivec)(v != v);
         lanes = v > lanes ? v : lanes;
+        sums += v;
     }
     for (int k = 0; k < kW; ++k) {
         top = lanes[k] > top ? lanes[k] : top;
         nan = nan || bad[k] != 0;
+        sum += sums[k];
     }
 #endif
     for (; j < n; ++j) {
         if (bias != nullptr) x[j] += bias[j];
         nan = nan || x[j] != x[j];
         top = x[j] > top ? x[j] : top;
+        sum += x[j];
     }
+    total = sum;
     return nan ? NAN : top;
 }
 
@@ -118,18 +124,18 @@ float sum_exp(const float* x, int64_t n, float top) {
     return total;
 }
 
-// x[j] <- exp(x[j] - top) * factor, and sums[j] += x[j].
-void write_grad(float* x, int64_t n, float top, float factor, float* sums) {
+// x[j] <- exp(x[j] - top) * factor - shift, and sums[j] += x[j].
+void write_grad(float* x, int64_t n, float top, float factor, float shift, float* sums) {
     int64_t j = 0;
 #if defined(__AVX2__)
     for (; j + kW <= n; j += kW) {
-        const vec g = vexp(load(x + j) - top) * factor;
+        const vec g = vexp(load(x + j) - top) * factor - shift;
         store(x + j, g);
         store(sums + j, load(sums + j) + g);
     }
 #endif
     for (; j < n; ++j) {
-        x[j] = exp_one(x[j] - top) * factor;
+        x[j] = exp_one(x[j] - top) * factor - shift;
         sums[j] += x[j];
     }
 }
@@ -138,10 +144,12 @@ void write_grad(float* x, int64_t n, float top, float factor, float* sums) {
 
 extern "C" {
 // logits: rows x V, contiguous, overwritten (bias added; with want_grad, the gradient). losses: rows. col_sums: V,
-// written with want_grad. Returns -1, or the first row whose target is neither in [0, V) nor ignore_index.
+// written with want_grad. smoothing: label smoothing in [0, 1]. Returns -1, or the first row whose target is
+// neither in [0, V) nor ignore_index.
 int64_t softmax_cross_entropy_f32(float* logits, const float* bias, const int64_t* targets, int64_t rows, int64_t V,
-                                  int64_t ignore_index, float* losses, int want_grad, double scale, float* col_sums,
-                                  int64_t threads) {
+                                  int64_t ignore_index, double smoothing, float* losses, int want_grad, double scale,
+                                  float* col_sums, int64_t threads) {
+    const float on_target = (float)(1.0 - smoothing), spread = (float)(smoothing / (double)V);
     for (int64_t r = 0; r < rows; ++r)
         if (targets[r] != ignore_index && (targets[r] < 0 || targets[r] >= V)) return r;
     const int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
@@ -152,18 +160,22 @@ int64_t softmax_cross_entropy_f32(float* logits, const float* bias, const int64_
             const int64_t end = (b + 1) * kBlockRows < rows ? (b + 1) * kBlockRows : rows;
             for (int64_t r = b * kBlockRows; r < end; ++r) {
                 float* x = logits + r * V;
-                const float top = add_bias_max(x, bias, V);
+                float sum_x = 0.0f;
+                const float top = add_bias_max(x, bias, V, sum_x);
                 const float total = sum_exp(x, V, top);
                 const bool ignored = targets[r] == ignore_index;
-                losses[r] = ignored ? 0.0f : top + std::log(total) - x[targets[r]];
+                const float lse = top + std::log(total);
+                losses[r] = ignored ? 0.0f
+                                    : spread > 0.0f ? lse - on_target * x[targets[r]] - spread * sum_x
+                                                    : lse - x[targets[r]];
                 if (!want_grad) continue;
                 if (ignored) {
                     std::memset(x, 0, sizeof(float) * V);
                     continue;
                 }
-                write_grad(x, V, top, (float)scale / total, partials + b * V);
-                x[targets[r]] -= (float)scale;
-                partials[b * V + targets[r]] -= (float)scale;
+                write_grad(x, V, top, (float)scale / total, (float)scale * spread, partials + b * V);
+                x[targets[r]] -= (float)scale * on_target;
+                partials[b * V + targets[r]] -= (float)scale * on_target;
             }
         }
     });
@@ -183,11 +195,12 @@ int64_t softmax_cross_entropy_f32(float* logits, const float* bias, const int64_
 
 def _bind(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.softmax_cross_entropy_f32.argtypes = [p, p, p, i, i, i, p, ctypes.c_int, ctypes.c_double, p, i]
+    lib.softmax_cross_entropy_f32.argtypes = [p, p, p, i, i, i, ctypes.c_double, p, ctypes.c_int, ctypes.c_double,
+                                              p, i]
     lib.softmax_cross_entropy_f32.restype = ctypes.c_int64
 
 
 KERNEL = NativeKernel(
-    "cross_entropy", _CPP_SOURCE, _bind, abi_version=1, env_var="GATEDFORMER_CROSS_ENTROPY_BACKEND",
+    "cross_entropy", _CPP_SOURCE, _bind, abi_version=2, env_var="GATEDFORMER_CROSS_ENTROPY_BACKEND",
     description="the compiled cross-entropy kernel", fallback="linear then cross_entropy", avx512=True,
 )

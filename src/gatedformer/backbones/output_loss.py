@@ -42,48 +42,52 @@ def fused_loss_applies(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> b
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                         ignore_index: int = -100, reduction: str = "mean") -> Tensor:
-    """``F.cross_entropy(F.linear(hidden, weight, bias), targets)`` over every position: ``hidden`` ``(..., d)``,
-    ``weight`` ``(V, d)``, ``targets`` of ``hidden``'s leading shape; ``reduction`` ``"mean"`` (over the targets
-    that are not ``ignore_index``) or ``"sum"``. Without the logits tensor and its copies (see the module)."""
+                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias), targets, ignore_index=..., reduction=...,
+    label_smoothing=...)`` over every position: ``hidden`` ``(..., d)``, ``weight`` ``(V, d)``, ``targets`` of
+    ``hidden``'s leading shape; ``reduction`` ``"mean"`` (over the targets that are not ``ignore_index``) or
+    ``"sum"``. Without the logits tensor and its copies (see the module)."""
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(_REDUCTIONS)}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"targets of shape {tuple(targets.shape)} do not match hidden states of shape "
                          f"{tuple(hidden.shape)}: one target per position")
     rows = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1)
     if not fused_loss_applies(hidden, weight, bias):
-        return _cross_entropy(F.linear(rows, weight, bias), flat_targets, ignore_index, reduction)
+        return _cross_entropy(F.linear(rows, weight, bias), flat_targets, ignore_index, reduction, label_smoothing)
     # the gradients are made in the forward pass only where autograd records it (inside it, it never does)
     return _LinearCrossEntropy.apply(rows, weight, bias, flat_targets, ignore_index, reduction == "mean",
-                                     torch.is_grad_enabled())
+                                     float(label_smoothing), torch.is_grad_enabled())
 
 
-def _cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int, reduction: str) -> Tensor:
+def _cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int, reduction: str,
+                   label_smoothing: float) -> Tensor:
     """``F.cross_entropy`` over the rows of ``logits``, half-precision ones (autocast's) taken in float32."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index,
-                           reduction=reduction)
+                           reduction=reduction, label_smoothing=label_smoothing)
 
 
 def logits_or_loss(output: nn.Linear, hidden: Tensor, targets: Tensor | None, ignore_index: int = -100,
-                   reduction: str = "mean") -> Tensor:
+                   reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
     """A language model's last step: the logits ``output(hidden)`` or, given ``targets``, their cross-entropy by
     :func:`linear_cross_entropy` (the output layer is then called as a module, hooks and all, only if it has hooks
     of its own)."""
     if targets is None:
         return output(hidden)
     if output._forward_hooks or output._forward_pre_hooks or output._backward_hooks or output._backward_pre_hooks:
-        return _cross_entropy(output(hidden), targets, ignore_index, reduction)
-    return linear_cross_entropy(hidden, output.weight, output.bias, targets, ignore_index, reduction)
+        return _cross_entropy(output(hidden), targets, ignore_index, reduction, label_smoothing)
+    return linear_cross_entropy(hidden, output.weight, output.bias, targets, ignore_index, reduction, label_smoothing)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,  # type: ignore[override]
-                ignore_index: int, mean: bool, recorded: bool) -> Tensor:
+                ignore_index: int, mean: bool, smoothing: float, recorded: bool) -> Tensor:
         hidden, weight = hidden.contiguous(), weight.contiguous()
         targets = targets.to(torch.int64).contiguous()
         rows, vocab = hidden.shape[0], weight.shape[0]
@@ -106,7 +110,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             chunk = hidden[start:stop]
             logits = torch.mm(chunk, weight.t(), out=buffer[:stop - start])
             bad = library.softmax_cross_entropy_f32(
-                logits.data_ptr(), bias_ptr, targets[start:].data_ptr(), stop - start, vocab, ignore_index,
+                logits.data_ptr(), bias_ptr, targets[start:].data_ptr(), stop - start, vocab, ignore_index, smoothing,
                 losses[start:].data_ptr(), int(want_grad), 0.0 if scale != scale else scale,
                 None if col_sums is None else col_sums.data_ptr(), kernel_threads(logits.numel()))
             if bad >= 0:
@@ -133,4 +137,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
         factor = float(grad_loss)
         if factor != 1.0:
             grads = tuple(None if g is None else g * factor for g in grads)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)

@@ -41,6 +41,7 @@ from torch.nn import functional as F
 from gatedformer.backbones.attention import sinusoidal_positions
 from gatedformer.backbones.blocks import Sublayer, make_ffn
 from gatedformer.backbones.dropout import Dropout
+from gatedformer.backbones.output_loss import logits_or_loss
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
 from gatedformer.backbones.token_embedding import embed_tokens
 
@@ -227,14 +228,24 @@ class Seq2SeqTransformer(nn.Module):
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
         """Logits ``(B, T, V)`` for every position of the decoder input ``tgt_in`` (teacher forcing)."""
+        return self.output(self._decoder_states(tgt_in, memory, src_mask))
+
+    def _decoder_states(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
         x = self._embed(self.embed_tgt, tgt_in)
         for layer in self.decoder_layers:
             x = layer(x, memory, src_mask)
-        return self.output(self.decoder_norm(x))
+        return self.decoder_norm(x)
 
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+    def forward(self, src: Tensor, tgt_in: Tensor, *, targets: Tensor | None = None, ignore_index: int = -100,
+                reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
+        """The logits ``(B, T, V)`` of every target position or, given ``targets (B, T)``, their cross-entropy
+        (``F.cross_entropy``'s ``ignore_index``, ``reduction`` and ``label_smoothing``) without materialising
+        them (:func:`~gatedformer.backbones.output_loss.linear_cross_entropy`)."""
         memory, src_mask = self.encode(src)
-        return self.decode(tgt_in, memory, src_mask)
+        if targets is None:
+            return self.decode(tgt_in, memory, src_mask)
+        return logits_or_loss(self.output, self._decoder_states(tgt_in, memory, src_mask), targets, ignore_index,
+                              reduction, label_smoothing)
 
     # -- incremental decoding -------------------------------------------------------------------
 

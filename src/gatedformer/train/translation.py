@@ -271,9 +271,8 @@ def evaluate_loss(model: nn.Module, split: ParallelSplit, batch_size: int, devic
     for indices in length_batches(split, batch_size, shuffle=False):
         src, tgt_in, tgt_out = (t.to(device) for t in collate(split, indices))
         with _autocast(device, precision):
-            logits = model(src, tgt_in)
-        total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tgt_out.reshape(-1),
-                                 ignore_index=PAD_ID, reduction="sum").item()
+            loss = model(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID, reduction="sum")
+        total += loss.item()
         count += int((tgt_out != PAD_ID).sum())
     model.train(was_training)
     return total / max(count, 1)
@@ -389,9 +388,9 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
             started = time.perf_counter()
             src, tgt_in, tgt_out = (t.to(device) for t in collate(data.train, indices))
             with _autocast(device, tcfg.precision):
-                logits = compiled(src, tgt_in)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tgt_out.reshape(-1),
-                                   ignore_index=PAD_ID, label_smoothing=tr.label_smoothing)
+                # the decoder's output layer and the loss as one function (see backbones.output_loss)
+                loss = compiled(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID,
+                                label_smoothing=tr.label_smoothing)
             loss_value, stepped = optimise(loss, model, optimizer, scheduler, config, step, out_dir)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
