@@ -248,3 +248,42 @@ def test_bf16_option_reports_mfu_against_both_peaks() -> None:
     for row in report.section("models"):
         assert row["status"] == "ok", row["status"]
         assert row["peak_bf16_gflops"] > 0 and row["train_mfu_vs_bf16_peak"] > 0
+
+
+def test_the_recipes_script_benches_each_recipes_baseline_at_its_size(tmp_path, monkeypatch) -> None:
+    """benchmarks/recipes_mfu.py: the recipe's sizes and its corpus's vocabulary go into the bench; a recipe
+    whose corpus is missing is a skipped row, not a failure."""
+    import dataclasses
+    import importlib.util
+    from pathlib import Path
+
+    from gatedformer.errors import DataError
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "recipes_mfu.py"
+    spec = importlib.util.spec_from_file_location("recipes_mfu", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    class _Corpus:
+        vocab = list(range(37))
+
+    def fake_corpus(name, data_dir):
+        if name == "ptb":
+            raise DataError("corpus 'ptb' not found; run `gatedformer data fetch ptb`")
+        return _Corpus()
+
+    monkeypatch.setattr(script, "load_corpus", fake_corpus)
+    backbone, size = script._size("ptb-char-rtransformer-tiny", None)
+    assert backbone == "rtransformer"
+    assert (size.d_model, size.n_layers, size.seq_len, size.batch, size.vocab, size.rnn_window) == (128, 3, 64, 16,
+                                                                                                      37, 7)
+    run_bench = script.run_bench  # the recipe's model, on a smaller window, to keep the test short
+    monkeypatch.setattr(script, "run_bench", lambda size, *args, **kwargs: run_bench(
+        dataclasses.replace(size, batch=2, seq_len=16), *args, **kwargs))
+    out = tmp_path / "rows.json"
+    assert script.main(["--recipes", "ptb-char-rtransformer-tiny", "ptb-word-tiny", "--repeats", "1",
+                        "--threads", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert rows[0]["recipe"] == "ptb-char-rtransformer-tiny" and 0 < rows[0]["train_mfu"] < 1.5
+    assert rows[0]["size"]["vocab"] == 37
+    assert rows[1]["status"].startswith("skipped: corpus 'ptb' not found")
