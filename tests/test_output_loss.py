@@ -218,3 +218,16 @@ def test_the_translation_model_returns_its_smoothed_loss_given_targets(monkeypat
     for got, want in zip(torch.autograd.grad(loss, params), torch.autograd.grad(expected, params), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     assert calls
+
+
+def test_a_strided_bias_is_read_from_a_copy_that_outlives_the_call() -> None:
+    _kernel_or_skip()
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(40, 8), torch.randn(300, 8) * 0.3
+    wide = torch.randn(300, 2, requires_grad=True)
+    bias, targets = wide[:, 0], torch.randint(0, 300, (40,))
+    assert not bias.is_contiguous()
+    loss = linear_cross_entropy(hidden, weight, bias, targets)
+    torch.testing.assert_close(loss, _unfused(hidden, weight, bias, targets))
+    torch.testing.assert_close(torch.autograd.grad(loss, wide)[0],
+                               torch.autograd.grad(_unfused(hidden, weight, bias, targets), wide)[0])

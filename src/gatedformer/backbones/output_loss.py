@@ -101,7 +101,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight) if need_weight else None
         grad_bias = torch.zeros(vocab, dtype=torch.float32) if need_bias else None
         col_sums = hidden.new_empty(vocab) if want_grad else None
-        bias_ptr = None if bias is None else bias.contiguous().data_ptr()
+        bias = None if bias is None else bias.contiguous()  # held: a temporary copy would be freed before the call
+        bias_ptr = None if bias is None else bias.data_ptr()
         library = KERNEL.library()
         block = min(rows, max(1, LOGITS_BUDGET // max(vocab, 1)))
         buffer = hidden.new_empty(block, vocab)  # one block's logits, reused by every block
