@@ -110,6 +110,10 @@ def test_edge_cases_are_those_of_cross_entropy() -> None:
     assert math.isnan(float(linear_cross_entropy(hidden, weight, None, ignored).detach()))
     assert math.isnan(float(_unfused(hidden, weight, None, ignored).detach()))
     assert float(linear_cross_entropy(hidden, weight, None, ignored, reduction="sum").detach()) == 0.0
+    # no positions at all: as cross_entropy, a NaN mean and a zero sum
+    empty = torch.zeros(0, dtype=torch.long)
+    assert math.isnan(float(linear_cross_entropy(hidden[:0], weight, None, empty).detach()))
+    assert float(linear_cross_entropy(hidden[:0], weight, None, empty, reduction="sum").detach()) == 0.0
     # a NaN or an infinite logit gives a non-finite loss, which the trainer's skip test sees
     for poison in (float("nan"), float("inf")):
         poisoned = hidden.detach().clone()

@@ -104,7 +104,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         bias = None if bias is None else bias.contiguous()  # held: a temporary copy would be freed before the call
         bias_ptr = None if bias is None else bias.data_ptr()
         library = KERNEL.library()
-        block = min(rows, max(1, LOGITS_BUDGET // max(vocab, 1)))
+        block = max(1, min(rows, LOGITS_BUDGET // max(vocab, 1)))
         buffer = hidden.new_empty(block, vocab)  # one block's logits, reused by every block
         for start in range(0, rows, block):
             stop = min(start + block, rows)
