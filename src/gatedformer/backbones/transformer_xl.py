@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from gatedformer.backbones._relative_attention_kernel import kernel_takes, relative_attention
 from gatedformer.backbones.attention import sinusoidal_positions
 from gatedformer.backbones.blocks import Sublayer, make_ffn
 from gatedformer.backbones.dropout import Dropout
@@ -117,16 +118,25 @@ class RelativeMultiHeadAttention(nn.Module):
         nn.init.normal_(self.v, std=0.02)
         self.dropout = Dropout(dropout)
 
-    def project(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Queries ``(B, H, L, dh)``, keys and values ``(B, H, M+L, dh)``, position keys ``(H, M+L, dh)``."""
-        batch, q_len, _ = h.shape
+    def projections(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries ``(B, L, H·dh)``, keys then values ``(B, M+L, 2·H·dh)``, position keys ``(M+L, H·dh)``: the
+        projections' outputs, heads side by side."""
         context = h if memory is None or memory.shape[1] == 0 else torch.cat([memory.to(h.dtype), h], dim=1)
         k_len = context.shape[1]
         if pos.shape[0] < k_len:
             raise ValueError(f"pos has {pos.shape[0]} rows but the attention spans {k_len} keys")
-        q = self.query(h).view(batch, q_len, self.n_heads, self.d_head).transpose(1, 2)
-        k, v = self.key_value(context).view(batch, k_len, 2, self.n_heads, self.d_head).permute(2, 0, 3, 1, 4)
-        r = self.position(pos[pos.shape[0] - k_len :]).view(k_len, self.n_heads, self.d_head).transpose(0, 1)
+        return self.query(h), self.key_value(context), self.position(pos[pos.shape[0] - k_len :])
+
+    def project(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Queries ``(B, H, L, dh)``, keys and values ``(B, H, M+L, dh)``, position keys ``(H, M+L, dh)``."""
+        return self._heads(*self.projections(h, memory, pos))
+
+    def _heads(self, q: Tensor, kv: Tensor, r: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        batch, q_len, _ = q.shape
+        k_len = kv.shape[1]
+        q = q.view(batch, q_len, self.n_heads, self.d_head).transpose(1, 2)
+        k, v = kv.view(batch, k_len, 2, self.n_heads, self.d_head).permute(2, 0, 3, 1, 4)
+        r = r.view(k_len, self.n_heads, self.d_head).transpose(0, 1)
         return q, k, v, r
 
     def attention_scores(self, q: Tensor, k: Tensor, r: Tensor) -> Tensor:
@@ -147,7 +157,11 @@ class RelativeMultiHeadAttention(nn.Module):
 
     def forward(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> Tensor:
         batch, q_len, _ = h.shape
-        q, k, v, r = self.project(h, memory, pos)
+        q, kv, r = self.projections(h, memory, pos)
+        if kernel_takes((q, kv, r, self.u, self.v), self.n_heads, self.dropout.p if self.training else 0.0):
+            # The compiled kernel reads the projections in their own layouts: no split into heads, no copies.
+            return self.out(relative_attention(q, kv, r, self.u, self.v, self.n_heads))
+        q, k, v, r = self._heads(q, kv, r)
         # Written out rather than through scaled_dot_product_attention: with the positional terms as an
         # additive mask it would fall back to this same computation on CPU, with two more copies.
         weights = self.dropout(self.attention_scores(q, k, r).softmax(dim=-1))

@@ -1,0 +1,584 @@
+r"""Transformer-XL's relative-position attention for short windows on the CPU, as one compiled kernel.
+
+For each (sequence, head), with ``L`` queries that follow ``M`` memory positions and ``K = M + L`` keys,
+
+.. math::
+
+    s_{ij} = \tfrac{1}{\sqrt{D}}\big((q_i + u)^\top k_j + (q_i + v)^\top r_{L-1-i+j}\big), \quad j \le M + i,
+    \qquad P = \operatorname{softmax}(s), \qquad O = P V,
+
+where ``r_c`` is the projected encoding of distance ``K - 1 - c``. Written with PyTorch operations this is
+two batched products with heads of 8-32 (a quarter of the matrix-product peak at best), the relative shift,
+the causal mask, the softmax and their backward passes, each a pass over ``(B, H, L, K)`` scores in memory.
+Here each (sequence, head) is one task whose keys, values and position keys fit in the L1/L2 cache: the
+content and position products are register-blocked over eight query rows at a time, the shift is an offset
+into the position products' row, and the softmax and the product with ``V`` follow while the rows are in cache.
+Q, K, V and the position keys are read straight from the projections' outputs (``(B, L, H·D)``,
+``(B, K, 2·H·D)``, ``(K, H·D)``) and the output is written in the ``(B, L, H·D)`` layout of the output
+projection. The backward pass recomputes ``P`` from the saved log-sum-exp of every row (as flash attention
+does) and writes the gradients of the four inputs and of ``u`` and ``v``; ``r``'s gradient, shared by the
+sequences of the batch, is written per sequence and summed after. Heads of any size up to 128 are taken
+(padded with zeros inside to a whole number of vectors).
+
+It applies to float32 CPU tensors without attention dropout, outside ``torch.compile``; everything else takes
+the PyTorch operations. It shares the attention kernel's switch, ``GATEDFORMER_ATTENTION_BACKEND``
+(``native``, ``torch`` or ``auto``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from gatedformer.backbones._native import NativeKernel, kernel_threads
+from gatedformer.backbones._simd import SIMD_HELPERS
+
+__all__ = ["KERNEL", "MAX_HEAD_SIZE", "kernel_takes", "relative_attention"]
+
+MAX_HEAD_SIZE = 128
+
+_CPP_SOURCE = r"""
+// Relative-position causal attention (Transformer-XL), forward and backward. Generated and compiled by gatedformer.
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#elif defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
+namespace {
+""" + SIMD_HELPERS + r"""
+#if defined(__AVX512F__)
+constexpr int64_t kRows = 8;    // query rows per block
+constexpr int kPanelVecs = 1;   // vectors per panel of packed keys
+constexpr int kAccs = 16;       // accumulators a loop keeps in registers (of 32)
+#else
+constexpr int64_t kRows = 4;
+constexpr int kPanelVecs = 2;
+constexpr int kAccs = 8;        // of 16
+#endif
+constexpr int64_t kPanel = kPanelVecs * kW;  // keys per panel
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// Shapes of one call. Q rows are q_row floats apart, K/V rows kv_row (V at + v_at), position rows r_row.
+struct Shape {
+    int64_t L, M, K, D, Dp;  // queries, memory, keys, head size, head size padded to whole vectors
+    float scale;
+};
+
+// dst[j][d] = (src[j * stride + d] + add[d]) * mul for d < D (no add where it is null), zero for D <= d < Dp.
+void pack_rows(const float* src, int64_t stride, int64_t n, const Shape& z, const float* add, float mul, float* dst) {
+    if (z.D == z.Dp) {  // whole vectors
+        for (int64_t j = 0; j < n; ++j)
+            for (int64_t d = 0; d < z.D; d += kW)
+                store(dst + j * z.Dp + d,
+                      (load(src + j * stride + d) + (add != nullptr ? load(add + d) : splat(0))) * mul);
+        return;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        const float* row = src + j * stride;
+        float* out = dst + j * z.Dp;
+        for (int64_t d = 0; d < z.D; ++d) out[d] = (row[d] + (add != nullptr ? add[d] : 0.0f)) * mul;
+        for (int64_t d = z.D; d < z.Dp; ++d) out[d] = 0.0f;
+    }
+}
+
+// Rows j < n of src in panels of kPanel rows, each stored transposed: element d of row j lands at
+// panels[(j / kPanel) * Dp * kPanel + d * kPanel + j % kPanel]; rows n .. round_up(n, kPanel) and the columns
+// D <= d < Dp are zero.
+void pack_panels(const float* src, int64_t stride, int64_t n, int64_t D, int64_t Dp, float* panels) {
+    const int64_t padded = round_up(n, kPanel);
+#if defined(__AVX512F__)
+    // 16 rows x 16 columns at a time, transposed in registers (scalar stores are several times slower); a head
+    // narrower than 16 reads its columns under a mask, rows past n read as zero.
+    for (int64_t j = 0; j < padded; j += kPanel) {
+        float* panel = panels + j * Dp;
+        for (int64_t d0 = 0; d0 < Dp; d0 += 16) {
+            const int64_t cols = D - d0 < 16 ? (D > d0 ? D - d0 : 0) : 16;
+            const __mmask16 mask = (__mmask16)((1u << cols) - 1);
+            __m512 x[16], t[16];
+            for (int k = 0; k < 16; ++k)
+                x[k] = j + k < n ? _mm512_maskz_loadu_ps(mask, src + (j + k) * stride + d0) : _mm512_setzero_ps();
+            for (int k = 0; k < 16; k += 2) {  // pairs of rows interleaved
+                t[k] = _mm512_unpacklo_ps(x[k], x[k + 1]);
+                t[k + 1] = _mm512_unpackhi_ps(x[k], x[k + 1]);
+            }
+            for (int k = 0; k < 16; k += 4) {  // then quads
+                x[k] = _mm512_shuffle_ps(t[k], t[k + 2], 0x44);
+                x[k + 1] = _mm512_shuffle_ps(t[k], t[k + 2], 0xEE);
+                x[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0x44);
+                x[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+            }
+            for (int k = 0; k < 4; ++k) {  // 128-bit lanes of quads 0/1 and 2/3
+                t[k] = _mm512_shuffle_f32x4(x[k], x[k + 4], 0x88);
+                t[k + 4] = _mm512_shuffle_f32x4(x[k], x[k + 4], 0xDD);
+                t[k + 8] = _mm512_shuffle_f32x4(x[k + 8], x[k + 12], 0x88);
+                t[k + 12] = _mm512_shuffle_f32x4(x[k + 8], x[k + 12], 0xDD);
+            }
+            __m512 columns[16];
+            for (int k = 0; k < 8; ++k) {  // and of the two halves: column d0 + k, then d0 + k + 8
+                columns[k] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88);
+                columns[k + 8] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0xDD);
+            }
+            for (int k = 0; k < 16; ++k) _mm512_storeu_ps(panel + (d0 + k) * kPanel, columns[k]);
+        }
+    }
+#else
+    for (int64_t j = 0; j < padded; ++j) {
+        float* column = panels + (j / kPanel) * Dp * kPanel + j % kPanel;
+        for (int64_t d = 0; d < Dp; ++d) column[d * kPanel] = j < n && d < D ? src[j * stride + d] : 0.0f;
+    }
+#endif
+}
+
+// S[r][j] = sum_{d < D} A_r[d] X_j[d] for r < kRows and the P panels of keys from j: kRows x P x kPanelVecs
+// accumulators, one broadcast of A_r[d] for P * kPanelVecs fused multiply-adds. D is a compile-time constant (the
+// padded head size) so that the loop unrolls and the panel's vectors stay in registers.
+template <int D, int P>
+inline void panel_products(const float* const a[kRows], const float* panel, float* s, int64_t lds, int64_t j) {
+    vec acc[kRows][P * kPanelVecs];
+    for (int r = 0; r < kRows; ++r)
+        for (int v = 0; v < P * kPanelVecs; ++v) acc[r][v] = splat(0);
+    for (int d = 0; d < D; ++d) {
+        vec b[P * kPanelVecs];
+        for (int q = 0; q < P; ++q)
+            for (int v = 0; v < kPanelVecs; ++v)
+                b[q * kPanelVecs + v] = load(panel + q * D * kPanel + d * kPanel + v * kW);
+        for (int r = 0; r < kRows; ++r) {
+            const vec ar = splat(a[r][d]);
+            for (int v = 0; v < P * kPanelVecs; ++v) acc[r][v] += ar * b[v];
+        }
+    }
+    for (int r = 0; r < kRows; ++r)
+        for (int v = 0; v < P * kPanelVecs; ++v) store(s + r * lds + j + v * kW, acc[r][v]);
+}
+
+// The products of the block's rows with the packed keys j0 <= j < j1 (both multiples of kPanel).
+template <int D>
+void products(const float* const a[kRows], const float* panels, int64_t j0, int64_t j1, float* s, int64_t lds) {
+    int64_t j = j0;
+    if (kRows * 2 * kPanelVecs <= kAccs)
+        for (; j + 2 * kPanel <= j1; j += 2 * kPanel) panel_products<D, 2>(a, panels + j * D, s, lds, j);
+    for (; j < j1; j += kPanel) panel_products<D, 1>(a, panels + j * D, s, lds, j);
+}
+
+// out_r (+)= sum_{j0 <= j < n} W(r, j) X_j for r < kRows, W(r, j) = w[r * wr + j * wc], X_j = x + j * NV * kW.
+template <int NV, bool Accumulate>
+void weighted_sum(const float* w, int64_t wr, int64_t wc, int64_t j0, int64_t n, const float* x,
+                  float* const out[kRows]) {
+    // Rows whose accumulators are kept in registers at once: a power of two, so that it divides kRows.
+    constexpr int fit = kAccs / NV;
+    constexpr int R = fit >= kRows ? kRows : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+    for (int r0 = 0; r0 < kRows; r0 += R) {
+        vec acc[R][NV];
+        for (int r = 0; r < R; ++r)
+            for (int v = 0; v < NV; ++v) acc[r][v] = Accumulate ? load(out[r0 + r] + kW * v) : splat(0);
+        for (int64_t j = j0; j < n; ++j) {
+            const float* xj = x + j * NV * kW;
+            const float* wj = w + j * wc + r0 * wr;
+            for (int v = 0; v < NV; ++v) {
+                const vec xv = load(xj + kW * v);
+                for (int r = 0; r < R; ++r) acc[r][v] += splat(wj[r * wr]) * xv;
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int v = 0; v < NV; ++v) store(out[r0 + r] + kW * v, acc[r][v]);
+    }
+}
+
+// Rows i0 .. i0 + rows - 1 of a packed block; rows past the end repeat the last one (their results are unused).
+inline void block_rows(const float* base, int64_t stride, int64_t i0, int64_t rows, const float* out[kRows]) {
+    for (int64_t r = 0; r < kRows; ++r) out[r] = base + (i0 + (r < rows ? r : rows - 1)) * stride;
+}
+
+// One (sequence, head): where its rows start in every tensor, and their strides.
+struct Head {
+    const float *q, *k, *v, *r, *u, *pb;  // pb: the position bias (the paper's v)
+    int64_t q_row, kv_row, r_row;
+};
+
+// The scores of rows i0 .. i0 + rows - 1 (content products in sc, position products in sp), combined in place in
+// sc: sc[r][j] = sc[r][j] + sp[r][j + L - 1 - i] for the causal keys j <= M + i; lanes past them get `fill`.
+// Returns nothing; the caller turns the rows into probabilities.
+template <int D>
+void block_scores(const Shape& z, const float* a, const float* b, const float* kt, const float* rt, int64_t i0,
+                  int64_t rows, float* sc, float* sp, int64_t ld) {
+    const float *ar[kRows], *br[kRows];
+    block_rows(a, z.Dp, i0, rows, ar);
+    block_rows(b, z.Dp, i0, rows, br);
+    const int64_t n = z.M + i0 + rows;  // keys that any row of the block sees
+    products<D>(ar, kt, 0, round_up(n, kPanel), sc, ld);
+    // Row i reads position columns L - 1 - i .. K - 1: the block's lowest is that of its last row.
+    const int64_t c0 = (z.L - i0 - rows) / kPanel * kPanel;
+    products<D>(br, rt, c0, round_up(z.K, kPanel), sp, ld);
+}
+
+template <int NV>
+void forward_head(const Shape& z, const Head& h, float* o, int64_t o_row, float* lse, std::vector<float>& work) {
+    const int64_t Dp = z.Dp, ld = round_up(z.K, kPanel) + kPanel;
+    float* kt = aligned_work(work, 2 * ld * Dp + z.K * Dp + 2 * z.L * Dp + 2 * kRows * ld + kRows * Dp);
+    float* rt = kt + ld * Dp;
+    float* vr = rt + ld * Dp;
+    float* a = vr + z.K * Dp;
+    float* b = a + z.L * Dp;
+    float* sc = b + z.L * Dp;
+    float* sp = sc + kRows * ld;
+    float* scratch = sp + kRows * ld;
+    pack_rows(h.q, h.q_row, z.L, z, h.u, z.scale, a);
+    pack_rows(h.q, h.q_row, z.L, z, h.pb, z.scale, b);
+    pack_panels(h.k, h.kv_row, z.K, z.D, Dp, kt);
+    pack_panels(h.r, h.r_row, z.K, z.D, Dp, rt);
+    pack_rows(h.v, h.kv_row, z.K, z, nullptr, 1.0f, vr);
+    std::memset(sp, 0, sizeof(float) * kRows * ld);  // columns the products skip are read (then masked)
+    for (int64_t i0 = 0; i0 < z.L; i0 += kRows) {
+        const int64_t rows = z.L - i0 < kRows ? z.L - i0 : kRows, n = z.M + i0 + rows;
+        block_scores<NV * kW>(z, a, b, kt, rt, i0, rows, sc, sp, ld);
+        float inv[kRows];
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t i = i0 + r, valid = z.M + i + 1, shift = z.L - 1 - i, span = round_up(valid, kW);
+            float* s = sc + r * ld;
+            const float* p = sp + r * ld + shift;
+            vec top = splat(-FLT_MAX);
+            for (int64_t jb = 0; jb < span; jb += kW) {
+                const vec x = below(load(s + jb) + load(p + jb), jb, valid, -FLT_MAX);
+                store(s + jb, x);
+                top = vmax(top, x);
+            }
+            const float m = hmax(top);
+            vec sum = splat(0);
+            for (int64_t jb = 0; jb < span; jb += kW) {
+                const vec e = below(vexp(load(s + jb) - m), jb, valid, 0.0f);
+                store(s + jb, e);
+                sum += e;
+            }
+            for (int64_t j = span; j < n; ++j) s[j] = 0.0f;
+            const float total = hsum(sum);
+            inv[r] = 1.0f / total;
+            if (lse != nullptr) lse[i] = m + std::log(total);
+        }
+        float* out[kRows];
+        for (int64_t r = 0; r < kRows; ++r) out[r] = scratch + r * Dp;
+        for (int64_t r = rows; r < kRows; ++r)  // rows past the end: zero weights, results unused
+            std::memset(sc + r * ld, 0, sizeof(float) * n);
+        weighted_sum<NV, false>(sc, ld, 1, 0, n, vr, out);
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t d = 0; d < z.D; ++d) o[(i0 + r) * o_row + d] = out[r][d] * inv[r];
+    }
+}
+
+// Gradients of one (sequence, head): gq like q (rows q_row apart), gk and gv like k and v, gr like r (this
+// sequence's share), gu and gpb (D each) this head's share of u's and v's.
+struct HeadGrad {
+    float *q, *k, *v, *r, *u, *pb;
+};
+
+template <int NV>
+void backward_head(const Shape& z, const Head& h, const float* o, const float* go, int64_t o_row, const float* lse,
+                   const HeadGrad& g, std::vector<float>& work) {
+    const int64_t Dp = z.Dp, ld = round_up(z.K, kPanel) + kPanel, Lr = round_up(z.L, kRows);
+    float* kt = aligned_work(work, 3 * ld * Dp + 2 * z.K * Dp + 3 * z.L * Dp + 3 * Lr * ld + kRows * ld
+                             + 2 * z.L * Dp + z.L + kRows * Dp);
+    float* rt = kt + ld * Dp;
+    float* vt = rt + ld * Dp;
+    float* kr = vt + ld * Dp;        // K rows
+    float* rr = kr + z.K * Dp;        // position rows
+    float* a = rr + z.K * Dp;         // (q + u) / sqrt(D)
+    float* b = a + z.L * Dp;          // (q + v) / sqrt(D)
+    float* dout = b + z.L * Dp;
+    float* prob = dout + z.L * Dp;    // P, by key
+    float* ds = prob + Lr * ld;       // dS, by key
+    float* dsp = ds + Lr * ld;        // dS, by distance column (the shift undone)
+    float* sp = dsp + Lr * ld;
+    float* ga = sp + kRows * ld;      // dS K: the content part of dQ, before the scale
+    float* gb = ga + z.L * Dp;        // dS R: the position part
+    float* delta = gb + z.L * Dp;
+    float* scratch = delta + z.L;
+    pack_rows(h.q, h.q_row, z.L, z, h.u, z.scale, a);
+    pack_rows(h.q, h.q_row, z.L, z, h.pb, z.scale, b);
+    pack_panels(h.k, h.kv_row, z.K, z.D, Dp, kt);
+    pack_panels(h.r, h.r_row, z.K, z.D, Dp, rt);
+    pack_panels(h.v, h.kv_row, z.K, z.D, Dp, vt);
+    pack_rows(h.k, h.kv_row, z.K, z, nullptr, 1.0f, kr);
+    pack_rows(h.r, h.r_row, z.K, z, nullptr, 1.0f, rr);
+    pack_rows(go, o_row, z.L, z, nullptr, 1.0f, dout);
+    std::memset(dsp, 0, sizeof(float) * Lr * ld);
+    std::memset(sp, 0, sizeof(float) * kRows * ld);
+    for (int64_t i = 0; i < z.L; ++i) {
+        float acc = 0.0f;
+        for (int64_t d = 0; d < z.D; ++d) acc += go[i * o_row + d] * o[i * o_row + d];
+        delta[i] = acc;
+    }
+    for (int64_t i0 = 0; i0 < z.L; i0 += kRows) {
+        const int64_t rows = z.L - i0 < kRows ? z.L - i0 : kRows, n = z.M + i0 + rows;
+        float* pb = prob + i0 * ld;
+        float* db = ds + i0 * ld;
+        block_scores<NV * kW>(z, a, b, kt, rt, i0, rows, pb, sp, ld);
+        const float* gr[kRows];
+        block_rows(dout, Dp, i0, rows, gr);
+        products<NV * kW>(gr, vt, 0, round_up(n, kPanel), db, ld);  // dP = dO V^T
+        for (int64_t r = 0; r < kRows; ++r) {
+            float* p = pb + r * ld;
+            float* dr = db + r * ld;
+            if (r >= rows) {  // rows past the end (the buffers have them): zero, so the sums below may read them
+                std::memset(p, 0, sizeof(float) * ld);
+                std::memset(dr, 0, sizeof(float) * ld);
+                continue;
+            }
+            const int64_t i = i0 + r, valid = z.M + i + 1, shift = z.L - 1 - i, span = round_up(valid, kW);
+            const float* s = sp + r * ld + shift;
+            float* dshift = dsp + i * ld + shift;
+            const float l = lse[i], dl = delta[i];
+            // Whole vectors; the keys past M + i get P = dS = 0, which is what the sums below read.
+            for (int64_t jb = 0; jb < span; jb += kW) {
+                const vec e = below(vexp(vmin(load(p + jb) + load(s + jb) - l, splat(0))), jb, valid, 0.0f);
+                const vec grad = e * (load(dr + jb) - dl);
+                store(p + jb, e);
+                store(dr + jb, grad);
+                store(dshift + jb, grad);
+            }
+            std::memset(p + span, 0, sizeof(float) * (ld - span));
+            std::memset(dr + span, 0, sizeof(float) * (ld - span));
+        }
+        float *outa[kRows], *outb[kRows];
+        for (int64_t r = 0; r < kRows; ++r) {
+            outa[r] = r < rows ? ga + (i0 + r) * Dp : scratch;
+            outb[r] = r < rows ? gb + (i0 + r) * Dp : scratch;
+        }
+        weighted_sum<NV, false>(db, ld, 1, 0, n, kr, outa);
+        // Row i's distance columns start at L - 1 - i; the block's lowest is its last row's.
+        const int64_t c0 = z.L - i0 - rows;
+        weighted_sum<NV, false>(dsp + i0 * ld, ld, 1, c0, z.K, rr, outb);
+    }
+    // dQ = scale (dS K + dS_shifted R); u and v take the sums of the two parts over the rows.
+    {
+        vec sum_a[NV], sum_b[NV];
+        for (int v = 0; v < NV; ++v) sum_a[v] = sum_b[v] = splat(0);
+        float* row = scratch;
+        for (int64_t i = 0; i < z.L; ++i) {
+            for (int v = 0; v < NV; ++v) {
+                const vec ca = load(ga + i * Dp + v * kW) * z.scale, cb = load(gb + i * Dp + v * kW) * z.scale;
+                store(row + v * kW, ca + cb);
+                sum_a[v] += ca;
+                sum_b[v] += cb;
+            }
+            std::memcpy(g.q + i * h.q_row, row, sizeof(float) * z.D);
+        }
+        for (int v = 0; v < NV; ++v) {
+            store(row + v * kW, sum_a[v]);
+            store(row + Dp + v * kW, sum_b[v]);
+        }
+        std::memcpy(g.u, row, sizeof(float) * z.D);
+        std::memcpy(g.pb, row + Dp, sizeof(float) * z.D);
+    }
+    // dK_j = sum_i dS_ij A_i, dV_j = sum_i P_ij dO_i over the rows i >= j - M that see key j, and
+    // dR_c = sum_i dS_shifted_ic B_i over the rows i >= L - 1 - c that reach distance column c.
+    float* out[kRows];
+    for (int64_t r = 0; r < kRows; ++r) out[r] = scratch + r * Dp;
+    for (int64_t j0 = 0; j0 < z.K; j0 += kRows) {
+        const int64_t cols = z.K - j0 < kRows ? z.K - j0 : kRows;
+        const int64_t first = j0 > z.M ? j0 - z.M : 0;
+        weighted_sum<NV, false>(ds + first * ld + j0, 1, ld, 0, z.L - first, a + first * Dp, out);
+        for (int64_t r = 0; r < cols; ++r) std::memcpy(g.k + (j0 + r) * h.kv_row, out[r], sizeof(float) * z.D);
+        weighted_sum<NV, false>(prob + first * ld + j0, 1, ld, 0, z.L - first, dout + first * Dp, out);
+        for (int64_t r = 0; r < cols; ++r) std::memcpy(g.v + (j0 + r) * h.kv_row, out[r], sizeof(float) * z.D);
+        const int64_t from = z.L - j0 - kRows > 0 ? z.L - j0 - kRows : 0;
+        weighted_sum<NV, false>(dsp + from * ld + j0, 1, ld, 0, z.L - from, b + from * Dp, out);
+        for (int64_t r = 0; r < cols; ++r) std::memcpy(g.r + (j0 + r) * h.r_row, out[r], sizeof(float) * z.D);
+    }
+}
+
+template <int NV>
+void forward(const Shape& z, const float* q, const float* kv, const float* r, const float* u, const float* pb,
+             float* out, float* lse, int64_t B, int64_t H, int64_t threads) {
+    const int64_t HD = H * z.D;
+    gatedformer::parallel_chunks(B * H, threads, 1, [=](int64_t lo, int64_t hi) {
+        const FlushDenormals flush;
+        std::vector<float> work;
+        for (int64_t bh = lo; bh < hi; ++bh) {
+            const int64_t bi = bh / H, hd = bh % H;
+            const float* kb = kv + bi * z.K * 2 * HD + hd * z.D;
+            const Head head{q + bi * z.L * HD + hd * z.D, kb, kb + HD, r + hd * z.D, u + hd * z.D, pb + hd * z.D,
+                            HD, 2 * HD, HD};
+            forward_head<NV>(z, head, out + bi * z.L * HD + hd * z.D, HD, lse != nullptr ? lse + bh * z.L : nullptr,
+                             work);
+        }
+    });
+}
+
+template <int NV>
+void backward(const Shape& z, const float* q, const float* kv, const float* r, const float* u, const float* pb,
+              const float* out, const float* grad_out, const float* lse, float* gq, float* gkv, float* gr,
+              float* gu, float* gpb, int64_t B, int64_t H, int64_t threads) {
+    const int64_t HD = H * z.D;
+    gatedformer::parallel_chunks(B * H, threads, 1, [=](int64_t lo, int64_t hi) {
+        const FlushDenormals flush;
+        std::vector<float> work;
+        for (int64_t bh = lo; bh < hi; ++bh) {
+            const int64_t bi = bh / H, hd = bh % H;
+            const int64_t q_at = bi * z.L * HD + hd * z.D, kv_at = bi * z.K * 2 * HD + hd * z.D;
+            const Head head{q + q_at, kv + kv_at, kv + kv_at + HD, r + hd * z.D, u + hd * z.D, pb + hd * z.D,
+                            HD, 2 * HD, HD};
+            const HeadGrad grad{gq + q_at, gkv + kv_at, gkv + kv_at + HD, gr + bi * z.K * HD + hd * z.D,
+                                gu + bh * z.D, gpb + bh * z.D};
+            backward_head<NV>(z, head, out + q_at, grad_out + q_at, HD, lse + bh * z.L, grad, work);
+        }
+    });
+}
+
+bool make_shape(int64_t L, int64_t M, int64_t D, double scale, Shape* z) {
+    if (L < 1 || M < 0 || D < 1 || D > 128) return false;
+    const int64_t Dp = D <= 16 ? 16 : D <= 32 ? 32 : D <= 48 ? 48 : D <= 64 ? 64 : D <= 96 ? 96 : 128;
+    *z = Shape{L, M, L + M, D, Dp, (float)scale};
+    return true;
+}
+
+}  // namespace
+
+extern "C" {
+// q: (B, L, H D); kv: (B, M + L, 2 H D), keys then values; r: (M + L, H D), row c the distance M + L - 1 - c;
+// u, pb: (H, D). out: (B, L, H D); lse: (B, H, L) or null.
+int relative_attention_forward_f32(const float* q, const float* kv, const float* r, const float* u, const float* pb,
+                                   float* out, float* lse, int64_t B, int64_t L, int64_t M, int64_t H, int64_t D,
+                                   double scale, int64_t threads) {
+    Shape z;
+    if (!make_shape(L, M, D, scale, &z)) return 1;
+    switch (z.Dp / kW) {
+        case 1: forward<1>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
+        case 2: forward<2>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
+        case 3: forward<3>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
+        case 4: forward<4>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
+        case 6: forward<6>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
+        case 8: forward<8>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
+#if !defined(__AVX512F__)
+        case 12: forward<12>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
+        case 16: forward<16>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
+#endif
+        default: return 1;
+    }
+}
+// gr: (B, M + L, H D), each sequence's share of r's gradient; gu, gpb: (B, H, D), likewise for u and pb.
+int relative_attention_backward_f32(const float* q, const float* kv, const float* r, const float* u, const float* pb,
+                                    const float* out, const float* grad_out, const float* lse, float* gq, float* gkv,
+                                    float* gr, float* gu, float* gpb, int64_t B, int64_t L, int64_t M, int64_t H,
+                                    int64_t D, double scale, int64_t threads) {
+    Shape z;
+    if (!make_shape(L, M, D, scale, &z)) return 1;
+#define GATEDFORMER_BACKWARD(NV) \
+    backward<NV>(z, q, kv, r, u, pb, out, grad_out, lse, gq, gkv, gr, gu, gpb, B, H, threads)
+    switch (z.Dp / kW) {
+        case 1: GATEDFORMER_BACKWARD(1); return 0;
+        case 2: GATEDFORMER_BACKWARD(2); return 0;
+        case 3: GATEDFORMER_BACKWARD(3); return 0;
+        case 4: GATEDFORMER_BACKWARD(4); return 0;
+        case 6: GATEDFORMER_BACKWARD(6); return 0;
+        case 8: GATEDFORMER_BACKWARD(8); return 0;
+#if !defined(__AVX512F__)
+        case 12: GATEDFORMER_BACKWARD(12); return 0;
+        case 16: GATEDFORMER_BACKWARD(16); return 0;
+#endif
+        default: return 1;
+    }
+#undef GATEDFORMER_BACKWARD
+}
+}
+"""
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+    lib.relative_attention_forward_f32.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, f, i]
+    lib.relative_attention_forward_f32.restype = ctypes.c_int
+    lib.relative_attention_backward_f32.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, p, i, i, i, i, i, f, i]
+    lib.relative_attention_backward_f32.restype = ctypes.c_int
+
+
+KERNEL = NativeKernel(
+    "relative_attention", _CPP_SOURCE, _bind, abi_version=1, env_var="GATEDFORMER_ATTENTION_BACKEND",
+    description="the compiled relative-position attention kernel", fallback="PyTorch operations",
+    fast_math=True, avx512=True,
+)
+
+
+def kernel_takes(tensors: Sequence[Tensor], n_heads: int, dropout: float) -> bool:
+    """Whether :func:`relative_attention` may run the compiled kernel on these inputs (``q, kv, r, u, pos_bias``, as
+    it takes them): float32 CPU tensors (none cast by autocast), no attention dropout, heads of at most 128."""
+    if dropout > 0.0 or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return False
+    width = tensors[0].shape[-1]
+    if width % n_heads or width // n_heads > MAX_HEAD_SIZE or torch.compiler.is_compiling():
+        return False
+    return KERNEL.pick_backend(tensors[0].device) == "native"
+
+
+def _forward(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor, n_heads: int,
+             keep_lse: bool) -> tuple[Tensor, Tensor | None]:
+    batch, length, width = q.shape
+    memory = kv.shape[1] - length
+    head = width // n_heads
+    shapes_fit = memory >= 0 and kv.shape == (batch, memory + length, 2 * width) \
+        and r.shape == (memory + length, width) and u.shape == (n_heads, head) and pos_bias.shape == u.shape
+    if not shapes_fit or not kernel_takes((q, kv, r, u, pos_bias), n_heads, 0.0):
+        raise ValueError("relative_attention takes float32 CPU tensors q (B, L, H·D), kv (B, M+L, 2·H·D), "
+                         f"r (M+L, H·D), u and pos_bias (H, D) with D <= {MAX_HEAD_SIZE}; got "
+                         + ", ".join(f"{tuple(t.shape)} {t.dtype} on {t.device}" for t in (q, kv, r, u, pos_bias)))
+    out = q.new_empty(batch, length, width)
+    lse = q.new_empty(batch, n_heads, length) if keep_lse else None
+    failed = KERNEL.library().relative_attention_forward_f32(
+        q.data_ptr(), kv.data_ptr(), r.data_ptr(), u.data_ptr(), pos_bias.data_ptr(), out.data_ptr(),
+        None if lse is None else lse.data_ptr(), batch, length, memory, n_heads, head, 1.0 / math.sqrt(head),
+        kernel_threads(kv.numel() * length),
+    )
+    if failed:
+        raise RuntimeError(f"the relative attention kernel does not take heads of {head}")
+    return out, lse
+
+
+class _RelativeAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor,  # type: ignore[override]
+                n_heads: int) -> Tensor:
+        q, kv, r, u, pos_bias = (t.contiguous() for t in (q, kv, r, u, pos_bias))
+        out, lse = _forward(q, kv, r, u, pos_bias, n_heads, keep_lse=any(ctx.needs_input_grad[:5]))
+        if lse is not None:
+            ctx.save_for_backward(q, kv, r, u, pos_bias, out, lse)
+        ctx.n_heads = n_heads
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, kv, r, u, pos_bias, out, lse = ctx.saved_tensors
+        batch, length, width = q.shape
+        heads = ctx.n_heads
+        head = width // heads
+        grad_out = grad_out.contiguous()
+        grad_q, grad_kv = torch.empty_like(q), torch.empty_like(kv)
+        grad_r = r.new_empty(batch, *r.shape)  # each sequence's share, summed below
+        grad_u, grad_pos_bias = u.new_empty(batch, *u.shape), u.new_empty(batch, *u.shape)
+        failed = KERNEL.library().relative_attention_backward_f32(
+            q.data_ptr(), kv.data_ptr(), r.data_ptr(), u.data_ptr(), pos_bias.data_ptr(), out.data_ptr(),
+            grad_out.data_ptr(), lse.data_ptr(), grad_q.data_ptr(), grad_kv.data_ptr(), grad_r.data_ptr(),
+            grad_u.data_ptr(), grad_pos_bias.data_ptr(), batch, length, kv.shape[1] - length, heads, head,
+            1.0 / math.sqrt(head), kernel_threads(kv.numel() * length),
+        )
+        if failed:
+            raise RuntimeError(f"the relative attention kernel does not take heads of {head}")
+        return grad_q, grad_kv, grad_r.sum(0), grad_u.sum(0), grad_pos_bias.sum(0), None
+
+
+def relative_attention(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor, n_heads: int) -> Tensor:
+    """Causal relative-position attention by the compiled kernel (see the module docstring; check
+    :func:`kernel_takes` first).
+
+    ``q (B, L, H·D)`` queries, ``kv (B, M+L, 2·H·D)`` keys then values over ``[memory ∘ current]``, ``r (M+L, H·D)``
+    the projected encodings of the distances ``M+L-1, ..., 0``, ``u`` and ``pos_bias`` ``(H, D)`` the content and
+    position biases: ``(B, L, H·D)``, the heads side by side.
+    """
+    return _RelativeAttention.apply(q, kv, r, u, pos_bias, n_heads)

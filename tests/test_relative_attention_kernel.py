@@ -1,0 +1,219 @@
+"""The compiled relative-position attention kernel: the same values and gradients as Transformer-XL's equation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from gatedformer.backbones import _native, _relative_attention_kernel
+from gatedformer.backbones._relative_attention_kernel import kernel_takes, relative_attention
+from gatedformer.backbones.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM, relative_positions
+
+
+def _native_or_skip() -> None:
+    if _relative_attention_kernel.KERNEL.pick_backend(torch.device("cpu")) != "native":
+        pytest.skip(f"the compiled kernel is unavailable here: {_relative_attention_kernel.KERNEL.error}")
+
+
+def _by_the_equation(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, v: Tensor, heads: int) -> Tensor:
+    """The attention written pair by pair from the paper's terms: the distance ``M + i - j`` of every (query, key)
+    pair looked up in ``r`` by index, no shift trick, float64."""
+    batch, length, width = q.shape
+    keys = kv.shape[1]
+    head = width // heads
+    q, kv, r, u, v = (t.double() for t in (q, kv, r, u, v))
+    qh = q.view(batch, length, heads, head).transpose(1, 2)
+    k, val = (t.transpose(1, 2) for t in kv.view(batch, keys, 2, heads, head).unbind(2))
+    rh = r.view(keys, heads, head).transpose(0, 1)  # row c: distance keys - 1 - c
+    i = torch.arange(length).unsqueeze(1)
+    j = torch.arange(keys).unsqueeze(0)
+    memory = keys - length
+    distance = memory + i - j
+    row = (keys - 1 - distance).clamp(0, keys - 1)
+    content = (qh + u.unsqueeze(1)) @ k.transpose(-1, -2)
+    position = torch.einsum("bhid,hijd->bhij", qh + v.unsqueeze(1), rh[:, row])
+    scores = (content + position) / math.sqrt(head)
+    scores = scores.masked_fill(distance < 0, float("-inf"))
+    return (scores.softmax(-1) @ val).transpose(1, 2).reshape(batch, length, width)
+
+
+def _inputs(batch: int, length: int, memory: int, heads: int, head: int, seed: int) -> list[Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    width = heads * head
+    return [torch.randn(*shape, generator=generator) for shape in
+            [(batch, length, width), (batch, memory + length, 2 * width), (memory + length, width), (heads, head),
+             (heads, head)]]
+
+
+def _values_and_grads(fn, inputs: list[Tensor], heads: int, grad: Tensor) -> list[Tensor]:  # noqa: ANN001
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves, heads)
+    grads = torch.autograd.grad(out, leaves, grad.to(out.dtype))
+    return [out.detach().float(), *(g.float() for g in grads)]
+
+
+def _assert_matches_equation(inputs: list[Tensor], heads: int, seed: int) -> None:
+    grad = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(seed + 1))
+    got = _values_and_grads(relative_attention, inputs, heads, grad)
+    want = _values_and_grads(_by_the_equation, inputs, heads, grad)
+    for name, a, b in zip(["out", "q", "kv", "r", "u", "v"], got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 3), length=st.integers(1, 45), memory=st.integers(0, 40), heads=st.integers(1, 3),
+       head=st.sampled_from([1, 5, 8, 12, 16, 24, 32, 40, 48, 64, 80, 128]), seed=st.integers(0, 2 ** 16))
+def test_matches_the_equation(batch: int, length: int, memory: int, heads: int, head: int, seed: int) -> None:
+    """Every head size up to 128 (padded inside), with and without memory, windows across the block sizes."""
+    _native_or_skip()
+    _assert_matches_equation(_inputs(batch, length, memory, heads, head, seed), heads, seed)
+
+
+@pytest.mark.parametrize("isa", _native.ISAS)
+def test_every_instruction_set_build_matches_the_equation(isa: str, kernel_build) -> None:  # noqa: ANN001
+    """The scalar, AVX2 and AVX-512 code paths (this CPU runs only one of them by default)."""
+    _native_or_skip()
+    kernel_build(_relative_attention_kernel.KERNEL, isa)
+    for batch, length, memory, heads, head in [(2, 1, 0, 1, 16), (2, 37, 20, 2, 12), (1, 64, 64, 2, 32),
+                                               (2, 9, 70, 1, 48), (1, 19, 3, 1, 128), (2, 17, 17, 3, 7)]:
+        _assert_matches_equation(_inputs(batch, length, memory, heads, head, length), heads, length)
+
+
+def test_the_pytorch_path_matches_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer's two paths (kernel; matmul + rel_shift + softmax) agree, gradients of every parameter included."""
+    _native_or_skip()
+
+    def run() -> list[Tensor]:
+        torch.manual_seed(0)
+        layer = RelativeMultiHeadAttention(64, 4)
+        torch.nn.init.normal_(layer.u)
+        torch.nn.init.normal_(layer.v)
+        h = torch.randn(3, 21, 64, requires_grad=True)
+        memory = torch.randn(3, 30, 64, requires_grad=True)
+        pos = relative_positions(60, 64)
+        out = layer(h, memory, pos)
+        grads = torch.autograd.grad(out, [h, memory, *layer.parameters()], torch.randn_like(out))
+        return [out, *grads]
+
+    native = run()
+    monkeypatch.setenv("GATEDFORMER_ATTENTION_BACKEND", "torch")
+    for a, b in zip(native, run(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_query_i_sees_only_memory_and_positions_up_to_i() -> None:
+    _native_or_skip()
+    batch, length, memory, heads, head = 2, 20, 7, 2, 16
+    q, kv, r, u, v = (t.requires_grad_() for t in _inputs(batch, length, memory, heads, head, 0))
+    out = relative_attention(q, kv, r, u, v, heads)
+    g_q, g_kv, g_r = torch.autograd.grad(out[:, 9].sum(), [q, kv, r])
+    assert g_kv[:, memory + 10 :].abs().max() == 0 and g_kv[:, : memory + 10].abs().min() >= 0
+    assert g_kv[:, memory + 9].abs().max() > 0 and g_kv[:, 0].abs().max() > 0
+    assert g_q[:, 10:].abs().max() == 0 and g_q[:, :9].abs().max() == 0
+    # Query 9 is at distances 0 .. memory + 9 from its keys: rows keys - 1 - (memory + 9) .. keys - 1 of r.
+    assert g_r[: length - 10].abs().max() == 0 and g_r[length - 10 :].abs().max() > 0
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_give_the_same_result(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    _native_or_skip()
+    inputs = _inputs(3, 33, 12, 2, 32, 4)
+    grad = torch.randn(inputs[0].shape)
+    one = _values_and_grads(relative_attention, inputs, 2, grad)
+    before = torch.get_num_threads()
+    monkeypatch.setattr(_native, "_ELEMENTS_PER_THREAD", 1)
+    torch.set_num_threads(threads)
+    try:
+        many = _values_and_grads(relative_attention, inputs, 2, grad)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one, many, strict=True):  # each (sequence, head) runs whole on one thread
+        assert torch.equal(a, b)
+
+
+def test_evaluation_keeps_nothing_for_a_backward_pass() -> None:
+    _native_or_skip()
+    inputs = _inputs(2, 16, 16, 2, 16, 1)
+    saved: list[Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.no_grad():
+            relative_attention(*inputs, 2)
+        assert not saved
+        relative_attention(*(t.requires_grad_() for t in inputs), 2)
+    assert len(saved) == 7  # the five inputs, the output and the log-sum-exp of every row; no L x K matrix
+
+
+@pytest.mark.parametrize(("dtype", "dropout", "width", "heads", "takes"), [
+    (torch.float32, 0.0, 64, 4, True),
+    (torch.float64, 0.0, 64, 4, False),
+    (torch.float32, 0.1, 64, 4, False),
+    (torch.float32, 0.0, 2 * 130, 2, False),
+])
+def test_what_the_kernel_takes(dtype: torch.dtype, dropout: float, width: int, heads: int, takes: bool) -> None:
+    _native_or_skip()
+    inputs = [t.to(dtype) for t in _inputs(1, 3, 2, heads, width // heads, 0)]
+    assert kernel_takes(inputs, heads, dropout) == takes
+
+
+def test_attention_dropout_in_training_takes_the_pytorch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attention dropout (not in the kernel) runs the PyTorch operations while training, the kernel in evaluation."""
+    _native_or_skip()
+    calls: list[int] = []
+    kernel = _relative_attention_kernel._RelativeAttention.apply
+    monkeypatch.setattr(_relative_attention_kernel._RelativeAttention, "apply",
+                        lambda *args: calls.append(1) or kernel(*args))
+    layer = RelativeMultiHeadAttention(32, 2, dropout=0.5)
+    h, pos = torch.randn(2, 5, 32), relative_positions(5, 32)
+    layer.train()(h, None, pos)
+    assert not calls
+    layer.eval()(h, None, pos)
+    assert calls
+
+
+def test_inputs_it_does_not_take_are_refused_with_their_shapes() -> None:
+    _native_or_skip()
+    q, kv, r, u, v = _inputs(2, 5, 3, 2, 8, 0)
+    with pytest.raises(ValueError, match=r"float32 CPU tensors.*\(2, 5, 16\) torch.bfloat16"):
+        relative_attention(q.bfloat16(), kv, r, u, v, 2)
+    with pytest.raises(ValueError, match=r"r \(M\+L, H·D\)"):
+        relative_attention(q, kv, r[1:], u, v, 2)
+
+
+def test_bf16_autocast_takes_the_pytorch_path() -> None:
+    """Under autocast the projections come out in bfloat16, which the kernel does not take."""
+    layer = RelativeMultiHeadAttention(32, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(torch.randn(2, 5, 32), torch.randn(2, 4, 32), relative_positions(9, 32))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+def test_the_environment_can_turn_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEDFORMER_ATTENTION_BACKEND", "torch")
+    assert not kernel_takes(_inputs(1, 3, 2, 4, 16, 0), 4, 0.0)
+
+
+def test_language_model_is_the_same_with_either_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two windows through Transformer-XL (the second with the first's memory): the same losses and gradients."""
+    _native_or_skip()
+    tokens = torch.randint(0, 50, (3, 2, 16), generator=torch.Generator().manual_seed(0))
+
+    def run() -> list[Tensor]:
+        torch.manual_seed(0)
+        model = TransformerXLLM(50, d_model=48, n_layers=2, n_heads=4, d_ffn=96, dropout=0.0, mem_len=16,
+                                gates="+tanh L1-2")
+        state, losses = None, []
+        for window in tokens.unbind(1):
+            loss, state = model(window[:, :-1], state, targets=window[:, 1:])
+            losses.append(loss)
+        grads = torch.autograd.grad(sum(losses), list(model.parameters()))
+        return [torch.stack(losses), *grads]
+
+    native = run()
+    monkeypatch.setenv("GATEDFORMER_ATTENTION_BACKEND", "torch")
+    for a, b in zip(native, run(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
