@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from gatedformer.backbones._native import NativeKernel, kernel_threads
+from gatedformer.backbones._simd import SIMD_HELPERS
 
 __all__ = ["KERNEL", "SUPPORTED_HEAD_SIZES", "causal_attention_packed", "causal_attention_reference",
            "kernel_applies", "kernel_takes", "packed_backward", "packed_forward", "supported_head_sizes"]
@@ -59,80 +60,17 @@ _CPP_SOURCE = r"""
 
 namespace {
 
+""" + SIMD_HELPERS + r"""
 #if defined(__AVX512F__)
-constexpr int kW = 16;          // floats per vector: one AVX-512 register
 constexpr int64_t kRows = 8;    // query rows per block
 constexpr int kPanelVecs = 1;   // vectors per panel of the packed K (and V) used for Q K^T (and dO V^T)
 constexpr int kAccs = 16;       // accumulators a loop keeps in registers (of 32)
 #else
-constexpr int kW = 8;           // one AVX2 register (or two SSE ones)
 constexpr int64_t kRows = 4;
 constexpr int kPanelVecs = 2;
 constexpr int kAccs = 8;        // of 16
 #endif
-typedef float vec __attribute__((vector_size(4 * kW), aligned(4), may_alias));
 constexpr int64_t kPanel = kPanelVecs * kW;  // keys per panel
-
-inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
-inline void store(float* p, vec x) { *reinterpret_cast<vec*>(p) = x; }
-typedef int32_t ivec __attribute__((vector_size(4 * kW)));
-inline vec splat(float x) { return vec{} + x; }  // a scalar operand is broadcast to every lane
-inline vec vmin(vec a, vec b) { return a < b ? a : b; }
-inline vec vmax(vec a, vec b) { return a > b ? a : b; }
-// Lanes whose key index jb + lane is below `valid` keep x; the others get `fill`.
-inline vec below(vec x, int64_t jb, int64_t valid, float fill) {
-    ivec lane;
-    for (int k = 0; k < kW; ++k) lane[k] = k;
-    return lane < ivec{} + (int32_t)(valid - jb) ? x : splat(fill);
-}
-// exp of every lane, for the softmax's arguments x <= 0, inline: a call into a vector maths library would make
-// the loop around it save and restore every vector register. exp(x) = 2^n exp(r) with n = round(x / ln 2) and
-// r = x - n ln 2 in [-ln 2 / 2, ln 2 / 2], where the Taylor series to r^6 is within 2e-7 of exp(r); x is held
-// above -87 so that 2^n stays a normal float (exp(-87) ~ 1.6e-38 weighs nothing beside the row's largest term, 1).
-#if defined(__AVX512F__) || defined(__AVX2__)
-inline vec vexp(vec x) {
-    x = vmax(x, splat(-87.0f));
-#if defined(__AVX512F__)
-    const vec n = (vec)_mm512_roundscale_ps((__m512)(x * 1.44269504f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#else
-    const vec n = (vec)_mm256_round_ps((__m256)(x * 1.44269504f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#endif
-    const vec r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  // ln 2 in two parts: r stays exact
-    vec p = splat(1.0f / 720);
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    // 2^n built in the exponent field: n + 127 shifted into place.
-    const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
-    return p * (vec)bits;
-}
-#else
-inline vec vexp(vec x) {
-    for (int k = 0; k < kW; ++k) x[k] = std::exp(x[k]);
-    return x;
-}
-#endif
-// Flush denormal floats to zero while a thread runs the kernel (restored after). A peaked softmax gives
-// probabilities below 2^-126, and arithmetic on them is dozens of times slower on x86; they contribute
-// nothing a float32 sum of probabilities that add up to 1 could hold.
-struct FlushDenormals {
-#if defined(__SSE__) || defined(__x86_64__)
-    unsigned int saved = _mm_getcsr();
-    FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // flush-to-zero and denormals-are-zero
-    ~FlushDenormals() { _mm_setcsr(saved); }
-#endif
-};
-
-// `n` floats of `work` starting on a 64-byte boundary (every row size used is a multiple of 16 floats, so
-// the rows stay aligned): the vectorised loops then need no scalar iterations to reach an aligned address.
-inline float* aligned_work(std::vector<float>& work, int64_t n) {
-    work.resize(n + 16);
-    const uintptr_t at = reinterpret_cast<uintptr_t>(work.data());
-    return work.data() + ((64 - at % 64) % 64) / sizeof(float);
-}
 
 inline int64_t round_panel(int64_t n) { return (n + kPanel - 1) / kPanel * kPanel; }
 
@@ -245,29 +183,11 @@ void pack_panels(const float* x, int64_t stride, int64_t L, const float* bias, f
 #if defined(__AVX512F__)
         // 16 rows x 16 columns at a time, transposed in registers: whole-row loads instead of 16-lane gathers.
         for (int d0 = 0; d0 < D; d0 += 16) {
-            __m512 r[16], t[16];
+            __m512 r[16], columns[16];
             const __m512 shift = bias != nullptr ? _mm512_loadu_ps(bias + d0) : _mm512_setzero_ps();
             for (int k = 0; k < 16; ++k) r[k] = _mm512_add_ps(_mm512_loadu_ps(base + k * stride + d0), shift);
-            for (int k = 0; k < 16; k += 2) {  // pairs of rows interleaved
-                t[k] = _mm512_unpacklo_ps(r[k], r[k + 1]);
-                t[k + 1] = _mm512_unpackhi_ps(r[k], r[k + 1]);
-            }
-            for (int k = 0; k < 16; k += 4) {  // then quads
-                r[k] = _mm512_shuffle_ps(t[k], t[k + 2], 0x44);
-                r[k + 1] = _mm512_shuffle_ps(t[k], t[k + 2], 0xEE);
-                r[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0x44);
-                r[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
-            }
-            for (int k = 0; k < 4; ++k) {  // 128-bit lanes of quads 0/1 and 2/3
-                t[k] = _mm512_shuffle_f32x4(r[k], r[k + 4], 0x88);
-                t[k + 4] = _mm512_shuffle_f32x4(r[k], r[k + 4], 0xDD);
-                t[k + 8] = _mm512_shuffle_f32x4(r[k + 8], r[k + 12], 0x88);
-                t[k + 12] = _mm512_shuffle_f32x4(r[k + 8], r[k + 12], 0xDD);
-            }
-            for (int k = 0; k < 8; ++k) {  // and of the two halves
-                _mm512_store_ps(panel + (d0 + k) * kPanel, _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88));
-                _mm512_store_ps(panel + (d0 + k + 8) * kPanel, _mm512_shuffle_f32x4(t[k], t[k + 8], 0xDD));
-            }
+            transpose16(r, columns);
+            for (int k = 0; k < 16; ++k) _mm512_store_ps(panel + (d0 + k) * kPanel, columns[k]);
         }
 #else
         const __m256i rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),

@@ -104,30 +104,10 @@ void pack_panels(const float* src, int64_t stride, int64_t n, int64_t D, int64_t
         for (int64_t d0 = 0; d0 < Dp; d0 += 16) {
             const int64_t cols = D - d0 < 16 ? (D > d0 ? D - d0 : 0) : 16;
             const __mmask16 mask = (__mmask16)((1u << cols) - 1);
-            __m512 x[16], t[16];
+            __m512 x[16], columns[16];
             for (int k = 0; k < 16; ++k)
                 x[k] = j + k < n ? _mm512_maskz_loadu_ps(mask, src + (j + k) * stride + d0) : _mm512_setzero_ps();
-            for (int k = 0; k < 16; k += 2) {  // pairs of rows interleaved
-                t[k] = _mm512_unpacklo_ps(x[k], x[k + 1]);
-                t[k + 1] = _mm512_unpackhi_ps(x[k], x[k + 1]);
-            }
-            for (int k = 0; k < 16; k += 4) {  // then quads
-                x[k] = _mm512_shuffle_ps(t[k], t[k + 2], 0x44);
-                x[k + 1] = _mm512_shuffle_ps(t[k], t[k + 2], 0xEE);
-                x[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0x44);
-                x[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
-            }
-            for (int k = 0; k < 4; ++k) {  // 128-bit lanes of quads 0/1 and 2/3
-                t[k] = _mm512_shuffle_f32x4(x[k], x[k + 4], 0x88);
-                t[k + 4] = _mm512_shuffle_f32x4(x[k], x[k + 4], 0xDD);
-                t[k + 8] = _mm512_shuffle_f32x4(x[k + 8], x[k + 12], 0x88);
-                t[k + 12] = _mm512_shuffle_f32x4(x[k + 8], x[k + 12], 0xDD);
-            }
-            __m512 columns[16];
-            for (int k = 0; k < 8; ++k) {  // and of the two halves: column d0 + k, then d0 + k + 8
-                columns[k] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88);
-                columns[k + 8] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0xDD);
-            }
+            transpose16(x, columns);
             for (int k = 0; k < 16; ++k) _mm512_storeu_ps(panel + (d0 + k) * kPanel, columns[k]);
         }
     }

@@ -72,6 +72,33 @@ struct FlushDenormals {
     ~FlushDenormals() { _mm_setcsr(saved); }
 #endif
 };
+#if defined(__AVX512F__)
+// 16 rows of 16 floats transposed in registers: out[k] is column k of the rows x (whole-row loads and stores
+// instead of 16-lane gathers or 256 scalar stores). x is overwritten.
+inline void transpose16(__m512 x[16], __m512 out[16]) {
+    __m512 t[16];
+    for (int k = 0; k < 16; k += 2) {  // pairs of rows interleaved
+        t[k] = _mm512_unpacklo_ps(x[k], x[k + 1]);
+        t[k + 1] = _mm512_unpackhi_ps(x[k], x[k + 1]);
+    }
+    for (int k = 0; k < 16; k += 4) {  // then quads
+        x[k] = _mm512_shuffle_ps(t[k], t[k + 2], 0x44);
+        x[k + 1] = _mm512_shuffle_ps(t[k], t[k + 2], 0xEE);
+        x[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0x44);
+        x[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; ++k) {  // 128-bit lanes of quads 0/1 and 2/3
+        t[k] = _mm512_shuffle_f32x4(x[k], x[k + 4], 0x88);
+        t[k + 4] = _mm512_shuffle_f32x4(x[k], x[k + 4], 0xDD);
+        t[k + 8] = _mm512_shuffle_f32x4(x[k + 8], x[k + 12], 0x88);
+        t[k + 12] = _mm512_shuffle_f32x4(x[k + 8], x[k + 12], 0xDD);
+    }
+    for (int k = 0; k < 8; ++k) {  // and of the two halves: column k, then k + 8
+        out[k] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0x88);
+        out[k + 8] = _mm512_shuffle_f32x4(t[k], t[k + 8], 0xDD);
+    }
+}
+#endif
 // `n` floats of `work` starting on a 64-byte boundary.
 inline float* aligned_work(std::vector<float>& work, int64_t n) {
     work.resize(n + 16);
