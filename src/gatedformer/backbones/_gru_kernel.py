@@ -22,7 +22,7 @@ from torch import Tensor
 
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 
-__all__ = ["KERNEL", "gru_step", "gru_step_reference"]
+__all__ = ["KERNEL", "gru_step", "gru_step_reference", "rows_view"]
 
 _CPP_SOURCE = r"""
 // One GRU step from precomputed projections, forward and backward. Generated and compiled by gatedformer.
@@ -152,7 +152,7 @@ KERNEL = NativeKernel(
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
-def _rows(t: Tensor) -> Tensor:
+def rows_view(t: Tensor) -> Tensor:
     """``t`` (rows, width) with unit stride along the width and rows that do not overlap (or a broadcast row)."""
     if t.stride(-1) != 1 or (t.stride(0) != 0 and t.stride(0) < t.shape[-1]):
         return t.contiguous()
@@ -162,7 +162,7 @@ def _rows(t: Tensor) -> Tensor:
 class _GRUStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gi: Tensor, gh: Tensor, h: Tensor | None) -> Tensor:  # type: ignore[override]
-        gi, gh = _rows(gi), _rows(gh)
+        gi, gh = rows_view(gi), rows_view(gh)
         h = None if h is None else h.contiguous()
         rows, d = gi.shape[0], gi.shape[1] // 3
         out = gi.new_empty(rows, d)

@@ -22,6 +22,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from gatedformer.backbones._gru_kernel import gru_step
+from gatedformer.backbones._lstm_kernel import lstm_step
 from gatedformer.backbones.attention import CausalSelfAttention
 from gatedformer.backbones.blocks import Sublayer, make_ffn
 from gatedformer.backbones.dropout import Dropout
@@ -95,7 +96,7 @@ class LocalRNN(nn.Module):
             if self.rnn_type == "gru":
                 h = gru_step(step_in, gates_h, h)  # one fused pass on the CPU (see _gru_kernel)
             elif self.rnn_type == "lstm":
-                h, c = _lstm_step(step_in, gates_h, c)
+                h, c = lstm_step(step_in, gates_h, c)  # likewise (see _lstm_kernel)
             else:
                 h = torch.tanh(step_in + gates_h)
         assert h is not None
@@ -131,16 +132,6 @@ class _ShiftedViews(torch.autograd.Function):
                 total = grad.new_zeros(ctx.shape)
             total[j : j + ctx.length].add_(grad.view(ctx.length, *ctx.shape[1:]))
         return total, None, None
-
-
-def _lstm_step(gates_in: Tensor, gates_h: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor]:
-    """One step of ``nn.LSTM``'s equations (gate order i, f, g, o); ``c=None`` is the zero state."""
-    d = gates_in.shape[-1] // 4
-    in_forget, cell, out = (gates_in + gates_h).split([2 * d, d, d], dim=-1)
-    in_gate, forget = torch.sigmoid(in_forget).chunk(2, dim=-1)
-    cell = torch.tanh(cell)
-    c_new = in_gate * cell if c is None else torch.addcmul(forget * c, in_gate, cell)
-    return torch.sigmoid(out) * torch.tanh(c_new), c_new
 
 
 class RTransformerLayer(nn.Module):
