@@ -46,6 +46,26 @@ def test_float32_gradients_match_the_reference() -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("isa", _native.ISAS)
+def test_every_instruction_set_build_matches_the_reference(isa: str, kernel_build) -> None:  # noqa: ANN001
+    """The vector code (rows of whole vectors) and the scalar loops, on each instruction set's build."""
+    _native_or_skip()
+    kernel_build(_gru_kernel.KERNEL, isa)
+    torch.manual_seed(3)
+    for d in (16, 128, 5, 24):
+        for zero_state in (False, True):
+            gi, gh, h = _inputs(37, d, torch.float32, False, zero_state)
+            gi = gi.detach().mul(4).requires_grad_()  # saturated gates too
+            inputs = [t for t in (gi, gh, h) if t is not None]
+            grad = torch.randn(37, d)
+            ours = gru_step(gi, gh, h)
+            theirs = gru_step_reference(gi, gh, h)
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=2e-6)
+            for a, b in zip(torch.autograd.grad(ours, inputs, grad), torch.autograd.grad(theirs, inputs, grad),
+                            strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+
 def test_keeps_only_its_inputs_and_splits_rows_between_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     _native_or_skip()
     gi, gh, h = _inputs(40, 8, torch.float32, False, False)

@@ -84,17 +84,6 @@ void backward_row(const T* __restrict a, const T* __restrict b, const T* __restr
 }
 
 // float32 rows of whole vectors: the sigmoids and tanhs from the inline exp, 16 (or 8) lanes at a time.
-inline vec vsigmoid(vec x) {
-    const vec e = vexp(vmin(x, -x));  // exp(-|x|) never overflows
-    const vec inv = 1.0f / (1.0f + e);
-    return x >= 0.0f ? inv : e * inv;
-}
-inline vec vtanh(vec x) {
-    const vec e = vexp(2.0f * vmin(x, -x));
-    const vec t = (1.0f - e) / (1.0f + e);
-    return x >= 0.0f ? t : -t;
-}
-
 template <bool HasC>
 void forward_row_vec(const float* a, const float* b, const float* c, float* h_out, float* c_out, int64_t d) {
     for (int64_t j = 0; j < d; j += kW) {

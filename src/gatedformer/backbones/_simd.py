@@ -63,6 +63,17 @@ inline vec vexp(vec x) {
     return x;
 }
 #endif
+// The logistic sigmoid and tanh of every lane from exp(-|x|) (never overflows).
+inline vec vsigmoid(vec x) {
+    const vec e = vexp(vmin(x, -x));
+    const vec inv = 1.0f / (1.0f + e);
+    return x >= 0.0f ? inv : e * inv;
+}
+inline vec vtanh(vec x) {
+    const vec e = vexp(2.0f * vmin(x, -x));
+    const vec t = (1.0f - e) / (1.0f + e);
+    return x >= 0.0f ? t : -t;
+}
 // Flush denormal floats to zero while a thread runs the kernel (restored after): a peaked softmax gives
 // probabilities below 2^-126, and arithmetic on them is dozens of times slower on x86.
 struct FlushDenormals {
