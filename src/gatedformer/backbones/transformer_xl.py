@@ -121,11 +121,15 @@ class RelativeMultiHeadAttention(nn.Module):
     def projections(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries ``(B, L, H·dh)``, keys then values ``(B, M+L, 2·H·dh)``, position keys ``(M+L, H·dh)``: the
         projections' outputs, heads side by side."""
-        context = h if memory is None or memory.shape[1] == 0 else torch.cat([memory.to(h.dtype), h], dim=1)
-        k_len = context.shape[1]
+        k_len = h.shape[1] + (0 if memory is None else memory.shape[1])
         if pos.shape[0] < k_len:
             raise ValueError(f"pos has {pos.shape[0]} rows but the attention spans {k_len} keys")
-        return self.query(h), self.key_value(context), self.position(pos[pos.shape[0] - k_len :])
+        kv = self.key_value(h)
+        if memory is not None and memory.shape[1] > 0:
+            # The memory's keys and values by a product of their own: the memory takes no gradient, so the
+            # backward pass computes only the weight's share from it, not an input gradient to throw away.
+            kv = torch.cat([self.key_value(memory.to(h.dtype)), kv], dim=1)
+        return self.query(h), kv, self.position(pos[pos.shape[0] - k_len :])
 
     def project(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Queries ``(B, H, L, dh)``, keys and values ``(B, H, M+L, dh)``, position keys ``(H, M+L, dh)``."""
