@@ -141,10 +141,10 @@ def test_evaluation_keeps_nothing_for_a_backward_pass() -> None:
     inputs = _inputs(2, 16, 16, 2, 16, 1)
     saved: list[Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        with torch.no_grad():
-            relative_attention(*inputs, 2)
+        with torch.no_grad():  # parameters that require a gradient, as in a model's evaluation
+            relative_attention(*(t.requires_grad_() for t in inputs), 2)
         assert not saved
-        relative_attention(*(t.requires_grad_() for t in inputs), 2)
+        relative_attention(*inputs, 2)
     assert len(saved) == 7  # the five inputs, the output and the log-sum-exp of every row; no L x K matrix
 
 

@@ -524,9 +524,9 @@ def _forward(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor, n_he
 class _RelativeAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor,  # type: ignore[override]
-                n_heads: int) -> Tensor:
+                n_heads: int, recorded: bool) -> Tensor:
         q, kv, r, u, pos_bias = (t.contiguous() for t in (q, kv, r, u, pos_bias))
-        out, lse = _forward(q, kv, r, u, pos_bias, n_heads, keep_lse=any(ctx.needs_input_grad[:5]))
+        out, lse = _forward(q, kv, r, u, pos_bias, n_heads, keep_lse=recorded)
         if lse is not None:
             ctx.save_for_backward(q, kv, r, u, pos_bias, out, lse)
         ctx.n_heads = n_heads
@@ -550,7 +550,7 @@ class _RelativeAttention(torch.autograd.Function):
         )
         if failed:
             raise RuntimeError(f"the relative attention kernel does not take heads of {head}")
-        return grad_q, grad_kv, grad_r.sum(0), grad_u.sum(0), grad_pos_bias.sum(0), None
+        return grad_q, grad_kv, grad_r.sum(0), grad_u.sum(0), grad_pos_bias.sum(0), None, None
 
 
 def relative_attention(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor, n_heads: int) -> Tensor:
@@ -561,4 +561,6 @@ def relative_attention(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Te
     the projected encodings of the distances ``M+L-1, ..., 0``, ``u`` and ``pos_bias`` ``(H, D)`` the content and
     position biases: ``(B, L, H·D)``, the heads side by side.
     """
-    return _RelativeAttention.apply(q, kv, r, u, pos_bias, n_heads)
+    # Whether autograd records this call, asked here: Function.forward itself runs with grad mode off.
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (q, kv, r, u, pos_bias))
+    return _RelativeAttention.apply(q, kv, r, u, pos_bias, n_heads, recorded)
