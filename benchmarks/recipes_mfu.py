@@ -1,6 +1,6 @@
 """The training step's MFU at the size of every language-model ``-tiny`` recipe: each recipe's baseline model
-(width, layers, heads, FFN, window, batch, dropout, memory, localRNN window, kernel) and its corpus's vocabulary,
-through ``gatedformer bench``'s models table, one recipe after the other.
+(width, layers, heads, FFN, window, batch, dropout, memory, localRNN window and cell, kernel) and its corpus's
+vocabulary, through ``gatedformer bench``'s models table, one recipe after the other.
 
     python benchmarks/recipes_mfu.py --threads 1 --repeats 15 [--data-dir ../shared/data] [--json out.json]
 
@@ -32,7 +32,7 @@ def _size(name: str, data_dir: str | None) -> tuple[str, BenchSize]:
     size = BenchSize(d_model=model.d_model, n_layers=model.n_layers, n_heads=model.n_heads, d_ffn=model.d_ffn,
                      seq_len=data.seq_len, batch=data.batch_size, vocab=vocab, dropout=model.dropout,
                      mem_len=model.mem_len if model.backbone == "transformer-xl" else -1,
-                     rnn_window=model.rnn_window, kernel_size=model.kernel_size)
+                     rnn_window=model.rnn_window, rnn_type=model.rnn_type, kernel_size=model.kernel_size)
     return model.backbone, size
 
 

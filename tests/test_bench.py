@@ -277,6 +277,11 @@ def test_the_recipes_script_benches_each_recipes_baseline_at_its_size(tmp_path, 
     assert backbone == "rtransformer"
     assert (size.d_model, size.n_layers, size.seq_len, size.batch, size.vocab, size.rnn_window) == (128, 3, 64, 16,
                                                                                                       37, 7)
+    assert size.rnn_type == "gru" and size.model_config("rtransformer").rnn_type == "gru"
+    with monkeypatch.context() as patch:  # the LocalRNN's cell comes from the recipe too
+        patch.setattr(script, "load_corpus", lambda name, data_dir: _Corpus())
+        word = script._size("ptb-word-rtransformer-tiny", None)[1]
+    assert (word.rnn_type, word.rnn_window, word.model_config("rtransformer").rnn_type) == ("lstm", 9, "lstm")
     run_bench = script.run_bench  # the recipe's model, on a smaller window, to keep the test short
     monkeypatch.setattr(script, "run_bench", lambda size, *args, **kwargs: run_bench(
         dataclasses.replace(size, batch=2, seq_len=16), *args, **kwargs))

@@ -134,6 +134,8 @@ class BenchSize:
     mem_len: int = -1
     """Transformer-XL memory length; -1: ``seq_len``."""
     rnn_window: int = 7
+    rnn_type: str = "gru"
+    """R-Transformer LocalRNN cell: ``gru``, ``lstm`` or ``rnn``."""
     kernel_size: int = 4
 
     @property
@@ -151,7 +153,7 @@ class BenchSize:
     def model_config(self, backbone: str, gates: str = "", **changes: Any) -> ModelConfig:
         cfg = ModelConfig(backbone=backbone, d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
                           d_ffn=self.ffn, dropout=self.dropout, gates=gates, mem_len=self.memory,
-                          rnn_window=self.rnn_window, kernel_size=self.kernel_size)
+                          rnn_window=self.rnn_window, rnn_type=self.rnn_type, kernel_size=self.kernel_size)
         return dataclasses.replace(cfg, **changes)
 
 
@@ -1271,6 +1273,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dropout", type=float, default=size.dropout)
     group.add_argument("--mem-len", type=int, default=size.mem_len, help="Transformer-XL memory (-1: seq-len)")
     group.add_argument("--rnn-window", type=int, default=size.rnn_window, help="R-Transformer LocalRNN window")
+    group.add_argument("--rnn-type", choices=("gru", "lstm", "rnn"), default=size.rnn_type,
+                       help="R-Transformer LocalRNN cell")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--backbones", nargs="+", help=f"default: all ({', '.join(BUILDERS)})")
     parser.add_argument("--variants", nargs="+",
@@ -1300,7 +1304,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     size = BenchSize(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, d_ffn=args.d_ffn,
                      seq_len=args.seq_len, batch=args.batch, vocab=args.vocab, dropout=args.dropout,
-                     mem_len=args.mem_len, rnn_window=args.rnn_window)
+                     mem_len=args.mem_len, rnn_window=args.rnn_window, rnn_type=args.rnn_type)
     options = BenchOptions(repeats=args.repeats, warmup=args.warmup, device=args.device, compile=args.compile,
                            bf16=args.bf16, optimizer=args.optimizer, memory=args.memory, threads=args.threads,
                            init=args.init, flush_denormal=args.flush_denormal)
