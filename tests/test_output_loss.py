@@ -67,7 +67,10 @@ def test_fused_loss_and_gradients_are_those_of_linear_then_cross_entropy(
             fused_grads = torch.autograd.grad(fused * 1.5, inputs)
     finally:
         torch.set_num_threads(previous)
-    assert len(calls) == -(-rows // max(1, min(rows, budget // vocab)))
+    most = max(1, min(rows, budget // vocab))
+    assert len(calls) == -(-rows // most)
+    sizes = [call[3] for call in calls]  # the rows of each block: at most the budget's, shared out evenly
+    assert sum(sizes) == rows and max(sizes) <= most and max(sizes) - min(sizes) < len(sizes)
     expected = _unfused(hidden, weight, bias, targets, reduction=reduction, label_smoothing=smoothing)
     torch.testing.assert_close(fused, expected, rtol=2e-5, atol=2e-5)
     for got, want in zip(fused_grads, torch.autograd.grad(expected * 1.5, inputs), strict=True):
@@ -114,6 +117,8 @@ def test_edge_cases_are_those_of_cross_entropy() -> None:
     empty = torch.zeros(0, dtype=torch.long)
     assert math.isnan(float(linear_cross_entropy(hidden[:0], weight, None, empty).detach()))
     assert float(linear_cross_entropy(hidden[:0], weight, None, empty, reduction="sum").detach()) == 0.0
+    assert not torch.autograd.grad(linear_cross_entropy(hidden[:0], weight, None, empty, reduction="sum"),
+                                   weight)[0].any()
     # a NaN or an infinite logit gives a non-finite loss, which the trainer's skip test sees
     for poison in (float("nan"), float("inf")):
         poisoned = hidden.detach().clone()
