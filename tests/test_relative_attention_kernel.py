@@ -57,9 +57,16 @@ def _values_and_grads(fn, inputs: list[Tensor], heads: int, grad: Tensor) -> lis
     return [out.detach().float(), *(g.float() for g in grads)]
 
 
-def _assert_matches_equation(inputs: list[Tensor], heads: int, seed: int) -> None:
+def _memory_apart(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, v: Tensor, heads: int) -> Tensor:
+    """The kernel given the memory's keys and values and the window's as two tensors (their own copies, with their
+    own sequence strides), as the Transformer-XL layer gives them."""
+    memory = kv.shape[1] - q.shape[1]
+    return relative_attention(q, kv[:, memory:].contiguous(), r, u, v, heads, memory_kv=kv[:, :memory].contiguous())
+
+
+def _assert_matches_equation(inputs: list[Tensor], heads: int, seed: int, apart: bool = False) -> None:
     grad = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(seed + 1))
-    got = _values_and_grads(relative_attention, inputs, heads, grad)
+    got = _values_and_grads(_memory_apart if apart else relative_attention, inputs, heads, grad)
     want = _values_and_grads(_by_the_equation, inputs, heads, grad)
     for name, a, b in zip(["out", "q", "kv", "r", "u", "v"], got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
@@ -67,11 +74,14 @@ def _assert_matches_equation(inputs: list[Tensor], heads: int, seed: int) -> Non
 
 @settings(max_examples=30, deadline=None)
 @given(batch=st.integers(1, 3), length=st.integers(1, 45), memory=st.integers(0, 40), heads=st.integers(1, 3),
-       head=st.sampled_from([1, 5, 8, 12, 16, 24, 32, 40, 48, 64, 80, 128]), seed=st.integers(0, 2 ** 16))
-def test_matches_the_equation(batch: int, length: int, memory: int, heads: int, head: int, seed: int) -> None:
-    """Every head size up to 128 (padded inside), with and without memory, windows across the block sizes."""
+       head=st.sampled_from([1, 5, 8, 12, 16, 24, 32, 40, 48, 64, 80, 128]), apart=st.booleans(),
+       seed=st.integers(0, 2 ** 16))
+def test_matches_the_equation(batch: int, length: int, memory: int, heads: int, head: int, apart: bool,
+                              seed: int) -> None:
+    """Every head size up to 128 (padded inside), with and without memory, windows across the block sizes, the
+    memory's keys and values in the same tensor as the window's or in one of their own."""
     _native_or_skip()
-    _assert_matches_equation(_inputs(batch, length, memory, heads, head, seed), heads, seed)
+    _assert_matches_equation(_inputs(batch, length, memory, heads, head, seed), heads, seed, apart)
 
 
 @pytest.mark.parametrize("isa", _native.ISAS)
@@ -81,7 +91,8 @@ def test_every_instruction_set_build_matches_the_equation(isa: str, kernel_build
     kernel_build(_relative_attention_kernel.KERNEL, isa)
     for batch, length, memory, heads, head in [(2, 1, 0, 1, 16), (2, 37, 20, 2, 12), (1, 64, 64, 2, 32),
                                                (2, 9, 70, 1, 48), (1, 19, 3, 1, 128), (2, 17, 17, 3, 7)]:
-        _assert_matches_equation(_inputs(batch, length, memory, heads, head, length), heads, length)
+        for apart in (False, True):
+            _assert_matches_equation(_inputs(batch, length, memory, heads, head, length), heads, length, apart)
 
 
 def test_the_pytorch_path_matches_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,6 +193,23 @@ def test_inputs_it_does_not_take_are_refused_with_their_shapes() -> None:
         relative_attention(q.bfloat16(), kv, r, u, v, 2)
     with pytest.raises(ValueError, match=r"r \(M\+L, H·D\)"):
         relative_attention(q, kv, r[1:], u, v, 2)
+    with pytest.raises(ValueError, match=r"memory_kv \(B, M, 2·H·D\).*\(2, 8, 32\).*\(2, 3, 16\)"):
+        relative_attention(q, kv, r, u, v, 2, memory_kv=kv[:, :3, :16])  # kv then spans only the window
+
+
+def test_the_layer_gives_the_kernel_the_memory_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a memory, the layer's kernel path joins no keys: the window's and the memory's projections go in as
+    they are."""
+    _native_or_skip()
+    calls: list[tuple] = []
+    kernel = _relative_attention_kernel._RelativeAttention.apply
+    monkeypatch.setattr(_relative_attention_kernel._RelativeAttention, "apply",
+                        lambda *args: calls.append(args) or kernel(*args))
+    monkeypatch.setattr(torch, "cat", lambda *args, **kwargs: pytest.fail("keys joined with torch.cat"))
+    layer = RelativeMultiHeadAttention(32, 2)
+    layer(torch.randn(2, 5, 32), torch.randn(2, 4, 32), relative_positions(9, 32)).sum().backward()
+    (q, kv, r, u, v, memory_kv, heads, recorded), = calls
+    assert kv.shape == (2, 5, 64) and memory_kv.shape == (2, 4, 64) and recorded
 
 
 def test_bf16_autocast_takes_the_pytorch_path() -> None:

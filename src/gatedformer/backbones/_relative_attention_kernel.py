@@ -74,17 +74,30 @@ struct Shape {
     float scale;
 };
 
-// dst[j][d] = (src[j * stride + d] + add[d]) * mul for d < D (no add where it is null), zero for D <= d < Dp.
-void pack_rows(const float* src, int64_t stride, int64_t n, const Shape& z, const float* add, float mul, float* dst) {
+// Rows of a tensor, stride floats apart, the first `split` of them at `first` and the others at `rest`: keys and
+// values over [memory, current] come from two projections' outputs without being joined in memory.
+template <typename T>
+struct Rows {
+    T* first;
+    T* rest;
+    int64_t split, stride;
+    T* at(int64_t j) const { return j < split ? first + j * stride : rest + (j - split) * stride; }
+};
+template <typename T>
+Rows<T> rows_of(T* base, int64_t stride) { return Rows<T>{base, base, 0, stride}; }
+
+// dst[j][d] = (src row j [d] + add[d]) * mul for d < D (no add where it is null), zero for D <= d < Dp.
+void pack_rows(const Rows<const float>& src, int64_t n, const Shape& z, const float* add, float mul, float* dst) {
     if (z.D == z.Dp) {  // whole vectors
-        for (int64_t j = 0; j < n; ++j)
+        for (int64_t j = 0; j < n; ++j) {
+            const float* row = src.at(j);
             for (int64_t d = 0; d < z.D; d += kW)
-                store(dst + j * z.Dp + d,
-                      (load(src + j * stride + d) + (add != nullptr ? load(add + d) : splat(0))) * mul);
+                store(dst + j * z.Dp + d, (load(row + d) + (add != nullptr ? load(add + d) : splat(0))) * mul);
+        }
         return;
     }
     for (int64_t j = 0; j < n; ++j) {
-        const float* row = src + j * stride;
+        const float* row = src.at(j);
         float* out = dst + j * z.Dp;
         for (int64_t d = 0; d < z.D; ++d) out[d] = (row[d] + (add != nullptr ? add[d] : 0.0f)) * mul;
         for (int64_t d = z.D; d < z.Dp; ++d) out[d] = 0.0f;
@@ -94,7 +107,7 @@ void pack_rows(const float* src, int64_t stride, int64_t n, const Shape& z, cons
 // Rows j < n of src in panels of kPanel rows, each stored transposed: element d of row j lands at
 // panels[(j / kPanel) * Dp * kPanel + d * kPanel + j % kPanel]; rows n .. round_up(n, kPanel) and the columns
 // D <= d < Dp are zero.
-void pack_panels(const float* src, int64_t stride, int64_t n, int64_t D, int64_t Dp, float* panels) {
+void pack_panels(const Rows<const float>& src, int64_t n, int64_t D, int64_t Dp, float* panels) {
     const int64_t padded = round_up(n, kPanel);
 #if defined(__AVX512F__)
     // 16 rows x 16 columns at a time, transposed in registers (scalar stores are several times slower); a head
@@ -106,7 +119,7 @@ void pack_panels(const float* src, int64_t stride, int64_t n, int64_t D, int64_t
             const __mmask16 mask = (__mmask16)((1u << cols) - 1);
             __m512 x[16], columns[16];
             for (int k = 0; k < 16; ++k)
-                x[k] = j + k < n ? _mm512_maskz_loadu_ps(mask, src + (j + k) * stride + d0) : _mm512_setzero_ps();
+                x[k] = j + k < n ? _mm512_maskz_loadu_ps(mask, src.at(j + k) + d0) : _mm512_setzero_ps();
             transpose16(x, columns);
             for (int k = 0; k < 16; ++k) _mm512_storeu_ps(panel + (d0 + k) * kPanel, columns[k]);
         }
@@ -114,7 +127,7 @@ void pack_panels(const float* src, int64_t stride, int64_t n, int64_t D, int64_t
 #else
     for (int64_t j = 0; j < padded; ++j) {
         float* column = panels + (j / kPanel) * Dp * kPanel + j % kPanel;
-        for (int64_t d = 0; d < Dp; ++d) column[d * kPanel] = j < n && d < D ? src[j * stride + d] : 0.0f;
+        for (int64_t d = 0; d < Dp; ++d) column[d * kPanel] = j < n && d < D ? src.at(j)[d] : 0.0f;
     }
 #endif
 }
@@ -179,10 +192,10 @@ inline void block_rows(const float* base, int64_t stride, int64_t i0, int64_t ro
     for (int64_t r = 0; r < kRows; ++r) out[r] = base + (i0 + (r < rows ? r : rows - 1)) * stride;
 }
 
-// One (sequence, head): where its rows start in every tensor, and their strides.
+// One (sequence, head): its rows in every tensor.
 struct Head {
-    const float *q, *k, *v, *r, *u, *pb;  // pb: the position bias (the paper's v)
-    int64_t q_row, kv_row, r_row;
+    Rows<const float> q, k, v, r;
+    const float *u, *pb;  // pb: the position bias (the paper's v)
 };
 
 // The scores of rows i0 .. i0 + rows - 1 (content products in sc, position products in sp), combined in place in
@@ -212,11 +225,11 @@ void forward_head(const Shape& z, const Head& h, float* o, int64_t o_row, float*
     float* sc = b + z.L * Dp;
     float* sp = sc + kRows * ld;
     float* scratch = sp + kRows * ld;
-    pack_rows(h.q, h.q_row, z.L, z, h.u, z.scale, a);
-    pack_rows(h.q, h.q_row, z.L, z, h.pb, z.scale, b);
-    pack_panels(h.k, h.kv_row, z.K, z.D, Dp, kt);
-    pack_panels(h.r, h.r_row, z.K, z.D, Dp, rt);
-    pack_rows(h.v, h.kv_row, z.K, z, nullptr, 1.0f, vr);
+    pack_rows(h.q, z.L, z, h.u, z.scale, a);
+    pack_rows(h.q, z.L, z, h.pb, z.scale, b);
+    pack_panels(h.k, z.K, z.D, Dp, kt);
+    pack_panels(h.r, z.K, z.D, Dp, rt);
+    pack_rows(h.v, z.K, z, nullptr, 1.0f, vr);
     std::memset(sp, 0, sizeof(float) * kRows * ld);  // columns the products skip are read (then masked)
     for (int64_t i0 = 0; i0 < z.L; i0 += kRows) {
         const int64_t rows = z.L - i0 < kRows ? z.L - i0 : kRows, n = z.M + i0 + rows;
@@ -254,10 +267,11 @@ void forward_head(const Shape& z, const Head& h, float* o, int64_t o_row, float*
     }
 }
 
-// Gradients of one (sequence, head): gq like q (rows q_row apart), gk and gv like k and v, gr like r (this
-// sequence's share), gu and gpb (D each) this head's share of u's and v's.
+// Gradients of one (sequence, head): gq, gk, gv like q, k and v, gr like r (this sequence's share), gu and gpb
+// (D each) this head's share of u's and v's.
 struct HeadGrad {
-    float *q, *k, *v, *r, *u, *pb;
+    Rows<float> q, k, v, r;
+    float *u, *pb;
 };
 
 template <int NV>
@@ -281,14 +295,14 @@ void backward_head(const Shape& z, const Head& h, const float* o, const float* g
     float* gb = ga + z.L * Dp;        // dS R: the position part
     float* delta = gb + z.L * Dp;
     float* scratch = delta + z.L;
-    pack_rows(h.q, h.q_row, z.L, z, h.u, z.scale, a);
-    pack_rows(h.q, h.q_row, z.L, z, h.pb, z.scale, b);
-    pack_panels(h.k, h.kv_row, z.K, z.D, Dp, kt);
-    pack_panels(h.r, h.r_row, z.K, z.D, Dp, rt);
-    pack_panels(h.v, h.kv_row, z.K, z.D, Dp, vt);
-    pack_rows(h.k, h.kv_row, z.K, z, nullptr, 1.0f, kr);
-    pack_rows(h.r, h.r_row, z.K, z, nullptr, 1.0f, rr);
-    pack_rows(go, o_row, z.L, z, nullptr, 1.0f, dout);
+    pack_rows(h.q, z.L, z, h.u, z.scale, a);
+    pack_rows(h.q, z.L, z, h.pb, z.scale, b);
+    pack_panels(h.k, z.K, z.D, Dp, kt);
+    pack_panels(h.r, z.K, z.D, Dp, rt);
+    pack_panels(h.v, z.K, z.D, Dp, vt);
+    pack_rows(h.k, z.K, z, nullptr, 1.0f, kr);
+    pack_rows(h.r, z.K, z, nullptr, 1.0f, rr);
+    pack_rows(rows_of(go, o_row), z.L, z, nullptr, 1.0f, dout);
     std::memset(dsp, 0, sizeof(float) * Lr * ld);
     std::memset(sp, 0, sizeof(float) * kRows * ld);
     for (int64_t i = 0; i < z.L; ++i) {
@@ -349,7 +363,7 @@ void backward_head(const Shape& z, const Head& h, const float* o, const float* g
                 sum_a[v] += ca;
                 sum_b[v] += cb;
             }
-            std::memcpy(g.q + i * h.q_row, row, sizeof(float) * z.D);
+            std::memcpy(g.q.at(i), row, sizeof(float) * z.D);
         }
         for (int v = 0; v < NV; ++v) {
             store(row + v * kW, sum_a[v]);
@@ -366,27 +380,38 @@ void backward_head(const Shape& z, const Head& h, const float* o, const float* g
         const int64_t cols = z.K - j0 < kRows ? z.K - j0 : kRows;
         const int64_t first = j0 > z.M ? j0 - z.M : 0;
         weighted_sum<NV, false>(ds + first * ld + j0, 1, ld, 0, z.L - first, a + first * Dp, out);
-        for (int64_t r = 0; r < cols; ++r) std::memcpy(g.k + (j0 + r) * h.kv_row, out[r], sizeof(float) * z.D);
+        for (int64_t r = 0; r < cols; ++r) std::memcpy(g.k.at(j0 + r), out[r], sizeof(float) * z.D);
         weighted_sum<NV, false>(prob + first * ld + j0, 1, ld, 0, z.L - first, dout + first * Dp, out);
-        for (int64_t r = 0; r < cols; ++r) std::memcpy(g.v + (j0 + r) * h.kv_row, out[r], sizeof(float) * z.D);
+        for (int64_t r = 0; r < cols; ++r) std::memcpy(g.v.at(j0 + r), out[r], sizeof(float) * z.D);
         const int64_t from = z.L - j0 - kRows > 0 ? z.L - j0 - kRows : 0;
         weighted_sum<NV, false>(dsp + from * ld + j0, 1, ld, 0, z.L - from, b + from * Dp, out);
-        for (int64_t r = 0; r < cols; ++r) std::memcpy(g.r + (j0 + r) * h.r_row, out[r], sizeof(float) * z.D);
+        for (int64_t r = 0; r < cols; ++r) std::memcpy(g.r.at(j0 + r), out[r], sizeof(float) * z.D);
     }
 }
 
+// Keys then values over [memory, current]: the memory's (B, M, 2 H D) rows at `mem`, sequences mem_batch floats
+// apart, then the current window's (B, L, 2 H D) at `cur`, cur_batch apart.
+template <typename T>
+struct KeyValues {
+    T *mem, *cur;
+    int64_t mem_batch, cur_batch;
+    // Sequence b's keys (offset 0) or values (offset H D) of head hd.
+    Rows<T> of(int64_t b, int64_t offset, const Shape& z, int64_t HD) const {
+        return Rows<T>{mem + b * mem_batch + offset, cur + b * cur_batch + offset, z.M, 2 * HD};
+    }
+};
+
 template <int NV>
-void forward(const Shape& z, const float* q, const float* kv, const float* r, const float* u, const float* pb,
-             float* out, float* lse, int64_t B, int64_t H, int64_t threads) {
+void forward(const Shape& z, const float* q, KeyValues<const float> kv, const float* r, const float* u,
+             const float* pb, float* out, float* lse, int64_t B, int64_t H, int64_t threads) {
     const int64_t HD = H * z.D;
     gatedformer::parallel_chunks(B * H, threads, 1, [=](int64_t lo, int64_t hi) {
         const FlushDenormals flush;
         std::vector<float> work;
         for (int64_t bh = lo; bh < hi; ++bh) {
-            const int64_t bi = bh / H, hd = bh % H;
-            const float* kb = kv + bi * z.K * 2 * HD + hd * z.D;
-            const Head head{q + bi * z.L * HD + hd * z.D, kb, kb + HD, r + hd * z.D, u + hd * z.D, pb + hd * z.D,
-                            HD, 2 * HD, HD};
+            const int64_t bi = bh / H, hd = bh % H, at = hd * z.D;
+            const Head head{rows_of(q + bi * z.L * HD + at, HD), kv.of(bi, at, z, HD), kv.of(bi, HD + at, z, HD),
+                            rows_of(r + at, HD), u + at, pb + at};
             forward_head<NV>(z, head, out + bi * z.L * HD + hd * z.D, HD, lse != nullptr ? lse + bh * z.L : nullptr,
                              work);
         }
@@ -394,20 +419,19 @@ void forward(const Shape& z, const float* q, const float* kv, const float* r, co
 }
 
 template <int NV>
-void backward(const Shape& z, const float* q, const float* kv, const float* r, const float* u, const float* pb,
-              const float* out, const float* grad_out, const float* lse, float* gq, float* gkv, float* gr,
-              float* gu, float* gpb, int64_t B, int64_t H, int64_t threads) {
+void backward(const Shape& z, const float* q, KeyValues<const float> kv, const float* r, const float* u,
+              const float* pb, const float* out, const float* grad_out, const float* lse, float* gq,
+              KeyValues<float> gkv, float* gr, float* gu, float* gpb, int64_t B, int64_t H, int64_t threads) {
     const int64_t HD = H * z.D;
     gatedformer::parallel_chunks(B * H, threads, 1, [=](int64_t lo, int64_t hi) {
         const FlushDenormals flush;
         std::vector<float> work;
         for (int64_t bh = lo; bh < hi; ++bh) {
-            const int64_t bi = bh / H, hd = bh % H;
-            const int64_t q_at = bi * z.L * HD + hd * z.D, kv_at = bi * z.K * 2 * HD + hd * z.D;
-            const Head head{q + q_at, kv + kv_at, kv + kv_at + HD, r + hd * z.D, u + hd * z.D, pb + hd * z.D,
-                            HD, 2 * HD, HD};
-            const HeadGrad grad{gq + q_at, gkv + kv_at, gkv + kv_at + HD, gr + bi * z.K * HD + hd * z.D,
-                                gu + bh * z.D, gpb + bh * z.D};
+            const int64_t bi = bh / H, hd = bh % H, at = hd * z.D, q_at = bi * z.L * HD + at;
+            const Head head{rows_of(q + q_at, HD), kv.of(bi, at, z, HD), kv.of(bi, HD + at, z, HD),
+                            rows_of(r + at, HD), u + at, pb + at};
+            const HeadGrad grad{rows_of(gq + q_at, HD), gkv.of(bi, at, z, HD), gkv.of(bi, HD + at, z, HD),
+                                rows_of(gr + bi * z.K * HD + at, HD), gu + bh * z.D, gpb + bh * z.D};
             backward_head<NV>(z, head, out + q_at, grad_out + q_at, HD, lse + bh * z.L, grad, work);
         }
     });
@@ -423,13 +447,16 @@ bool make_shape(int64_t L, int64_t M, int64_t D, double scale, Shape* z) {
 }  // namespace
 
 extern "C" {
-// q: (B, L, H D); kv: (B, M + L, 2 H D), keys then values; r: (M + L, H D), row c the distance M + L - 1 - c;
-// u, pb: (H, D). out: (B, L, H D); lse: (B, H, L) or null.
-int relative_attention_forward_f32(const float* q, const float* kv, const float* r, const float* u, const float* pb,
-                                   float* out, float* lse, int64_t B, int64_t L, int64_t M, int64_t H, int64_t D,
-                                   double scale, int64_t threads) {
+// q: (B, L, H D); the keys then values of the memory, (B, M, 2 H D) at kv_mem with sequences kv_mem_batch floats
+// apart, and of the current window, (B, L, 2 H D) at kv_cur, kv_cur_batch apart; r: (M + L, H D), row c the
+// distance M + L - 1 - c; u, pb: (H, D). out: (B, L, H D); lse: (B, H, L) or null.
+int relative_attention_forward_f32(const float* q, const float* kv_mem, int64_t kv_mem_batch, const float* kv_cur,
+                                   int64_t kv_cur_batch, const float* r, const float* u, const float* pb, float* out,
+                                   float* lse, int64_t B, int64_t L, int64_t M, int64_t H, int64_t D, double scale,
+                                   int64_t threads) {
     Shape z;
     if (!make_shape(L, M, D, scale, &z)) return 1;
+    const KeyValues<const float> kv{kv_mem, kv_cur, kv_mem_batch, kv_cur_batch};
     switch (z.Dp / kW) {
         case 1: forward<1>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
         case 2: forward<2>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
@@ -444,13 +471,17 @@ int relative_attention_forward_f32(const float* q, const float* kv, const float*
         default: return 1;
     }
 }
-// gr: (B, M + L, H D), each sequence's share of r's gradient; gu, gpb: (B, H, D), likewise for u and pb.
-int relative_attention_backward_f32(const float* q, const float* kv, const float* r, const float* u, const float* pb,
-                                    const float* out, const float* grad_out, const float* lse, float* gq, float* gkv,
-                                    float* gr, float* gu, float* gpb, int64_t B, int64_t L, int64_t M, int64_t H,
-                                    int64_t D, double scale, int64_t threads) {
+// gkv_mem, gkv_cur: laid out as kv_mem and kv_cur; gr: (B, M + L, H D), each sequence's share of r's gradient;
+// gu, gpb: (B, H, D), likewise for u and pb.
+int relative_attention_backward_f32(const float* q, const float* kv_mem, int64_t kv_mem_batch, const float* kv_cur,
+                                    int64_t kv_cur_batch, const float* r, const float* u, const float* pb,
+                                    const float* out, const float* grad_out, const float* lse, float* gq,
+                                    float* gkv_mem, float* gkv_cur, float* gr, float* gu, float* gpb, int64_t B,
+                                    int64_t L, int64_t M, int64_t H, int64_t D, double scale, int64_t threads) {
     Shape z;
     if (!make_shape(L, M, D, scale, &z)) return 1;
+    const KeyValues<const float> kv{kv_mem, kv_cur, kv_mem_batch, kv_cur_batch};
+    const KeyValues<float> gkv{gkv_mem, gkv_cur, kv_mem_batch, kv_cur_batch};
 #define GATEDFORMER_BACKWARD(NV) \
     backward<NV>(z, q, kv, r, u, pb, out, grad_out, lse, gq, gkv, gr, gu, gpb, B, H, threads)
     switch (z.Dp / kW) {
@@ -474,22 +505,24 @@ int relative_attention_backward_f32(const float* q, const float* kv, const float
 
 def _bind(lib: ctypes.CDLL) -> None:
     p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-    lib.relative_attention_forward_f32.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, f, i]
+    lib.relative_attention_forward_f32.argtypes = [p, p, i, p, i, p, p, p, p, p, i, i, i, i, i, f, i]
     lib.relative_attention_forward_f32.restype = ctypes.c_int
-    lib.relative_attention_backward_f32.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, p, i, i, i, i, i, f, i]
+    lib.relative_attention_backward_f32.argtypes = [p, p, i, p, i, p, p, p, p, p, p, p, p, p, p, p, p, i, i, i, i, i,
+                                                    f, i]
     lib.relative_attention_backward_f32.restype = ctypes.c_int
 
 
 KERNEL = NativeKernel(
-    "relative_attention", _CPP_SOURCE, _bind, abi_version=1, env_var="GATEDFORMER_ATTENTION_BACKEND",
+    "relative_attention", _CPP_SOURCE, _bind, abi_version=2, env_var="GATEDFORMER_ATTENTION_BACKEND",
     description="the compiled relative-position attention kernel", fallback="PyTorch operations",
     fast_math=True, avx512=True,
 )
 
 
 def kernel_takes(tensors: Sequence[Tensor], n_heads: int, dropout: float) -> bool:
-    """Whether :func:`relative_attention` may run the compiled kernel on these inputs (``q, kv, r, u, pos_bias``, as
-    it takes them): float32 CPU tensors (none cast by autocast), no attention dropout, heads of at most 128."""
+    """Whether :func:`relative_attention` may run the compiled kernel on these inputs (``q, kv, r, u, pos_bias`` and
+    any ``memory_kv``, as it takes them): float32 CPU tensors (none cast by autocast), no attention dropout, heads of
+    at most 128."""
     if dropout > 0.0 or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return False
     width = tensors[0].shape[-1]
@@ -498,23 +531,36 @@ def kernel_takes(tensors: Sequence[Tensor], n_heads: int, dropout: float) -> boo
     return KERNEL.pick_backend(tensors[0].device) == "native"
 
 
-def _forward(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor, n_heads: int,
+def _key_values(kv: Tensor, memory_kv: Tensor | None, length: int) -> tuple[int, int, int, int, int]:
+    """``(memory rows, memory's address, its sequences' stride, current rows' address, their stride)``: the memory's
+    keys and values are ``memory_kv`` or, without it, the rows of ``kv`` before the current window's ``length``."""
+    step = kv.element_size()
+    if memory_kv is None:
+        memory = kv.shape[1] - length
+        return memory, kv.data_ptr(), kv.stride(0), kv.data_ptr() + memory * kv.stride(1) * step, kv.stride(0)
+    return memory_kv.shape[1], memory_kv.data_ptr(), memory_kv.stride(0), kv.data_ptr(), kv.stride(0)
+
+
+def _forward(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor, memory_kv: Tensor | None, n_heads: int,
              keep_lse: bool) -> tuple[Tensor, Tensor | None]:
     batch, length, width = q.shape
-    memory = kv.shape[1] - length
+    memory = kv.shape[1] - length if memory_kv is None else memory_kv.shape[1]
     head = width // n_heads
-    shapes_fit = memory >= 0 and kv.shape == (batch, memory + length, 2 * width) \
+    inputs = (q, kv, r, u, pos_bias) + (() if memory_kv is None else (memory_kv,))
+    shapes_fit = memory >= 0 and kv.shape == (batch, length + (memory if memory_kv is None else 0), 2 * width) \
+        and (memory_kv is None or memory_kv.shape == (batch, memory, 2 * width)) \
         and r.shape == (memory + length, width) and u.shape == (n_heads, head) and pos_bias.shape == u.shape
-    if not shapes_fit or not kernel_takes((q, kv, r, u, pos_bias), n_heads, 0.0):
-        raise ValueError("relative_attention takes float32 CPU tensors q (B, L, H·D), kv (B, M+L, 2·H·D), "
-                         f"r (M+L, H·D), u and pos_bias (H, D) with D <= {MAX_HEAD_SIZE}; got "
-                         + ", ".join(f"{tuple(t.shape)} {t.dtype} on {t.device}" for t in (q, kv, r, u, pos_bias)))
+    if not shapes_fit or not kernel_takes(inputs, n_heads, 0.0):
+        raise ValueError("relative_attention takes float32 CPU tensors q (B, L, H·D), kv (B, M+L, 2·H·D) or kv "
+                         "(B, L, 2·H·D) with memory_kv (B, M, 2·H·D), r (M+L, H·D), u and pos_bias (H, D) with "
+                         f"D <= {MAX_HEAD_SIZE}; got " + ", ".join(f"{tuple(t.shape)} {t.dtype} on {t.device}"
+                                                                  for t in inputs))
     out = q.new_empty(batch, length, width)
     lse = q.new_empty(batch, n_heads, length) if keep_lse else None
     failed = KERNEL.library().relative_attention_forward_f32(
-        q.data_ptr(), kv.data_ptr(), r.data_ptr(), u.data_ptr(), pos_bias.data_ptr(), out.data_ptr(),
-        None if lse is None else lse.data_ptr(), batch, length, memory, n_heads, head, 1.0 / math.sqrt(head),
-        kernel_threads(kv.numel() * length),
+        q.data_ptr(), *_key_values(kv, memory_kv, length)[1:], r.data_ptr(), u.data_ptr(), pos_bias.data_ptr(),
+        out.data_ptr(), None if lse is None else lse.data_ptr(), batch, length, memory, n_heads, head,
+        1.0 / math.sqrt(head), kernel_threads(batch * (memory + length) * 2 * width * length),
     )
     if failed:
         raise RuntimeError(f"the relative attention kernel does not take heads of {head}")
@@ -524,43 +570,50 @@ def _forward(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor, n_he
 class _RelativeAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor,  # type: ignore[override]
-                n_heads: int, recorded: bool) -> Tensor:
+                memory_kv: Tensor | None, n_heads: int, recorded: bool) -> Tensor:
         q, kv, r, u, pos_bias = (t.contiguous() for t in (q, kv, r, u, pos_bias))
-        out, lse = _forward(q, kv, r, u, pos_bias, n_heads, keep_lse=recorded)
+        memory_kv = None if memory_kv is None else memory_kv.contiguous()
+        out, lse = _forward(q, kv, r, u, pos_bias, memory_kv, n_heads, keep_lse=recorded)
         if lse is not None:
-            ctx.save_for_backward(q, kv, r, u, pos_bias, out, lse)
+            ctx.save_for_backward(q, kv, r, u, pos_bias, memory_kv, out, lse)
         ctx.n_heads = n_heads
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, kv, r, u, pos_bias, out, lse = ctx.saved_tensors
+        q, kv, r, u, pos_bias, memory_kv, out, lse = ctx.saved_tensors
         batch, length, width = q.shape
         heads = ctx.n_heads
         head = width // heads
         grad_out = grad_out.contiguous()
         grad_q, grad_kv = torch.empty_like(q), torch.empty_like(kv)
+        grad_memory_kv = None if memory_kv is None else torch.empty_like(memory_kv)
         grad_r = r.new_empty(batch, *r.shape)  # each sequence's share, summed below
         grad_u, grad_pos_bias = u.new_empty(batch, *u.shape), u.new_empty(batch, *u.shape)
+        memory, *addresses = _key_values(kv, memory_kv, length)
+        _, grad_memory_at, _, grad_current_at, _ = _key_values(grad_kv, grad_memory_kv, length)  # kv's strides
         failed = KERNEL.library().relative_attention_backward_f32(
-            q.data_ptr(), kv.data_ptr(), r.data_ptr(), u.data_ptr(), pos_bias.data_ptr(), out.data_ptr(),
-            grad_out.data_ptr(), lse.data_ptr(), grad_q.data_ptr(), grad_kv.data_ptr(), grad_r.data_ptr(),
-            grad_u.data_ptr(), grad_pos_bias.data_ptr(), batch, length, kv.shape[1] - length, heads, head,
-            1.0 / math.sqrt(head), kernel_threads(kv.numel() * length),
+            q.data_ptr(), *addresses, r.data_ptr(), u.data_ptr(), pos_bias.data_ptr(), out.data_ptr(),
+            grad_out.data_ptr(), lse.data_ptr(), grad_q.data_ptr(), grad_memory_at, grad_current_at, grad_r.data_ptr(),
+            grad_u.data_ptr(), grad_pos_bias.data_ptr(), batch, length, memory, heads, head, 1.0 / math.sqrt(head),
+            kernel_threads(batch * (memory + length) * 2 * width * length),
         )
         if failed:
             raise RuntimeError(f"the relative attention kernel does not take heads of {head}")
-        return grad_q, grad_kv, grad_r.sum(0), grad_u.sum(0), grad_pos_bias.sum(0), None, None
+        return grad_q, grad_kv, grad_r.sum(0), grad_u.sum(0), grad_pos_bias.sum(0), grad_memory_kv, None, None
 
 
-def relative_attention(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor, n_heads: int) -> Tensor:
+def relative_attention(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor, n_heads: int,
+                       memory_kv: Tensor | None = None) -> Tensor:
     """Causal relative-position attention by the compiled kernel (see the module docstring; check
     :func:`kernel_takes` first).
 
-    ``q (B, L, H·D)`` queries, ``kv (B, M+L, 2·H·D)`` keys then values over ``[memory ∘ current]``, ``r (M+L, H·D)``
-    the projected encodings of the distances ``M+L-1, ..., 0``, ``u`` and ``pos_bias`` ``(H, D)`` the content and
-    position biases: ``(B, L, H·D)``, the heads side by side.
+    ``q (B, L, H·D)`` queries; ``kv (B, M+L, 2·H·D)`` keys then values over ``[memory ∘ current]``, or ``kv (B, L,
+    2·H·D)`` the current window's with ``memory_kv (B, M, 2·H·D)`` the memory's (two projections' outputs, read where
+    they are); ``r (M+L, H·D)`` the projected encodings of the distances ``M+L-1, ..., 0``; ``u`` and ``pos_bias``
+    ``(H, D)`` the content and position biases. Returns ``(B, L, H·D)``, the heads side by side.
     """
     # Whether autograd records this call, asked here: Function.forward itself runs with grad mode off.
-    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (q, kv, r, u, pos_bias))
-    return _RelativeAttention.apply(q, kv, r, u, pos_bias, n_heads, recorded)
+    tensors = (q, kv, r, u, pos_bias) + (() if memory_kv is None else (memory_kv,))
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return _RelativeAttention.apply(q, kv, r, u, pos_bias, memory_kv, n_heads, recorded)

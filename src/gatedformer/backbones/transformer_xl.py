@@ -118,18 +118,24 @@ class RelativeMultiHeadAttention(nn.Module):
         nn.init.normal_(self.v, std=0.02)
         self.dropout = Dropout(dropout)
 
-    def projections(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries ``(B, L, H·dh)``, keys then values ``(B, M+L, 2·H·dh)``, position keys ``(M+L, H·dh)``: the
-        projections' outputs, heads side by side."""
+    def _projections_apart(self, h: Tensor, memory: Tensor | None,
+                           pos: Tensor) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+        """Queries ``(B, L, H·dh)``, the window's keys then values ``(B, L, 2·H·dh)``, the memory's ``(B, M, 2·H·dh)``
+        (``None`` without a memory) and the position keys ``(M+L, H·dh)``."""
+        memory = memory if memory is not None and memory.shape[1] > 0 else None
         k_len = h.shape[1] + (0 if memory is None else memory.shape[1])
         if pos.shape[0] < k_len:
             raise ValueError(f"pos has {pos.shape[0]} rows but the attention spans {k_len} keys")
-        kv = self.key_value(h)
-        if memory is not None and memory.shape[1] > 0:
-            # The memory's keys and values by a product of their own: the memory takes no gradient, so the
-            # backward pass computes only the weight's share from it, not an input gradient to throw away.
-            kv = torch.cat([self.key_value(memory.to(h.dtype)), kv], dim=1)
-        return self.query(h), kv, self.position(pos[pos.shape[0] - k_len :])
+        # The memory's keys and values by a product of their own: the memory takes no gradient, so the backward
+        # pass computes only the weight's share from it, not an input gradient to throw away.
+        memory_kv = None if memory is None else self.key_value(memory.to(h.dtype))
+        return self.query(h), self.key_value(h), memory_kv, self.position(pos[pos.shape[0] - k_len :])
+
+    def projections(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries ``(B, L, H·dh)``, keys then values ``(B, M+L, 2·H·dh)``, position keys ``(M+L, H·dh)``: the
+        projections' outputs, heads side by side."""
+        q, kv, memory_kv, r = self._projections_apart(h, memory, pos)
+        return q, (kv if memory_kv is None else torch.cat([memory_kv, kv], dim=1)), r
 
     def project(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Queries ``(B, H, L, dh)``, keys and values ``(B, H, M+L, dh)``, position keys ``(H, M+L, dh)``."""
@@ -161,11 +167,13 @@ class RelativeMultiHeadAttention(nn.Module):
 
     def forward(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> Tensor:
         batch, q_len, _ = h.shape
-        q, kv, r = self.projections(h, memory, pos)
-        if kernel_takes((q, kv, r, self.u, self.v), self.n_heads, self.dropout.p if self.training else 0.0):
-            # The compiled kernel reads the projections in their own layouts: no split into heads, no copies.
-            return self.out(relative_attention(q, kv, r, self.u, self.v, self.n_heads))
-        q, k, v, r = self._heads(q, kv, r)
+        q, kv, memory_kv, r = self._projections_apart(h, memory, pos)
+        taken = (q, kv, r, self.u, self.v) + (() if memory_kv is None else (memory_kv,))
+        if kernel_takes(taken, self.n_heads, self.dropout.p if self.training else 0.0):
+            # The compiled kernel reads the projections in their own layouts (the memory's and the window's keys
+            # apart): no split into heads, no joining copy.
+            return self.out(relative_attention(q, kv, r, self.u, self.v, self.n_heads, memory_kv))
+        q, k, v, r = self._heads(q, kv if memory_kv is None else torch.cat([memory_kv, kv], dim=1), r)
         # Written out rather than through scaled_dot_product_attention: with the positional terms as an
         # additive mask it would fall back to this same computation on CPU, with two more copies.
         weights = self.dropout(self.attention_scores(q, k, r).softmax(dim=-1))
