@@ -76,6 +76,31 @@ def test_shapes_and_state() -> None:
         model(tokens(3, 5), state)
 
 
+@pytest.mark.parametrize("mem_len", [3, 4, 6, 11])
+def test_memories_are_the_last_layer_inputs_of_the_windows_so_far(mem_len: int) -> None:
+    """Over windows of 4 and 5 positions, each layer's memory holds its inputs at the last ``mem_len`` positions
+    seen (fewer at first), copied: changing the activations afterwards does not change it."""
+    torch.manual_seed(0)
+    model = xl(mem_len=mem_len).eval()
+    seen: list[list[torch.Tensor]] = [[] for _ in range(LAYERS)]
+    hooks = [layer.register_forward_pre_hook(lambda _, args, i=i: seen[i].append(args[0].detach().clone()))
+             for i, layer in enumerate(model.layers)]
+    state = None
+    with torch.no_grad():
+        for length in (4, 5, 4):
+            inputs: list[torch.Tensor] = []
+            captured = model.layers[0].register_forward_pre_hook(lambda _, args, into=inputs: into.append(args[0]))
+            _, state = model(tokens(2, length), state)
+            captured.remove()
+            for i, memory in enumerate(state):
+                expected = torch.cat(seen[i], dim=1)[:, -mem_len:]
+                assert torch.equal(memory, expected)
+            inputs[0].add_(1.0)  # the activations change; the memory taken from them must not
+            assert torch.equal(state[0], torch.cat(seen[0], dim=1)[:, -mem_len:])
+    for hook in hooks:
+        hook.remove()
+
+
 def test_builders_pass_the_backbone_fields() -> None:
     assert {"rtransformer", "transformer-xl"} <= set(BUILDERS)
     cfg = ModelConfig(backbone="rtransformer", d_model=D, n_heads=2, d_ffn=24, n_layers=2, rnn_type="lstm",

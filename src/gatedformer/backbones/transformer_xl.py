@@ -278,6 +278,10 @@ class TransformerXLLM(nn.Module):
         updated = []
         for i, current in enumerate(inputs):
             current = current.detach()
-            full = current if memories is None else torch.cat([memories[i].to(current.dtype), current], dim=1)
-            updated.append(full[:, -self.mem_len :].contiguous())
+            kept = self.mem_len - current.shape[1]  # positions the old memory still gives
+            if memories is None or kept <= 0:
+                # A copy, not a view: the memory must not change with the layer input it was taken from.
+                updated.append(current[:, -self.mem_len :].clone(memory_format=torch.contiguous_format))
+            else:  # only the rows that stay, joined once
+                updated.append(torch.cat([memories[i][:, -kept:].to(current.dtype), current], dim=1))
         return updated
