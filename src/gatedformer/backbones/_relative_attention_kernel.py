@@ -86,21 +86,29 @@ struct Rows {
 template <typename T>
 Rows<T> rows_of(T* base, int64_t stride) { return Rows<T>{base, base, 0, stride}; }
 
+// The kW floats of a row from column d on, zeros from column D on (a masked load for the last part vector).
+inline vec load_part(const float* row, int64_t d, int64_t D) {
+    return d + kW <= D ? load(row + d) : d < D ? load_first(row + d, D - d) : splat(0);
+}
+
+// dst[0 .. D) = src[0 .. D) from a padded row (whole vectors readable): inline, where memcpy of a few dozen bytes is
+// a call.
+inline void store_row(float* dst, const float* src, int64_t D) {
+    for (int64_t d = 0; d < D; d += kW) {
+        if (d + kW <= D)
+            store(dst + d, load(src + d));
+        else
+            store_first(dst + d, load(src + d), D - d);
+    }
+}
+
 // dst[j][d] = (src row j [d] + add[d]) * mul for d < D (no add where it is null), zero for D <= d < Dp.
 void pack_rows(const Rows<const float>& src, int64_t n, const Shape& z, const float* add, float mul, float* dst) {
-    if (z.D == z.Dp) {  // whole vectors
-        for (int64_t j = 0; j < n; ++j) {
-            const float* row = src.at(j);
-            for (int64_t d = 0; d < z.D; d += kW)
-                store(dst + j * z.Dp + d, (load(row + d) + (add != nullptr ? load(add + d) : splat(0))) * mul);
-        }
-        return;
-    }
     for (int64_t j = 0; j < n; ++j) {
         const float* row = src.at(j);
-        float* out = dst + j * z.Dp;
-        for (int64_t d = 0; d < z.D; ++d) out[d] = (row[d] + (add != nullptr ? add[d] : 0.0f)) * mul;
-        for (int64_t d = z.D; d < z.Dp; ++d) out[d] = 0.0f;
+        for (int64_t d = 0; d < z.Dp; d += kW)
+            store(dst + j * z.Dp + d,
+                  (load_part(row, d, z.D) + (add != nullptr ? load_part(add, d, z.D) : splat(0))) * mul);
     }
 }
 
@@ -192,10 +200,11 @@ inline void block_rows(const float* base, int64_t stride, int64_t i0, int64_t ro
     for (int64_t r = 0; r < kRows; ++r) out[r] = base + (i0 + (r < rows ? r : rows - 1)) * stride;
 }
 
-// One (sequence, head): its rows in every tensor.
+// One (sequence, head): its rows in every tensor, and the head's position keys packed (shared by the sequences).
 struct Head {
-    Rows<const float> q, k, v, r;
+    Rows<const float> q, k, v;
     const float *u, *pb;  // pb: the position bias (the paper's v)
+    const float *r_panels, *r_rows;  // as pack_panels and pack_rows leave them (rows: the backward pass only)
 };
 
 // The scores of rows i0 .. i0 + rows - 1 (content products in sc, position products in sp), combined in place in
@@ -217,9 +226,9 @@ void block_scores(const Shape& z, const float* a, const float* b, const float* k
 template <int NV>
 void forward_head(const Shape& z, const Head& h, float* o, int64_t o_row, float* lse, std::vector<float>& work) {
     const int64_t Dp = z.Dp, ld = round_up(z.K, kPanel) + kPanel;
-    float* kt = aligned_work(work, 2 * ld * Dp + z.K * Dp + 2 * z.L * Dp + 2 * kRows * ld + kRows * Dp);
-    float* rt = kt + ld * Dp;
-    float* vr = rt + ld * Dp;
+    float* kt = aligned_work(work, ld * Dp + z.K * Dp + 2 * z.L * Dp + 2 * kRows * ld + kRows * Dp);
+    const float* rt = h.r_panels;
+    float* vr = kt + ld * Dp;
     float* a = vr + z.K * Dp;
     float* b = a + z.L * Dp;
     float* sc = b + z.L * Dp;
@@ -228,7 +237,6 @@ void forward_head(const Shape& z, const Head& h, float* o, int64_t o_row, float*
     pack_rows(h.q, z.L, z, h.u, z.scale, a);
     pack_rows(h.q, z.L, z, h.pb, z.scale, b);
     pack_panels(h.k, z.K, z.D, Dp, kt);
-    pack_panels(h.r, z.K, z.D, Dp, rt);
     pack_rows(h.v, z.K, z, nullptr, 1.0f, vr);
     std::memset(sp, 0, sizeof(float) * kRows * ld);  // columns the products skip are read (then masked)
     for (int64_t i0 = 0; i0 < z.L; i0 += kRows) {
@@ -263,7 +271,13 @@ void forward_head(const Shape& z, const Head& h, float* o, int64_t o_row, float*
             std::memset(sc + r * ld, 0, sizeof(float) * n);
         weighted_sum<NV, false>(sc, ld, 1, 0, n, vr, out);
         for (int64_t r = 0; r < rows; ++r)
-            for (int64_t d = 0; d < z.D; ++d) o[(i0 + r) * o_row + d] = out[r][d] * inv[r];
+            for (int64_t d = 0; d < z.D; d += kW) {
+                const vec x = load(out[r] + d) * inv[r];
+                if (d + kW <= z.D)
+                    store(o + (i0 + r) * o_row + d, x);
+                else
+                    store_first(o + (i0 + r) * o_row + d, x, z.D - d);
+            }
     }
 }
 
@@ -278,13 +292,13 @@ template <int NV>
 void backward_head(const Shape& z, const Head& h, const float* o, const float* go, int64_t o_row, const float* lse,
                    const HeadGrad& g, std::vector<float>& work) {
     const int64_t Dp = z.Dp, ld = round_up(z.K, kPanel) + kPanel, Lr = round_up(z.L, kRows);
-    float* kt = aligned_work(work, 3 * ld * Dp + 2 * z.K * Dp + 3 * z.L * Dp + 3 * Lr * ld + kRows * ld
+    float* kt = aligned_work(work, 2 * ld * Dp + z.K * Dp + 3 * z.L * Dp + 3 * Lr * ld + kRows * ld
                              + 2 * z.L * Dp + z.L + kRows * Dp);
-    float* rt = kt + ld * Dp;
-    float* vt = rt + ld * Dp;
-    float* kr = vt + ld * Dp;        // K rows
-    float* rr = kr + z.K * Dp;        // position rows
-    float* a = rr + z.K * Dp;         // (q + u) / sqrt(D)
+    const float* rt = h.r_panels;
+    const float* rr = h.r_rows;       // position rows
+    float* vt = kt + ld * Dp;
+    float* kr = vt + ld * Dp;         // K rows
+    float* a = kr + z.K * Dp;         // (q + u) / sqrt(D)
     float* b = a + z.L * Dp;          // (q + v) / sqrt(D)
     float* dout = b + z.L * Dp;
     float* prob = dout + z.L * Dp;    // P, by key
@@ -298,10 +312,8 @@ void backward_head(const Shape& z, const Head& h, const float* o, const float* g
     pack_rows(h.q, z.L, z, h.u, z.scale, a);
     pack_rows(h.q, z.L, z, h.pb, z.scale, b);
     pack_panels(h.k, z.K, z.D, Dp, kt);
-    pack_panels(h.r, z.K, z.D, Dp, rt);
     pack_panels(h.v, z.K, z.D, Dp, vt);
     pack_rows(h.k, z.K, z, nullptr, 1.0f, kr);
-    pack_rows(h.r, z.K, z, nullptr, 1.0f, rr);
     pack_rows(rows_of(go, o_row), z.L, z, nullptr, 1.0f, dout);
     std::memset(dsp, 0, sizeof(float) * Lr * ld);
     std::memset(sp, 0, sizeof(float) * kRows * ld);
@@ -363,7 +375,7 @@ void backward_head(const Shape& z, const Head& h, const float* o, const float* g
                 sum_a[v] += ca;
                 sum_b[v] += cb;
             }
-            std::memcpy(g.q.at(i), row, sizeof(float) * z.D);
+            store_row(g.q.at(i), row, z.D);
         }
         for (int v = 0; v < NV; ++v) {
             store(row + v * kW, sum_a[v]);
@@ -380,12 +392,12 @@ void backward_head(const Shape& z, const Head& h, const float* o, const float* g
         const int64_t cols = z.K - j0 < kRows ? z.K - j0 : kRows;
         const int64_t first = j0 > z.M ? j0 - z.M : 0;
         weighted_sum<NV, false>(ds + first * ld + j0, 1, ld, 0, z.L - first, a + first * Dp, out);
-        for (int64_t r = 0; r < cols; ++r) std::memcpy(g.k.at(j0 + r), out[r], sizeof(float) * z.D);
+        for (int64_t r = 0; r < cols; ++r) store_row(g.k.at(j0 + r), out[r], z.D);
         weighted_sum<NV, false>(prob + first * ld + j0, 1, ld, 0, z.L - first, dout + first * Dp, out);
-        for (int64_t r = 0; r < cols; ++r) std::memcpy(g.v.at(j0 + r), out[r], sizeof(float) * z.D);
+        for (int64_t r = 0; r < cols; ++r) store_row(g.v.at(j0 + r), out[r], z.D);
         const int64_t from = z.L - j0 - kRows > 0 ? z.L - j0 - kRows : 0;
         weighted_sum<NV, false>(dsp + from * ld + j0, 1, ld, 0, z.L - from, b + from * Dp, out);
-        for (int64_t r = 0; r < cols; ++r) std::memcpy(g.r.at(j0 + r), out[r], sizeof(float) * z.D);
+        for (int64_t r = 0; r < cols; ++r) store_row(g.r.at(j0 + r), out[r], z.D);
     }
 }
 
@@ -401,17 +413,39 @@ struct KeyValues {
     }
 };
 
+// Every head's position keys packed once, for all the sequences: panels (ld rows each) and, with `rows`, rows.
+struct PackedPositions {
+    std::vector<float> work;
+    float *panels, *rows;
+    int64_t panel_floats, row_floats;
+    PackedPositions(const Shape& z, const float* r, int64_t H, bool with_rows) {
+        const int64_t ld = round_up(z.K, kPanel) + kPanel;
+        panel_floats = round_up(ld * z.Dp, kW);
+        row_floats = with_rows ? round_up(z.K * z.Dp, kW) : 0;
+        panels = aligned_work(work, H * (panel_floats + row_floats));
+        rows = panels + H * panel_floats;
+        for (int64_t hd = 0; hd < H; ++hd) {
+            const Rows<const float> r_head = rows_of(r + hd * z.D, H * z.D);
+            pack_panels(r_head, z.K, z.D, z.Dp, panels + hd * panel_floats);
+            if (with_rows) pack_rows(r_head, z.K, z, nullptr, 1.0f, rows + hd * row_floats);
+        }
+    }
+};
+
 template <int NV>
 void forward(const Shape& z, const float* q, KeyValues<const float> kv, const float* r, const float* u,
              const float* pb, float* out, float* lse, int64_t B, int64_t H, int64_t threads) {
     const int64_t HD = H * z.D;
+    const PackedPositions positions(z, r, H, false);
+    const float* r_panels = positions.panels;
+    const int64_t r_stride = positions.panel_floats;
     gatedformer::parallel_chunks(B * H, threads, 1, [=](int64_t lo, int64_t hi) {
         const FlushDenormals flush;
         std::vector<float> work;
         for (int64_t bh = lo; bh < hi; ++bh) {
             const int64_t bi = bh / H, hd = bh % H, at = hd * z.D;
             const Head head{rows_of(q + bi * z.L * HD + at, HD), kv.of(bi, at, z, HD), kv.of(bi, HD + at, z, HD),
-                            rows_of(r + at, HD), u + at, pb + at};
+                            u + at, pb + at, r_panels + hd * r_stride, nullptr};
             forward_head<NV>(z, head, out + bi * z.L * HD + hd * z.D, HD, lse != nullptr ? lse + bh * z.L : nullptr,
                              work);
         }
@@ -423,13 +457,16 @@ void backward(const Shape& z, const float* q, KeyValues<const float> kv, const f
               const float* pb, const float* out, const float* grad_out, const float* lse, float* gq,
               KeyValues<float> gkv, float* gr, float* gu, float* gpb, int64_t B, int64_t H, int64_t threads) {
     const int64_t HD = H * z.D;
+    const PackedPositions positions(z, r, H, true);
+    const float *r_panels = positions.panels, *r_rows = positions.rows;
+    const int64_t panel_stride = positions.panel_floats, row_stride = positions.row_floats;
     gatedformer::parallel_chunks(B * H, threads, 1, [=](int64_t lo, int64_t hi) {
         const FlushDenormals flush;
         std::vector<float> work;
         for (int64_t bh = lo; bh < hi; ++bh) {
             const int64_t bi = bh / H, hd = bh % H, at = hd * z.D, q_at = bi * z.L * HD + at;
             const Head head{rows_of(q + q_at, HD), kv.of(bi, at, z, HD), kv.of(bi, HD + at, z, HD),
-                            rows_of(r + at, HD), u + at, pb + at};
+                            u + at, pb + at, r_panels + hd * panel_stride, r_rows + hd * row_stride};
             const HeadGrad grad{rows_of(gq + q_at, HD), gkv.of(bi, at, z, HD), gkv.of(bi, HD + at, z, HD),
                                 rows_of(gr + bi * z.K * HD + at, HD), gu + bh * z.D, gpb + bh * z.D};
             backward_head<NV>(z, head, out + q_at, grad_out + q_at, HD, lse + bh * z.L, grad, work);
@@ -513,7 +550,7 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 KERNEL = NativeKernel(
-    "relative_attention", _CPP_SOURCE, _bind, abi_version=2, env_var="GATEDFORMER_ATTENTION_BACKEND",
+    "relative_attention", _CPP_SOURCE, _bind, abi_version=3, env_var="GATEDFORMER_ATTENTION_BACKEND",
     description="the compiled relative-position attention kernel", fallback="PyTorch operations",
     fast_math=True, avx512=True,
 )

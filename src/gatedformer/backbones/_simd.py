@@ -34,6 +34,31 @@ inline vec below(vec x, int64_t jb, int64_t valid, float fill) {
     for (int k = 0; k < kW; ++k) lane[k] = k;
     return lane < ivec{} + (int32_t)(valid - jb) ? x : splat(fill);
 }
+// The first n < kW floats at p in the low lanes, zeros above (masked: nothing past p + n is read), and back.
+inline vec load_first(const float* p, int64_t n) {
+#if defined(__AVX512F__)
+    return (vec)_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+#elif defined(__AVX2__)
+    ivec lane;
+    for (int k = 0; k < kW; ++k) lane[k] = k;
+    return (vec)_mm256_maskload_ps(p, (__m256i)(lane < ivec{} + (int32_t)n));
+#else
+    vec x = splat(0);
+    for (int64_t k = 0; k < n; ++k) x[k] = p[k];
+    return x;
+#endif
+}
+inline void store_first(float* p, vec x, int64_t n) {
+#if defined(__AVX512F__)
+    _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), (__m512)x);
+#elif defined(__AVX2__)
+    ivec lane;
+    for (int k = 0; k < kW; ++k) lane[k] = k;
+    _mm256_maskstore_ps(p, (__m256i)(lane < ivec{} + (int32_t)n), (__m256)x);
+#else
+    for (int64_t k = 0; k < n; ++k) p[k] = x[k];
+#endif
+}
 // exp of every lane for arguments x <= 0 (a softmax's), inline: a call into a vector maths library would make
 // the loop around it save and restore every vector register. exp(x) = 2^n exp(t) with n = round(x / ln 2) and
 // t = x - n ln 2 in [-ln 2 / 2, ln 2 / 2], where the Taylor series to t^6 is within 2e-7 of exp(t); x is held
