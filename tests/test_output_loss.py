@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from gatedformer import Seq2SeqTransformer
-from gatedformer.backbones import BUILDERS, _cross_entropy_kernel, build_model, output_loss
+from gatedformer.backbones import BUILDERS, _cross_entropy_kernel, _native, build_model, output_loss
 from gatedformer.backbones.output_loss import fused_loss_applies, linear_cross_entropy
 from gatedformer.config import RunConfig, apply_overrides, validate
 
@@ -75,6 +75,27 @@ def test_fused_loss_and_gradients_are_those_of_linear_then_cross_entropy(
     torch.testing.assert_close(fused, expected, rtol=2e-5, atol=2e-5)
     for got, want in zip(fused_grads, torch.autograd.grad(expected * 1.5, inputs), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", _native.ISAS)
+def test_every_instruction_set_build_gives_the_loss_of_linear_then_cross_entropy(isa: str, kernel_build) -> None:  # noqa: ANN001
+    """The vector passes (whole vectors of a row) and the scalar loops (the rest, or all of a row without AVX2), on
+    each instruction set's build, with ignored targets, label smoothing and extreme logits."""
+    _kernel_or_skip()
+    kernel_build(_cross_entropy_kernel.KERNEL, isa)
+    generator = torch.Generator().manual_seed(5)
+    for rows, vocab, smoothing in [(9, 37, 0.0), (33, 100, 0.1), (4, 5, 0.0), (40, 64, 1.0)]:
+        hidden = (torch.randn(rows, 8, generator=generator) * 6).requires_grad_()  # logits far from 0 too
+        weight = torch.randn(vocab, 8, generator=generator).requires_grad_()
+        bias = torch.randn(vocab, generator=generator).requires_grad_()
+        targets = torch.randint(0, vocab, (rows,), generator=generator)
+        targets[1::3] = -100
+        fused = linear_cross_entropy(hidden, weight, bias, targets, label_smoothing=smoothing)
+        expected = _unfused(hidden, weight, bias, targets, label_smoothing=smoothing)
+        torch.testing.assert_close(fused, expected, rtol=2e-5, atol=2e-5)
+        for got, want in zip(torch.autograd.grad(fused, [hidden, weight, bias]),
+                             torch.autograd.grad(expected, [hidden, weight, bias]), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_the_bias_gradient_does_not_depend_on_the_thread_count() -> None:

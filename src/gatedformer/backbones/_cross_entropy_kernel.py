@@ -5,8 +5,9 @@ row is read) the kernel computes the log-sum-exp and the row's loss ``lse(x) - �
 distribution ``q = (1 - ε) onehot(target) + ε / V`` (label smoothing ``ε``, 0 by default: ``lse(x) - x[target]``)
 and, when asked, writes the loss's gradient over the row, ``scale · (softmax(x) - q)`` (zero for a row whose
 target is the ignored index), and sums those rows per column for the bias's gradient. A row of a 10k-word vocabulary
-(40 KB) stays in the core's cache through its three passes (bias and maximum, sum of exponentials, gradient),
-where ``log_softmax``, ``nll_loss`` and their backward passes would each stream the whole block through memory.
+(40 KB) stays in the core's cache through its three passes (bias and maximum; the exponentials, kept in place, and
+their sum; the gradient from them), where ``log_softmax``, ``nll_loss`` and their backward passes would each stream
+the whole block through memory.
 
 The column sums are taken in fixed blocks of rows and then added in block order, so they do not depend on
 the number of threads. The exponential is evaluated inline on 16 (AVX-512) or 8 (AVX2) lanes, within 2e-7 of
@@ -112,30 +113,41 @@ float add_bias_max(float* x, const float* bias, int64_t n, float& total) {
     return nan ? NAN : top;
 }
 
-float sum_exp(const float* x, int64_t n, float top) {
+// The sum of exp(x[j] - top); with Keep, each exp(x[j] - top) is also written over x[j] (for the gradient pass,
+// which then computes no exponential of its own).
+template <bool Keep>
+float sum_exp(float* x, int64_t n, float top) {
     float total = 0.0f;
     int64_t j = 0;
 #if defined(__AVX2__)
     vec lanes = splat(0.0f);
-    for (; j + kW <= n; j += kW) lanes += vexp(load(x + j) - top);
+    for (; j + kW <= n; j += kW) {
+        const vec e = vexp(load(x + j) - top);
+        if (Keep) store(x + j, e);
+        lanes += e;
+    }
     for (int k = 0; k < kW; ++k) total += lanes[k];
 #endif
-    for (; j < n; ++j) total += exp_one(x[j] - top);
+    for (; j < n; ++j) {
+        const float e = exp_one(x[j] - top);
+        if (Keep) x[j] = e;
+        total += e;
+    }
     return total;
 }
 
-// x[j] <- exp(x[j] - top) * factor - shift, and sums[j] += x[j].
-void write_grad(float* x, int64_t n, float top, float factor, float shift, float* sums) {
+// x[j] <- x[j] * factor - shift (x: the exponentials sum_exp<true> kept), and sums[j] += x[j].
+void write_grad(float* x, int64_t n, float factor, float shift, float* sums) {
     int64_t j = 0;
 #if defined(__AVX2__)
     for (; j + kW <= n; j += kW) {
-        const vec g = vexp(load(x + j) - top) * factor - shift;
+        const vec g = load(x + j) * factor - shift;
         store(x + j, g);
         store(sums + j, load(sums + j) + g);
     }
 #endif
     for (; j < n; ++j) {
-        x[j] = exp_one(x[j] - top) * factor - shift;
+        x[j] = x[j] * factor - shift;
         sums[j] += x[j];
     }
 }
@@ -162,18 +174,20 @@ int64_t softmax_cross_entropy_f32(float* logits, const float* bias, const int64_
                 float* x = logits + r * V;
                 float sum_x = 0.0f;
                 const float top = add_bias_max(x, bias, V, sum_x);
-                const float total = sum_exp(x, V, top);
                 const bool ignored = targets[r] == ignore_index;
+                const float target_logit = ignored ? 0.0f : x[targets[r]];  // read before the exponentials replace it
+                const bool keep = want_grad && !ignored;
+                const float total = keep ? sum_exp<true>(x, V, top) : sum_exp<false>(x, V, top);
                 const float lse = top + std::log(total);
                 losses[r] = ignored ? 0.0f
-                                    : spread > 0.0f ? lse - on_target * x[targets[r]] - spread * sum_x
-                                                    : lse - x[targets[r]];
+                                    : spread > 0.0f ? lse - on_target * target_logit - spread * sum_x
+                                                    : lse - target_logit;
                 if (!want_grad) continue;
                 if (ignored) {
                     std::memset(x, 0, sizeof(float) * V);
                     continue;
                 }
-                write_grad(x, V, top, (float)scale / total, (float)scale * spread, partials + b * V);
+                write_grad(x, V, (float)scale / total, (float)scale * spread, partials + b * V);
                 x[targets[r]] -= (float)scale * on_target;
                 partials[b * V + targets[r]] -= (float)scale * on_target;
             }
@@ -201,6 +215,6 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 KERNEL = NativeKernel(
-    "cross_entropy", _CPP_SOURCE, _bind, abi_version=2, env_var="GATEDFORMER_CROSS_ENTROPY_BACKEND",
+    "cross_entropy", _CPP_SOURCE, _bind, abi_version=3, env_var="GATEDFORMER_CROSS_ENTROPY_BACKEND",
     description="the compiled cross-entropy kernel", fallback="linear then cross_entropy", avx512=True,
 )
