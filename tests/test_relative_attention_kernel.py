@@ -11,7 +11,12 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from gatedformer.backbones import _native, _relative_attention_kernel
-from gatedformer.backbones._relative_attention_kernel import kernel_takes, relative_attention
+from gatedformer.backbones._relative_attention_kernel import (
+    backward_kernel,
+    forward_kernel,
+    kernel_takes,
+    relative_attention,
+)
 from gatedformer.backbones.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM, relative_positions
 
 
@@ -245,3 +250,26 @@ def test_language_model_is_the_same_with_either_attention(monkeypatch: pytest.Mo
     monkeypatch.setenv("GATEDFORMER_ATTENTION_BACKEND", "torch")
     for a, b in zip(native, run(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_queries_keys_and_values_read_as_views_of_one_product() -> None:
+    """forward_kernel / backward_kernel on q and kv that are column slices of one (B, L, 3·H·D) buffer (rows 3·H·D
+    apart), the gradients written into slices of one buffer: the equation's values and gradients."""
+    _native_or_skip()
+    batch, length, memory, heads, head = 2, 19, 7, 3, 12
+    q, kv, r, u, v = _inputs(batch, length, memory, heads, head, 11)
+    width = heads * head
+    qkv = torch.cat([q, kv[:, memory:]], dim=-1)
+    memory_kv = kv[:, :memory].contiguous()
+    grad = torch.randn(batch, length, width, generator=torch.Generator().manual_seed(12))
+    out, lse = forward_kernel(qkv[..., :width], qkv[..., width:], r, u, v, memory_kv, heads)
+    grad_qkv = torch.empty_like(qkv)
+    grads = backward_kernel(grad, qkv[..., :width], qkv[..., width:], r, u, v, memory_kv, out, lse, heads,
+                            grad_qkv[..., :width], grad_qkv[..., width:])
+    want = _values_and_grads(_by_the_equation, [q, kv, r, u, v], heads, grad)
+    got_kv = torch.cat([grads[5], grad_qkv[..., width:]], dim=1)  # the memory's rows, then the window's
+    for name, a, b in zip(["out", "q", "kv", "r", "u", "v"], [out, grad_qkv[..., :width], got_kv, *grads[2:5]], want,
+                          strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+    with pytest.raises(ValueError, match="must have their strides"):
+        backward_kernel(grad, qkv[..., :width], qkv[..., width:], r, u, v, memory_kv, out, lse, heads)

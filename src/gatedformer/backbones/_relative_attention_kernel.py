@@ -37,7 +37,7 @@ from torch import Tensor
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 from gatedformer.backbones._simd import SIMD_HELPERS
 
-__all__ = ["KERNEL", "MAX_HEAD_SIZE", "kernel_takes", "relative_attention"]
+__all__ = ["KERNEL", "MAX_HEAD_SIZE", "backward_kernel", "forward_kernel", "kernel_takes", "relative_attention"]
 
 MAX_HEAD_SIZE = 128
 
@@ -80,11 +80,11 @@ template <typename T>
 struct Rows {
     T* first;
     T* rest;
-    int64_t split, stride;
-    T* at(int64_t j) const { return j < split ? first + j * stride : rest + (j - split) * stride; }
+    int64_t split, first_stride, stride;
+    T* at(int64_t j) const { return j < split ? first + j * first_stride : rest + (j - split) * stride; }
 };
 template <typename T>
-Rows<T> rows_of(T* base, int64_t stride) { return Rows<T>{base, base, 0, stride}; }
+Rows<T> rows_of(T* base, int64_t stride) { return Rows<T>{base, base, 0, stride, stride}; }
 
 // The kW floats of a row from column d on, zeros from column D on (a masked load for the last part vector).
 inline vec load_part(const float* row, int64_t d, int64_t D) {
@@ -401,15 +401,23 @@ void backward_head(const Shape& z, const Head& h, const float* o, const float* g
     }
 }
 
-// Keys then values over [memory, current]: the memory's (B, M, 2 H D) rows at `mem`, sequences mem_batch floats
-// apart, then the current window's (B, L, 2 H D) at `cur`, cur_batch apart.
+// A (B, rows, width) tensor whose sequences are `batch` floats apart and rows `row` apart (e.g. the queries, a view
+// of one product's output that also holds the keys and values).
+template <typename T>
+struct Strided {
+    T* base;
+    int64_t batch, row;
+    Rows<T> of(int64_t b, int64_t offset) const { return rows_of(base + b * batch + offset, row); }
+};
+
+// Keys then values over [memory, current]: the memory's (B, M, 2 H D) rows and the current window's (B, L, 2 H D),
+// each with its own strides.
 template <typename T>
 struct KeyValues {
-    T *mem, *cur;
-    int64_t mem_batch, cur_batch;
+    Strided<T> mem, cur;
     // Sequence b's keys (offset 0) or values (offset H D) of head hd.
-    Rows<T> of(int64_t b, int64_t offset, const Shape& z, int64_t HD) const {
-        return Rows<T>{mem + b * mem_batch + offset, cur + b * cur_batch + offset, z.M, 2 * HD};
+    Rows<T> of(int64_t b, int64_t offset, const Shape& z) const {
+        return Rows<T>{mem.base + b * mem.batch + offset, cur.base + b * cur.batch + offset, z.M, mem.row, cur.row};
     }
 };
 
@@ -433,7 +441,7 @@ struct PackedPositions {
 };
 
 template <int NV>
-void forward(const Shape& z, const float* q, KeyValues<const float> kv, const float* r, const float* u,
+void forward(const Shape& z, Strided<const float> q, KeyValues<const float> kv, const float* r, const float* u,
              const float* pb, float* out, float* lse, int64_t B, int64_t H, int64_t threads) {
     const int64_t HD = H * z.D;
     const PackedPositions positions(z, r, H, false);
@@ -444,8 +452,8 @@ void forward(const Shape& z, const float* q, KeyValues<const float> kv, const fl
         std::vector<float> work;
         for (int64_t bh = lo; bh < hi; ++bh) {
             const int64_t bi = bh / H, hd = bh % H, at = hd * z.D;
-            const Head head{rows_of(q + bi * z.L * HD + at, HD), kv.of(bi, at, z, HD), kv.of(bi, HD + at, z, HD),
-                            u + at, pb + at, r_panels + hd * r_stride, nullptr};
+            const Head head{q.of(bi, at), kv.of(bi, at, z), kv.of(bi, HD + at, z), u + at, pb + at,
+                            r_panels + hd * r_stride, nullptr};
             forward_head<NV>(z, head, out + bi * z.L * HD + hd * z.D, HD, lse != nullptr ? lse + bh * z.L : nullptr,
                              work);
         }
@@ -453,8 +461,8 @@ void forward(const Shape& z, const float* q, KeyValues<const float> kv, const fl
 }
 
 template <int NV>
-void backward(const Shape& z, const float* q, KeyValues<const float> kv, const float* r, const float* u,
-              const float* pb, const float* out, const float* grad_out, const float* lse, float* gq,
+void backward(const Shape& z, Strided<const float> q, KeyValues<const float> kv, const float* r, const float* u,
+              const float* pb, const float* out, const float* grad_out, const float* lse, Strided<float> gq,
               KeyValues<float> gkv, float* gr, float* gu, float* gpb, int64_t B, int64_t H, int64_t threads) {
     const int64_t HD = H * z.D;
     const PackedPositions positions(z, r, H, true);
@@ -464,12 +472,12 @@ void backward(const Shape& z, const float* q, KeyValues<const float> kv, const f
         const FlushDenormals flush;
         std::vector<float> work;
         for (int64_t bh = lo; bh < hi; ++bh) {
-            const int64_t bi = bh / H, hd = bh % H, at = hd * z.D, q_at = bi * z.L * HD + at;
-            const Head head{rows_of(q + q_at, HD), kv.of(bi, at, z, HD), kv.of(bi, HD + at, z, HD),
-                            u + at, pb + at, r_panels + hd * panel_stride, r_rows + hd * row_stride};
-            const HeadGrad grad{rows_of(gq + q_at, HD), gkv.of(bi, at, z, HD), gkv.of(bi, HD + at, z, HD),
+            const int64_t bi = bh / H, hd = bh % H, at = hd * z.D, o_at = bi * z.L * HD + at;
+            const Head head{q.of(bi, at), kv.of(bi, at, z), kv.of(bi, HD + at, z), u + at, pb + at,
+                            r_panels + hd * panel_stride, r_rows + hd * row_stride};
+            const HeadGrad grad{gq.of(bi, at), gkv.of(bi, at, z), gkv.of(bi, HD + at, z),
                                 rows_of(gr + bi * z.K * HD + at, HD), gu + bh * z.D, gpb + bh * z.D};
-            backward_head<NV>(z, head, out + q_at, grad_out + q_at, HD, lse + bh * z.L, grad, work);
+            backward_head<NV>(z, head, out + o_at, grad_out + o_at, HD, lse + bh * z.L, grad, work);
         }
     });
 }
@@ -484,43 +492,49 @@ bool make_shape(int64_t L, int64_t M, int64_t D, double scale, Shape* z) {
 }  // namespace
 
 extern "C" {
-// q: (B, L, H D); the keys then values of the memory, (B, M, 2 H D) at kv_mem with sequences kv_mem_batch floats
-// apart, and of the current window, (B, L, 2 H D) at kv_cur, kv_cur_batch apart; r: (M + L, H D), row c the
-// distance M + L - 1 - c; u, pb: (H, D). out: (B, L, H D); lse: (B, H, L) or null.
-int relative_attention_forward_f32(const float* q, const float* kv_mem, int64_t kv_mem_batch, const float* kv_cur,
-                                   int64_t kv_cur_batch, const float* r, const float* u, const float* pb, float* out,
+// q: (B, L, H D), sequences q_batch floats apart and rows q_row apart; the keys then values of the memory, (B, M,
+// 2 H D) at kv_mem, and of the current window, (B, L, 2 H D) at kv_cur, each with its sequences' and rows' strides;
+// r: (M + L, H D), row c the distance M + L - 1 - c; u, pb: (H, D). out: (B, L, H D); lse: (B, H, L) or null.
+int relative_attention_forward_f32(const float* q, int64_t q_batch, int64_t q_row, const float* kv_mem,
+                                   int64_t kv_mem_batch, int64_t kv_mem_row, const float* kv_cur, int64_t kv_cur_batch,
+                                   int64_t kv_cur_row, const float* r, const float* u, const float* pb, float* out,
                                    float* lse, int64_t B, int64_t L, int64_t M, int64_t H, int64_t D, double scale,
                                    int64_t threads) {
     Shape z;
     if (!make_shape(L, M, D, scale, &z)) return 1;
-    const KeyValues<const float> kv{kv_mem, kv_cur, kv_mem_batch, kv_cur_batch};
+    const Strided<const float> qs{q, q_batch, q_row};
+    const KeyValues<const float> kv{{kv_mem, kv_mem_batch, kv_mem_row}, {kv_cur, kv_cur_batch, kv_cur_row}};
     switch (z.Dp / kW) {
-        case 1: forward<1>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
-        case 2: forward<2>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
-        case 3: forward<3>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
-        case 4: forward<4>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
-        case 6: forward<6>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
-        case 8: forward<8>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
+        case 1: forward<1>(z, qs, kv, r, u, pb, out, lse, B, H, threads); return 0;
+        case 2: forward<2>(z, qs, kv, r, u, pb, out, lse, B, H, threads); return 0;
+        case 3: forward<3>(z, qs, kv, r, u, pb, out, lse, B, H, threads); return 0;
+        case 4: forward<4>(z, qs, kv, r, u, pb, out, lse, B, H, threads); return 0;
+        case 6: forward<6>(z, qs, kv, r, u, pb, out, lse, B, H, threads); return 0;
+        case 8: forward<8>(z, qs, kv, r, u, pb, out, lse, B, H, threads); return 0;
 #if !defined(__AVX512F__)
-        case 12: forward<12>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
-        case 16: forward<16>(z, q, kv, r, u, pb, out, lse, B, H, threads); return 0;
+        case 12: forward<12>(z, qs, kv, r, u, pb, out, lse, B, H, threads); return 0;
+        case 16: forward<16>(z, qs, kv, r, u, pb, out, lse, B, H, threads); return 0;
 #endif
         default: return 1;
     }
 }
-// gkv_mem, gkv_cur: laid out as kv_mem and kv_cur; gr: (B, M + L, H D), each sequence's share of r's gradient;
-// gu, gpb: (B, H, D), likewise for u and pb.
-int relative_attention_backward_f32(const float* q, const float* kv_mem, int64_t kv_mem_batch, const float* kv_cur,
-                                    int64_t kv_cur_batch, const float* r, const float* u, const float* pb,
-                                    const float* out, const float* grad_out, const float* lse, float* gq,
-                                    float* gkv_mem, float* gkv_cur, float* gr, float* gu, float* gpb, int64_t B,
-                                    int64_t L, int64_t M, int64_t H, int64_t D, double scale, int64_t threads) {
+// gq, gkv_mem, gkv_cur: laid out as q, kv_mem and kv_cur; gr: (B, M + L, H D), each sequence's share of r's
+// gradient; gu, gpb: (B, H, D), likewise for u and pb.
+int relative_attention_backward_f32(const float* q, int64_t q_batch, int64_t q_row, const float* kv_mem,
+                                    int64_t kv_mem_batch, int64_t kv_mem_row, const float* kv_cur,
+                                    int64_t kv_cur_batch, int64_t kv_cur_row, const float* r, const float* u,
+                                    const float* pb, const float* out, const float* grad_out, const float* lse,
+                                    float* gq, float* gkv_mem, float* gkv_cur, float* gr, float* gu, float* gpb,
+                                    int64_t B, int64_t L, int64_t M, int64_t H, int64_t D, double scale,
+                                    int64_t threads) {
     Shape z;
     if (!make_shape(L, M, D, scale, &z)) return 1;
-    const KeyValues<const float> kv{kv_mem, kv_cur, kv_mem_batch, kv_cur_batch};
-    const KeyValues<float> gkv{gkv_mem, gkv_cur, kv_mem_batch, kv_cur_batch};
+    const Strided<const float> qs{q, q_batch, q_row};
+    const Strided<float> gqs{gq, q_batch, q_row};
+    const KeyValues<const float> kv{{kv_mem, kv_mem_batch, kv_mem_row}, {kv_cur, kv_cur_batch, kv_cur_row}};
+    const KeyValues<float> gkv{{gkv_mem, kv_mem_batch, kv_mem_row}, {gkv_cur, kv_cur_batch, kv_cur_row}};
 #define GATEDFORMER_BACKWARD(NV) \
-    backward<NV>(z, q, kv, r, u, pb, out, grad_out, lse, gq, gkv, gr, gu, gpb, B, H, threads)
+    backward<NV>(z, qs, kv, r, u, pb, out, grad_out, lse, gqs, gkv, gr, gu, gpb, B, H, threads)
     switch (z.Dp / kW) {
         case 1: GATEDFORMER_BACKWARD(1); return 0;
         case 2: GATEDFORMER_BACKWARD(2); return 0;
@@ -542,15 +556,16 @@ int relative_attention_backward_f32(const float* q, const float* kv_mem, int64_t
 
 def _bind(lib: ctypes.CDLL) -> None:
     p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-    lib.relative_attention_forward_f32.argtypes = [p, p, i, p, i, p, p, p, p, p, i, i, i, i, i, f, i]
+    strided = [p, i, i]  # an address, then the sequences' and the rows' strides (floats)
+    lib.relative_attention_forward_f32.argtypes = [*strided * 3, p, p, p, p, p, i, i, i, i, i, f, i]
     lib.relative_attention_forward_f32.restype = ctypes.c_int
-    lib.relative_attention_backward_f32.argtypes = [p, p, i, p, i, p, p, p, p, p, p, p, p, p, p, p, p, i, i, i, i, i,
+    lib.relative_attention_backward_f32.argtypes = [*strided * 3, p, p, p, p, p, p, p, p, p, p, p, p, i, i, i, i, i,
                                                     f, i]
     lib.relative_attention_backward_f32.restype = ctypes.c_int
 
 
 KERNEL = NativeKernel(
-    "relative_attention", _CPP_SOURCE, _bind, abi_version=3, env_var="GATEDFORMER_ATTENTION_BACKEND",
+    "relative_attention", _CPP_SOURCE, _bind, abi_version=4, env_var="GATEDFORMER_ATTENTION_BACKEND",
     description="the compiled relative-position attention kernel", fallback="PyTorch operations",
     fast_math=True, avx512=True,
 )
@@ -568,14 +583,21 @@ def kernel_takes(tensors: Sequence[Tensor], n_heads: int, dropout: float) -> boo
     return KERNEL.pick_backend(tensors[0].device) == "native"
 
 
-def _key_values(kv: Tensor, memory_kv: Tensor | None, length: int) -> tuple[int, int, int, int, int]:
-    """``(memory rows, memory's address, its sequences' stride, current rows' address, their stride)``: the memory's
-    keys and values are ``memory_kv`` or, without it, the rows of ``kv`` before the current window's ``length``."""
-    step = kv.element_size()
+def _rows_apart(t: Tensor) -> bool:
+    """Whether the kernel can read ``t`` (B, rows, width) where it is: each row's floats side by side."""
+    return t.stride(-1) == 1 or t.shape[-1] == 1
+
+
+def _key_values(kv: Tensor, memory_kv: Tensor | None, length: int) -> tuple[int, list[int]]:
+    """The memory's rows, then the addresses and strides the kernel takes for the keys and values, ``[memory's
+    address, its sequences' stride, its rows', the window's address, ...]``: the memory's keys and values are
+    ``memory_kv`` or, without it, the rows of ``kv`` before the window's ``length``."""
     if memory_kv is None:
         memory = kv.shape[1] - length
-        return memory, kv.data_ptr(), kv.stride(0), kv.data_ptr() + memory * kv.stride(1) * step, kv.stride(0)
-    return memory_kv.shape[1], memory_kv.data_ptr(), memory_kv.stride(0), kv.data_ptr(), kv.stride(0)
+        window_at = kv.data_ptr() + memory * kv.stride(1) * kv.element_size()
+        return memory, [kv.data_ptr(), kv.stride(0), kv.stride(1), window_at, kv.stride(0), kv.stride(1)]
+    return memory_kv.shape[1], [memory_kv.data_ptr(), memory_kv.stride(0), memory_kv.stride(1), kv.data_ptr(),
+                                kv.stride(0), kv.stride(1)]
 
 
 def _forward(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor, memory_kv: Tensor | None, n_heads: int,
@@ -586,7 +608,8 @@ def _forward(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor, memo
     inputs = (q, kv, r, u, pos_bias) + (() if memory_kv is None else (memory_kv,))
     shapes_fit = memory >= 0 and kv.shape == (batch, length + (memory if memory_kv is None else 0), 2 * width) \
         and (memory_kv is None or memory_kv.shape == (batch, memory, 2 * width)) \
-        and r.shape == (memory + length, width) and u.shape == (n_heads, head) and pos_bias.shape == u.shape
+        and r.shape == (memory + length, width) and u.shape == (n_heads, head) and pos_bias.shape == u.shape \
+        and all(_rows_apart(t) for t in inputs[:2] + inputs[5:]) and all(t.is_contiguous() for t in inputs[2:5])
     if not shapes_fit or not kernel_takes(inputs, n_heads, 0.0):
         raise ValueError("relative_attention takes float32 CPU tensors q (B, L, H·D), kv (B, M+L, 2·H·D) or kv "
                          "(B, L, 2·H·D) with memory_kv (B, M, 2·H·D), r (M+L, H·D), u and pos_bias (H, D) with "
@@ -595,9 +618,9 @@ def _forward(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor, memo
     out = q.new_empty(batch, length, width)
     lse = q.new_empty(batch, n_heads, length) if keep_lse else None
     failed = KERNEL.library().relative_attention_forward_f32(
-        q.data_ptr(), *_key_values(kv, memory_kv, length)[1:], r.data_ptr(), u.data_ptr(), pos_bias.data_ptr(),
-        out.data_ptr(), None if lse is None else lse.data_ptr(), batch, length, memory, n_heads, head,
-        1.0 / math.sqrt(head), kernel_threads(batch * (memory + length) * 2 * width * length),
+        q.data_ptr(), q.stride(0), q.stride(1), *_key_values(kv, memory_kv, length)[1], r.data_ptr(), u.data_ptr(),
+        pos_bias.data_ptr(), out.data_ptr(), None if lse is None else lse.data_ptr(), batch, length, memory, n_heads,
+        head, 1.0 / math.sqrt(head), kernel_threads(batch * (memory + length) * 2 * width * length),
     )
     if failed:
         raise RuntimeError(f"the relative attention kernel does not take heads of {head}")
@@ -618,26 +641,46 @@ class _RelativeAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        q, kv, r, u, pos_bias, memory_kv, out, lse = ctx.saved_tensors
-        batch, length, width = q.shape
-        heads = ctx.n_heads
-        head = width // heads
-        grad_out = grad_out.contiguous()
-        grad_q, grad_kv = torch.empty_like(q), torch.empty_like(kv)
-        grad_memory_kv = None if memory_kv is None else torch.empty_like(memory_kv)
-        grad_r = r.new_empty(batch, *r.shape)  # each sequence's share, summed below
-        grad_u, grad_pos_bias = u.new_empty(batch, *u.shape), u.new_empty(batch, *u.shape)
-        memory, *addresses = _key_values(kv, memory_kv, length)
-        _, grad_memory_at, _, grad_current_at, _ = _key_values(grad_kv, grad_memory_kv, length)  # kv's strides
-        failed = KERNEL.library().relative_attention_backward_f32(
-            q.data_ptr(), *addresses, r.data_ptr(), u.data_ptr(), pos_bias.data_ptr(), out.data_ptr(),
-            grad_out.data_ptr(), lse.data_ptr(), grad_q.data_ptr(), grad_memory_at, grad_current_at, grad_r.data_ptr(),
-            grad_u.data_ptr(), grad_pos_bias.data_ptr(), batch, length, memory, heads, head, 1.0 / math.sqrt(head),
-            kernel_threads(batch * (memory + length) * 2 * width * length),
-        )
-        if failed:
-            raise RuntimeError(f"the relative attention kernel does not take heads of {head}")
-        return grad_q, grad_kv, grad_r.sum(0), grad_u.sum(0), grad_pos_bias.sum(0), grad_memory_kv, None, None
+        return (*backward_kernel(grad_out, *ctx.saved_tensors, ctx.n_heads), None, None)
+
+
+def forward_kernel(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor, memory_kv: Tensor | None,
+                   n_heads: int, keep_lse: bool = True) -> tuple[Tensor, Tensor | None]:
+    """The kernel's forward pass outside autograd, for functions that hold it inside their own (contiguous
+    float32 CPU operands, as :func:`relative_attention` takes them): the output and, with ``keep_lse``, each row's
+    log-sum-exp for :func:`backward_kernel`."""
+    return _forward(q, kv, r, u, pos_bias, memory_kv, n_heads, keep_lse)
+
+
+def backward_kernel(grad_out: Tensor, q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor,
+                    memory_kv: Tensor | None, out: Tensor, lse: Tensor, n_heads: int,
+                    grad_q: Tensor | None = None, grad_kv: Tensor | None = None) -> tuple[Tensor | None, ...]:
+    """The gradients of :func:`forward_kernel`'s ``q, kv, r, u, pos_bias, memory_kv`` (``None`` for no memory)
+    from the output's, ``out`` and ``lse`` being what it returned. ``grad_q`` and ``grad_kv``, where given, are
+    written (e.g. views of one buffer for the queries', keys' and values' product); they must have the strides of
+    ``q`` and ``kv``."""
+    batch, length, width = q.shape
+    head = width // n_heads
+    grad_out = grad_out.contiguous()
+    grad_q = torch.empty_like(q) if grad_q is None else grad_q
+    grad_kv = torch.empty_like(kv) if grad_kv is None else grad_kv
+    grad_memory_kv = None if memory_kv is None else torch.empty_like(memory_kv)
+    if grad_q.stride() != q.stride() or grad_kv.stride() != kv.stride() or (
+            memory_kv is not None and grad_memory_kv.stride() != memory_kv.stride()):
+        raise ValueError("the gradients of q, kv and memory_kv must have their strides")
+    grad_r = r.new_empty(batch, *r.shape)  # each sequence's share, summed below
+    grad_u, grad_pos_bias = u.new_empty(batch, *u.shape), u.new_empty(batch, *u.shape)
+    memory, key_values = _key_values(kv, memory_kv, length)
+    _, grad_key_values = _key_values(grad_kv, grad_memory_kv, length)  # the same strides: only the addresses differ
+    failed = KERNEL.library().relative_attention_backward_f32(
+        q.data_ptr(), q.stride(0), q.stride(1), *key_values, r.data_ptr(), u.data_ptr(), pos_bias.data_ptr(),
+        out.data_ptr(), grad_out.data_ptr(), lse.data_ptr(), grad_q.data_ptr(), grad_key_values[0],
+        grad_key_values[3], grad_r.data_ptr(), grad_u.data_ptr(), grad_pos_bias.data_ptr(), batch, length, memory,
+        n_heads, head, 1.0 / math.sqrt(head), kernel_threads(batch * (memory + length) * 2 * width * length),
+    )
+    if failed:
+        raise RuntimeError(f"the relative attention kernel does not take heads of {head}")
+    return grad_q, grad_kv, grad_r.sum(0), grad_u.sum(0), grad_pos_bias.sum(0), grad_memory_kv
 
 
 def relative_attention(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor, n_heads: int,
