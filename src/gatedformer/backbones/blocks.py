@@ -101,8 +101,9 @@ class Sublayer(nn.Module):
         splits = hasattr(body, "features") and hasattr(body, "output_projection")
         self.fuse_linear = gates.unit in (None, "highway") and not gates.eau and not gates.grc and splits
         # With post-LN, a body that offers add_norm computes the whole sublayer in one autograd function (the
-        # residual's gradient then joins x's inside the matrix products), with any one gate unit or an EAU, and a GRC.
-        self.fuse_sublayer = (not (gates.eau and gates.unit is not None) and not self.pre_norm and splits
+        # residual's gradient then joins x's inside the matrix products), with the gates it takes (it returns None
+        # for others): the Transformer's any one gate unit or an EAU, and a GRC; Transformer-XL's none.
+        self.fuse_sublayer = (not (gates.eau and gates.unit is not None) and not self.pre_norm
                               and hasattr(body, "add_norm"))
         # With pre-LN, before a gated residual connection only the body's last layer and the dropout can be one pass.
         self.fuse_dropout = gates.unit is None and not gates.eau and gates.grc and splits and self.pre_norm
@@ -110,9 +111,9 @@ class Sublayer(nn.Module):
     def forward(self, x: Tensor, *body_args: object) -> Tensor:
         # The gates are applied through gatedformer.backbones.fused_gates: their own forward, with the
         # element-wise end in one pass where that applies.
-        if self.fuse_sublayer and not body_args:
+        if self.fuse_sublayer:
             unit = next((u for u in (self.sdu, self.highway, self.gated_mix) if u is not None), None)
-            whole = self.body.add_norm(x, self.dropout.p, self.norm, self.residual_gate, unit, self.eau)
+            whole = self.body.add_norm(x, self.dropout.p, self.norm, self.residual_gate, unit, self.eau, *body_args)
             if whole is not None:
                 return whole
         h = self.norm(x) if self.pre_norm else x

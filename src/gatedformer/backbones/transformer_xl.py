@@ -29,12 +29,16 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from gatedformer.backbones import _epilogue_kernel
+from gatedformer.backbones import dropout as dropout_ops
 from gatedformer.backbones._relative_attention_kernel import kernel_takes, relative_attention
 from gatedformer.backbones.attention import sinusoidal_positions
 from gatedformer.backbones.blocks import Sublayer, make_ffn
 from gatedformer.backbones.dropout import Dropout
+from gatedformer.backbones.fused_linear import _mask, _plain_layer_norm, unhooked
 from gatedformer.backbones.output_loss import logits_or_loss
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
+from gatedformer.backbones.relative_sublayer import RelativeAttentionAddNorm
 from gatedformer.backbones.token_embedding import embed_tokens
 
 __all__ = ["RelativeMultiHeadAttention", "TransformerXLLM", "TransformerXLLayer", "rel_shift",
@@ -179,6 +183,34 @@ class RelativeMultiHeadAttention(nn.Module):
         weights = self.dropout(self.attention_scores(q, k, r).softmax(dim=-1))
         attended = torch.matmul(weights, v)
         return self.out(attended.transpose(1, 2).reshape(batch, q_len, self.d_model))
+
+    def add_norm(self, x: Tensor, p: float, norm: nn.LayerNorm, gate: nn.Module | None = None,
+                 unit: nn.Module | None = None, eau: nn.Module | None = None, memory: Tensor | None = None,
+                 pos: Tensor | None = None) -> Tensor | None:
+        """``norm(x + dropout(self(x, memory, pos), p))``, the post-LN sublayer without gates, as one autograd
+        function (:class:`~gatedformer.backbones.relative_sublayer.RelativeAttentionAddNorm`) where that applies
+        (see its module), else ``None``: with a ``gate``, ``unit`` or ``eau`` the sublayer applies its gates to
+        this module's output."""
+        if gate is not None or unit is not None or eau is not None or pos is None or not self.training:
+            return None
+        memory = memory if memory is not None and memory.shape[1] > 0 else None
+        k_len = x.shape[1] + (0 if memory is None else memory.shape[1])
+        layers = (self.query, self.key_value, self.position, self.out)
+        tensors = [x, pos, self.u, self.v, norm.weight, *(layer.weight for layer in layers)]
+        tensors += [] if memory is None else [memory]
+        applies = (x.dim() == 3 and pos.shape[0] >= k_len and self.dropout.p == 0.0
+                   and all(type(layer) is nn.Linear and layer.bias is None for layer in layers)
+                   and all(unhooked(module) for module in (self, *layers))
+                   and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+                   and not torch.is_autocast_enabled("cpu") and _plain_layer_norm(norm, self.d_model)
+                   and dropout_ops._fast_path(x, p, keep_all=True)
+                   and _epilogue_kernel.KERNEL.pick_backend(x.device) == "native"
+                   and kernel_takes(tensors, self.n_heads, 0.0))
+        if not applies:
+            return None
+        return RelativeAttentionAddNorm.apply(x, memory, pos[pos.shape[0] - k_len :], self.query.weight,
+                                              self.key_value.weight, self.position.weight, self.out.weight, self.u,
+                                              self.v, norm.weight, norm.bias, norm.eps, self.n_heads, *_mask(p))
 
     def scores(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> Tensor:
         """:meth:`attention_scores` for inputs ``h``, ``memory``, ``pos`` (for inspection and tests)."""

@@ -1,0 +1,91 @@
+"""Transformer-XL's post-LN attention sublayer, ``LN(h + dropout(Wo · RelAttn(h, memory) ))``, as one autograd function.
+
+Written with modules, the sublayer is five linear layers (queries, the window's and the memory's keys and
+values, the position keys, the output projection), the relative attention kernel and the fused dropout, residual
+add and LayerNorm: seven autograd nodes forward and as many backward, each with its own Python dispatch. At the
+``enwik8`` recipes' widths (48-64) that overhead is a visible share of the step. Here the products are plain
+``mm`` calls around :func:`~gatedformer.backbones._relative_attention_kernel.forward_kernel` and the epilogue
+kernel's ``dropout_add_norm``, and the backward pass computes every gradient in one function: the residual's
+and the queries' and keys' shares of ``h``'s gradient are added in its products.
+
+It computes what the modules compute, with the same dropout mask for the same random state, and applies only
+where they would run fused anyway: training, float32 on the CPU outside autocast and ``torch.compile``, no
+attention dropout, no gate on the sublayer, no hooks, a plain LayerNorm and the compiled kernels available.
+:meth:`~gatedformer.backbones.transformer_xl.RelativeMultiHeadAttention.add_norm` checks that and otherwise
+returns ``None`` (the sublayer then runs its modules).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from gatedformer.backbones._epilogue_kernel import dropout_add_norm, dropout_add_norm_backward
+from gatedformer.backbones._relative_attention_kernel import backward_kernel, forward_kernel
+
+__all__ = ["RelativeAttentionAddNorm"]
+
+_INT32_VALUES = 2 ** 32
+
+
+class RelativeAttentionAddNorm(torch.autograd.Function):
+    """``apply(h (B, L, d), memory (B, M, d) | None, pos (M+L, d), w_q, w_kv, w_r, w_out, u, v, gamma, beta, eps,
+    n_heads, seed, keep_below)``: ``LN(h + dropout(attend(h, memory) Woᵀ))`` with the layer's weights (no biases),
+    the dropout mask of ``seed`` (``keep_below`` as the fused layers take it). Returns ``(B, L, d)``."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, memory: Tensor | None, pos: Tensor, w_q: Tensor, w_kv: Tensor,  # type: ignore[override]
+                w_r: Tensor, w_out: Tensor, u: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, eps: float,
+                n_heads: int, seed: int, keep_below: int) -> Tensor:
+        batch, length, width = h.shape
+        rows = h.reshape(-1, width).contiguous()
+        memory_rows = None if memory is None else memory.reshape(-1, width).contiguous()
+        pos = pos.contiguous()
+        # The queries, keys and values of the window as one product; the kernel reads them where it leaves them.
+        w_qkv = torch.cat([w_q, w_kv])
+        qkv = rows.mm(w_qkv.t()).view(batch, length, -1)
+        q, kv = qkv[..., : w_q.shape[0]], qkv[..., w_q.shape[0] :]
+        memory_kv = None if memory_rows is None else memory_rows.mm(w_kv.t()).view(batch, memory.shape[1], -1)
+        r = pos.mm(w_r.t())
+        attended, lse = forward_kernel(q, kv, r, u.contiguous(), v.contiguous(), memory_kv, n_heads)
+        projected = attended.view(rows.shape[0], -1).mm(w_out.t())
+        ctx.scale, ctx.n_heads = _INT32_VALUES / keep_below, n_heads
+        out, xhat, rstd, keep_bits = dropout_add_norm(projected, rows, None, gamma, beta, eps, seed, keep_below,
+                                                      ctx.scale, in_place=True)
+        ctx.save_for_backward(rows, memory_rows, pos, qkv, memory_kv, r, attended, lse, w_qkv, w_r, w_out, u, v, gamma,
+                              xhat, rstd, keep_bits)
+        return out.view(batch, length, width)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        (rows, memory_rows, pos, qkv, memory_kv, r, attended, lse, w_qkv, w_r, w_out, u, v, gamma, xhat, rstd,
+         keep_bits) = ctx.saved_tensors
+        needed = ctx.needs_input_grad
+        width = attended.shape[-1]
+        q, kv = qkv[..., :width], qkv[..., width:]
+        grad_h, grad_projected, grad_gamma, grad_beta, _ = dropout_add_norm_backward(
+            grad.reshape(rows.shape), xhat, rstd, gamma, keep_bits, ctx.scale)
+        attended_rows = attended.view(rows.shape[0], -1)
+        grad_w_out = grad_projected.t().mm(attended_rows) if needed[6] else None
+        grad_attended = grad_projected.mm(w_out).view(attended.shape)
+        grad_qkv = torch.empty_like(qkv)  # the kernel writes the queries' and the keys' and values' gradients in it
+        _, _, grad_r, grad_u, grad_v, grad_memory_kv = backward_kernel(
+            grad_attended, q, kv, r, u.contiguous(), v.contiguous(), memory_kv, attended, lse, ctx.n_heads,
+            grad_qkv[..., :width], grad_qkv[..., width:])
+        grad_qkv = grad_qkv.view(rows.shape[0], -1)
+        grad_h.addmm_(grad_qkv, w_qkv)  # the residual's share plus the queries' and keys'
+        grad_w_q = grad_w_kv = None
+        if needed[3] or needed[4]:
+            grad_w_qkv = grad_qkv.t().mm(rows)
+            grad_w_q, grad_w_kv = grad_w_qkv[:width], grad_w_qkv[width:]
+            if grad_memory_kv is not None:
+                grad_w_kv.addmm_(grad_memory_kv.view(memory_rows.shape[0], -1).t(), memory_rows)
+        w_kv = w_qkv[width:]
+        grad_memory = None
+        if needed[1] and grad_memory_kv is not None:
+            grad_memory = grad_memory_kv.view(memory_rows.shape[0], -1).mm(w_kv).view(memory_kv.shape[0], -1,
+                                                                                        rows.shape[1])
+        grads = (grad_h.view(qkv.shape[0], qkv.shape[1], -1), grad_memory, grad_r.mm(w_r) if needed[2] else None,
+                 grad_w_q, grad_w_kv, grad_r.t().mm(pos) if needed[5] else None, grad_w_out, grad_u, grad_v,
+                 grad_gamma, grad_beta)
+        return (*(g if need else None for g, need in zip(grads, needed, strict=False)), None, None, None, None)

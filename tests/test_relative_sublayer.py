@@ -1,0 +1,99 @@
+"""Transformer-XL's post-LN attention sublayer as one autograd function: what its modules compute, where they would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from gatedformer.backbones import _epilogue_kernel, _relative_attention_kernel
+from gatedformer.backbones.relative_sublayer import RelativeAttentionAddNorm
+from gatedformer.backbones.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM, relative_positions
+
+
+def _native_or_skip() -> None:
+    for kernel in (_relative_attention_kernel.KERNEL, _epilogue_kernel.KERNEL):
+        if kernel.pick_backend(torch.device("cpu")) != "native":
+            pytest.skip(f"a compiled kernel is unavailable here: {kernel.error}")
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    fused = RelativeAttentionAddNorm.apply
+    monkeypatch.setattr(RelativeAttentionAddNorm, "apply", lambda *args: calls.append(1) or fused(*args))
+    return calls
+
+
+def _train_two_windows(dropout: float, **model_args: object) -> list[Tensor]:
+    """Losses over two windows (the second with the first's memory) and every parameter's gradient."""
+    tokens = torch.randint(0, 50, (3, 2, 17), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = TransformerXLLM(50, d_model=48, n_layers=2, n_heads=4, d_ffn=96, dropout=dropout, mem_len=16,
+                            **model_args).train()
+    state, losses = None, []
+    for window in tokens.unbind(1):
+        loss, state = model(window[:, :-1], state, targets=window[:, 1:])
+        losses.append(loss)
+    grads = torch.autograd.grad(sum(losses), list(model.parameters()))
+    return [torch.stack(losses), *grads]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_training_gives_the_losses_and_gradients_of_the_modules(dropout: float,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same dropout masks (one seed drawn where the modules draw it) and the same numbers to float rounding."""
+    _native_or_skip()
+    with pytest.MonkeyPatch.context() as patch:
+        calls = _count_calls(patch)
+        fused = _train_two_windows(dropout)
+    assert len(calls) == 4  # two layers, two windows
+    monkeypatch.setattr(RelativeMultiHeadAttention, "add_norm", lambda *args, **kwargs: None)
+    for a, b in zip(fused, _train_two_windows(dropout), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_gradients_reach_the_memory_and_positions_when_they_ask_for_them() -> None:
+    """The LM's memory and positions take no gradient; called with ones that do, the function gives theirs too."""
+    _native_or_skip()
+    torch.manual_seed(1)
+    attention, norm = RelativeMultiHeadAttention(40, 4).train(), nn.LayerNorm(40)
+    nn.init.normal_(attention.u)
+    nn.init.normal_(attention.v)
+    x = torch.randn(2, 9, 40, requires_grad=True)
+    memory = torch.randn(2, 5, 40, requires_grad=True)
+    pos = torch.randn(20, 40, requires_grad=True)  # more rows than the 14 distances: the last 14 are used
+    inputs = [x, memory, pos, *attention.parameters(), *norm.parameters()]
+    grad = torch.randn(2, 9, 40)
+    fused = attention.add_norm(x, 0.0, norm, memory=memory, pos=pos)
+    assert fused is not None
+    by_modules = norm(x + attention(x, memory, pos))
+    torch.testing.assert_close(fused, by_modules, rtol=1e-5, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(fused, inputs, grad), torch.autograd.grad(by_modules, inputs, grad),
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_it_applies_only_where_the_modules_would_run_fused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evaluation, a gate on the sublayer, attention dropout, hooks, autocast and pre-LN run the modules."""
+    _native_or_skip()
+    attention, norm = RelativeMultiHeadAttention(32, 2).train(), nn.LayerNorm(32)
+    x, pos = torch.randn(2, 5, 32), relative_positions(5, 32)
+    assert attention.add_norm(x, 0.1, norm, pos=pos) is not None
+    assert attention.add_norm(x, 0.1, norm, gate=nn.Identity(), pos=pos) is None
+    assert attention.eval().add_norm(x, 0.1, norm, pos=pos) is None
+    with_dropout = RelativeMultiHeadAttention(32, 2, dropout=0.1).train()
+    assert with_dropout.add_norm(x, 0.1, norm, pos=pos) is None
+    attention.train().query.register_forward_hook(lambda *args: None)
+    assert attention.add_norm(x, 0.1, norm, pos=pos) is None
+    plain = RelativeMultiHeadAttention(32, 2).train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert plain.add_norm(x, 0.1, norm, pos=pos) is None
+    monkeypatch.setenv("GATEDFORMER_ATTENTION_BACKEND", "torch")
+    assert plain.add_norm(x, 0.1, norm, pos=pos) is None
+    monkeypatch.delenv("GATEDFORMER_ATTENTION_BACKEND")
+    calls = _count_calls(monkeypatch)
+    _train_two_windows(0.1, gates="+σ SDU")
+    _train_two_windows(0.1, norm="pre")
+    assert not calls
+    _train_two_windows(0.1, gates="+σ L2\\FFN")  # layer 1's attention sublayer has no gate
+    assert len(calls) == 2
