@@ -1,4 +1,4 @@
-"""Transformer-XL's post-LN attention sublayer, ``LN(h + dropout(Wo · RelAttn(h, memory) ))``, as one autograd function.
+"""Transformer-XL's post-LN attention sublayer, ``LN(h + dropout(RelAttn(h, memory) Woᵀ))``, as one autograd function.
 
 Written with modules, the sublayer is five linear layers (queries, the window's and the memory's keys and
 values, the position keys, the output projection), the relative attention kernel and the fused dropout, residual
