@@ -38,17 +38,20 @@ def _train_two_windows(dropout: float, **model_args: object) -> list[Tensor]:
     return [torch.stack(losses), *grads]
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_training_gives_the_losses_and_gradients_of_the_modules(dropout: float,
+@pytest.mark.parametrize(("gates", "dropout"), [("", 0.0), ("", 0.1), ("+σ SDU", 0.1), ("+tanh SDU", 0.1),
+                                                ("+highway gate", 0.1), ("+gated MHDPA", 0.1), ("+EAU", 0.1),
+                                                ("+GRC", 0.1), ("+EAU+GRC", 0.1), ("+σ SDU+GRC", 0.0)])
+def test_training_gives_the_losses_and_gradients_of_the_modules(gates: str, dropout: float,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same dropout masks (one seed drawn where the modules draw it) and the same numbers to float rounding."""
+    """Every gate the sublayer takes: the same dropout masks (one seed drawn where the modules draw it) and the same
+    numbers to float rounding, every parameter's gradient (the gates' included)."""
     _native_or_skip()
     with pytest.MonkeyPatch.context() as patch:
         calls = _count_calls(patch)
-        fused = _train_two_windows(dropout)
+        fused = _train_two_windows(dropout, gates=gates)
     assert len(calls) == 4  # two layers, two windows
     monkeypatch.setattr(RelativeMultiHeadAttention, "add_norm", lambda *args, **kwargs: None)
-    for a, b in zip(fused, _train_two_windows(dropout), strict=True):
+    for a, b in zip(fused, _train_two_windows(dropout, gates=gates), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -74,7 +77,8 @@ def test_gradients_reach_the_memory_and_positions_when_they_ask_for_them() -> No
 
 
 def test_it_applies_only_where_the_modules_would_run_fused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Evaluation, a gate on the sublayer, attention dropout, hooks, autocast and pre-LN run the modules."""
+    """Evaluation, a gate the fused tail does not take, attention dropout, hooks, autocast, the torch backend and
+    pre-LN run the modules."""
     _native_or_skip()
     attention, norm = RelativeMultiHeadAttention(32, 2).train(), nn.LayerNorm(32)
     x, pos = torch.randn(2, 5, 32), relative_positions(5, 32)
@@ -92,8 +96,8 @@ def test_it_applies_only_where_the_modules_would_run_fused(monkeypatch: pytest.M
     assert plain.add_norm(x, 0.1, norm, pos=pos) is None
     monkeypatch.delenv("GATEDFORMER_ATTENTION_BACKEND")
     calls = _count_calls(monkeypatch)
-    _train_two_windows(0.1, gates="+σ SDU")
+    _train_two_windows(0.1, gates="+σ SDU+EAU")  # an EAU beside an SDU: the sublayer applies them in pieces
     _train_two_windows(0.1, norm="pre")
     assert not calls
-    _train_two_windows(0.1, gates="+σ L2\\FFN")  # layer 1's attention sublayer has no gate
+    _train_two_windows(0.1, gates="+σ SDU+EAU L2")  # layer 1's attention sublayer has no gate
     assert len(calls) == 2

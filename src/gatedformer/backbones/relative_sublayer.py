@@ -8,9 +8,14 @@ add and LayerNorm: seven autograd nodes forward and as many backward, each with 
 kernel's ``dropout_add_norm``, and the backward pass computes every gradient in one function: the residual's
 and the queries' and keys' shares of ``h``'s gradient are added in its products.
 
-It computes what the modules compute, with the same dropout mask for the same random state, and applies only
+The sublayer's gates (a gated residual connection, an SDU branch, a highway gate, a gated MHDPA, an EAU on the
+attention's output) end it as in the Transformer's whole-sublayer functions
+(:mod:`gatedformer.backbones.fused_linear`, whose tail and its backward pass this function shares).
+
+It computes what the modules compute, with the same dropout masks for the same random state, and applies only
 where they would run fused anyway: training, float32 on the CPU outside autocast and ``torch.compile``, no
-attention dropout, no gate on the sublayer, no hooks, a plain LayerNorm and the compiled kernels available.
+attention dropout, no hooks, a plain LayerNorm, gates that the fused tail takes and the compiled kernels
+available.
 :meth:`~gatedformer.backbones.transformer_xl.RelativeMultiHeadAttention.add_norm` checks that and otherwise
 returns ``None`` (the sublayer then runs its modules).
 """
@@ -20,8 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from gatedformer.backbones._epilogue_kernel import dropout_add_norm, dropout_add_norm_backward
 from gatedformer.backbones._relative_attention_kernel import backward_kernel, forward_kernel
+from gatedformer.backbones.fused_linear import _add_branch_grads, _norm_tail, _norm_tail_backward
 
 __all__ = ["RelativeAttentionAddNorm"]
 
@@ -29,14 +34,17 @@ _INT32_VALUES = 2 ** 32
 
 
 class RelativeAttentionAddNorm(torch.autograd.Function):
-    """``apply(h (B, L, d), memory (B, M, d) | None, pos (M+L, d), w_q, w_kv, w_r, w_out, u, v, gamma, beta, eps,
-    n_heads, seed, keep_below)``: ``LN(h + dropout(attend(h, memory) Woᵀ))`` with the layer's weights (no biases),
-    the dropout mask of ``seed`` (``keep_below`` as the fused layers take it). Returns ``(B, L, d)``."""
+    """``apply(h (B, L, d), memory (B, M, d) | None, pos (M+L, d), w_q, w_kv, w_r, w_out, u, v, gamma, beta, w_gate,
+    b_gate, w_unit, b_unit, *eau (six), unit_tail, eps, n_heads, seed, keep_below)``: ``LN(h + dropout(attend(h,
+    memory) Woᵀ))`` with the layer's weights (no biases) and the dropout mask of ``seed`` (``keep_below`` as the
+    fused layers take it), its gates' parameters ``None`` where it has none (see
+    :func:`~gatedformer.backbones.fused_linear._norm_tail`). Returns ``(B, L, d)``."""
 
     @staticmethod
     def forward(ctx, h: Tensor, memory: Tensor | None, pos: Tensor, w_q: Tensor, w_kv: Tensor,  # type: ignore[override]
-                w_r: Tensor, w_out: Tensor, u: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, eps: float,
-                n_heads: int, seed: int, keep_below: int) -> Tensor:
+                w_r: Tensor, w_out: Tensor, u: Tensor, v: Tensor, gamma: Tensor, beta: Tensor, w_gate: Tensor | None,
+                b_gate: Tensor | None, w_unit: Tensor | None, b_unit: Tensor | None, *rest: object) -> Tensor:
+        *eau, unit_tail, eps, n_heads, seed, keep_below = rest  # the EAU's six parameters (or Nones) first
         batch, length, width = h.shape
         rows = h.reshape(-1, width).contiguous()
         memory_rows = None if memory is None else memory.reshape(-1, width).contiguous()
@@ -49,22 +57,29 @@ class RelativeAttentionAddNorm(torch.autograd.Function):
         r = pos.mm(w_r.t())
         attended, lse = forward_kernel(q, kv, r, u.contiguous(), v.contiguous(), memory_kv, n_heads)
         projected = attended.view(rows.shape[0], -1).mm(w_out.t())
-        ctx.scale, ctx.n_heads = _INT32_VALUES / keep_below, n_heads
-        out, xhat, rstd, keep_bits = dropout_add_norm(projected, rows, None, gamma, beta, eps, seed, keep_below,
-                                                      ctx.scale, in_place=True)
+        ctx.scale, ctx.n_heads, ctx.unit_tail = _INT32_VALUES / keep_below, n_heads, unit_tail
+        no_bias = projected.new_zeros(width)  # the output projection has none; the tail takes one
+        out, tail = _norm_tail(rows, projected, no_bias, gamma, beta, eps, (seed, keep_below), ctx.scale,
+                               None if w_gate is None else (w_gate, b_gate),
+                               None if w_unit is None else (w_unit, b_unit, unit_tail),
+                               None if eau[0] is None else tuple(eau))
         ctx.save_for_backward(rows, memory_rows, pos, qkv, memory_kv, r, attended, lse, w_qkv, w_r, w_out, u, v, gamma,
-                              xhat, rstd, keep_bits)
+                              no_bias, w_gate, w_unit, *eau, *tail)
         return out.view(batch, length, width)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        (rows, memory_rows, pos, qkv, memory_kv, r, attended, lse, w_qkv, w_r, w_out, u, v, gamma, xhat, rstd,
-         keep_bits) = ctx.saved_tensors
+        (rows, memory_rows, pos, qkv, memory_kv, r, attended, lse, w_qkv, w_r, w_out, u, v, gamma, no_bias, w_gate,
+         w_unit, *rest) = ctx.saved_tensors
+        eau, tail = tuple(rest[:6]), tuple(rest[6:])
         needed = ctx.needs_input_grad
         width = attended.shape[-1]
         q, kv = qkv[..., :width], qkv[..., width:]
-        grad_h, grad_projected, grad_gamma, grad_beta, _ = dropout_add_norm_backward(
-            grad.reshape(rows.shape), xhat, rstd, gamma, keep_bits, ctx.scale)
+        # h's gradient through the residual and the gates' tail (their products' shares are added below)
+        grad_h, grad_projected, grad_gate, grad_gamma, grad_beta, _, grad_b_gate, grad_branch, grad_eau = (
+            _norm_tail_backward(grad.reshape(rows.shape).contiguous(), tail, gamma, no_bias, ctx.scale, ctx.unit_tail,
+                                rows, eau))
+        grad_h = grad_h.contiguous()
         attended_rows = attended.view(rows.shape[0], -1)
         grad_w_out = grad_projected.t().mm(attended_rows) if needed[6] else None
         grad_attended = grad_projected.mm(w_out).view(attended.shape)
@@ -85,7 +100,10 @@ class RelativeAttentionAddNorm(torch.autograd.Function):
         if needed[1] and grad_memory_kv is not None:
             grad_memory = grad_memory_kv.view(memory_rows.shape[0], -1).mm(w_kv).view(memory_kv.shape[0], -1,
                                                                                         rows.shape[1])
+        grad_w_gate, grad_w_unit, grad_b_unit = _add_branch_grads(grad_h, rows, grad_gate, w_gate, grad_branch, w_unit,
+                                                                (needed[11], needed[13], needed[14]))
         grads = (grad_h.view(qkv.shape[0], qkv.shape[1], -1), grad_memory, grad_r.mm(w_r) if needed[2] else None,
                  grad_w_q, grad_w_kv, grad_r.t().mm(pos) if needed[5] else None, grad_w_out, grad_u, grad_v,
-                 grad_gamma, grad_beta)
-        return (*(g if need else None for g, need in zip(grads, needed, strict=False)), None, None, None, None)
+                 grad_gamma, grad_beta, grad_w_gate, grad_b_gate, grad_w_unit, grad_b_unit,
+                 *(grad_eau or (None,) * 6))
+        return (*(g if need else None for g, need in zip(grads, needed, strict=False)), None, None, None, None, None)

@@ -35,7 +35,15 @@ from gatedformer.backbones._relative_attention_kernel import kernel_takes, relat
 from gatedformer.backbones.attention import sinusoidal_positions
 from gatedformer.backbones.blocks import Sublayer, make_ffn
 from gatedformer.backbones.dropout import Dropout
-from gatedformer.backbones.fused_linear import _mask, _plain_layer_norm, unhooked
+from gatedformer.backbones.fused_linear import (
+    _branch_parameters,
+    _eau_fuses,
+    _gate_fuses,
+    _mask,
+    _plain_layer_norm,
+    _unit_fuses,
+    unhooked,
+)
 from gatedformer.backbones.output_loss import logits_or_loss
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
 from gatedformer.backbones.relative_sublayer import RelativeAttentionAddNorm
@@ -187,11 +195,12 @@ class RelativeMultiHeadAttention(nn.Module):
     def add_norm(self, x: Tensor, p: float, norm: nn.LayerNorm, gate: nn.Module | None = None,
                  unit: nn.Module | None = None, eau: nn.Module | None = None, memory: Tensor | None = None,
                  pos: Tensor | None = None) -> Tensor | None:
-        """``norm(x + dropout(self(x, memory, pos), p))``, the post-LN sublayer without gates, as one autograd
-        function (:class:`~gatedformer.backbones.relative_sublayer.RelativeAttentionAddNorm`) where that applies
-        (see its module), else ``None``: with a ``gate``, ``unit`` or ``eau`` the sublayer applies its gates to
-        this module's output."""
-        if gate is not None or unit is not None or eau is not None or pos is None or not self.training:
+        """``norm(x + dropout(self(x, memory, pos), p))``, the post-LN sublayer, as one autograd function
+        (:class:`~gatedformer.backbones.relative_sublayer.RelativeAttentionAddNorm`) where that applies (see its
+        module), else ``None``. With a gated residual connection ``gate``, an SDU branch, highway gate or gated
+        MHDPA ``unit`` and an ``eau`` on the output, as
+        :meth:`gatedformer.backbones.attention.CausalSelfAttention.add_norm`."""
+        if pos is None or not self.training:
             return None
         memory = memory if memory is not None and memory.shape[1] > 0 else None
         k_len = x.shape[1] + (0 if memory is None else memory.shape[1])
@@ -205,12 +214,15 @@ class RelativeMultiHeadAttention(nn.Module):
                    and not torch.is_autocast_enabled("cpu") and _plain_layer_norm(norm, self.d_model)
                    and dropout_ops._fast_path(x, p, keep_all=True)
                    and _epilogue_kernel.KERNEL.pick_backend(x.device) == "native"
-                   and kernel_takes(tensors, self.n_heads, 0.0))
+                   and kernel_takes(tensors, self.n_heads, 0.0)
+                   and _gate_fuses(gate, x, p, True) and _unit_fuses(unit, gate, x, p, True)
+                   and _eau_fuses(eau, unit, x, p, True))
         if not applies:
             return None
         return RelativeAttentionAddNorm.apply(x, memory, pos[pos.shape[0] - k_len :], self.query.weight,
                                               self.key_value.weight, self.position.weight, self.out.weight, self.u,
-                                              self.v, norm.weight, norm.bias, norm.eps, self.n_heads, *_mask(p))
+                                              self.v, norm.weight, norm.bias, *_branch_parameters(gate, unit, eau),
+                                              norm.eps, self.n_heads, *_mask(p))
 
     def scores(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> Tensor:
         """:meth:`attention_scores` for inputs ``h``, ``memory``, ``pos`` (for inspection and tests)."""
