@@ -16,19 +16,33 @@ It computes what the modules compute, with the same dropout masks for the same r
 where they would run fused anyway: training, float32 on the CPU outside autocast and ``torch.compile``, no
 attention dropout, no hooks, a plain LayerNorm, gates that the fused tail takes and the compiled kernels
 available.
-:meth:`~gatedformer.backbones.transformer_xl.RelativeMultiHeadAttention.add_norm` checks that and otherwise
+:func:`relative_attention_add_norm` (which
+:meth:`~gatedformer.backbones.transformer_xl.RelativeMultiHeadAttention.add_norm` calls) checks that and otherwise
 returns ``None`` (the sublayer then runs its modules).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from gatedformer.backbones._relative_attention_kernel import backward_kernel, forward_kernel
-from gatedformer.backbones.fused_linear import _add_branch_grads, _norm_tail, _norm_tail_backward
+from gatedformer.backbones import _epilogue_kernel
+from gatedformer.backbones import dropout as dropout_ops
+from gatedformer.backbones._relative_attention_kernel import backward_kernel, forward_kernel, kernel_takes
+from gatedformer.backbones.fused_linear import (
+    _add_branch_grads,
+    _branch_parameters,
+    _eau_fuses,
+    _gate_fuses,
+    _mask,
+    _norm_tail,
+    _norm_tail_backward,
+    _plain_layer_norm,
+    _unit_fuses,
+    unhooked,
+)
 
-__all__ = ["RelativeAttentionAddNorm"]
+__all__ = ["RelativeAttentionAddNorm", "relative_attention_add_norm"]
 
 _INT32_VALUES = 2 ** 32
 
@@ -107,3 +121,36 @@ class RelativeAttentionAddNorm(torch.autograd.Function):
                  grad_gamma, grad_beta, grad_w_gate, grad_b_gate, grad_w_unit, grad_b_unit,
                  *(grad_eau or (None,) * 6))
         return (*(g if need else None for g, need in zip(grads, needed, strict=False)), None, None, None, None, None)
+
+
+def relative_attention_add_norm(attention: nn.Module, x: Tensor, p: float, norm: nn.LayerNorm,
+                                gate: nn.Module | None = None, unit: nn.Module | None = None,
+                                eau: nn.Module | None = None, memory: Tensor | None = None,
+                                pos: Tensor | None = None) -> Tensor | None:
+    """``norm(x + dropout(attention(x, memory, pos), p))`` for a
+    :class:`~gatedformer.backbones.transformer_xl.RelativeMultiHeadAttention`, with its sublayer's gates (as
+    :func:`~gatedformer.backbones.fused_linear.attention_add_norm` takes them), by :class:`RelativeAttentionAddNorm`
+    where that applies (see the module), else ``None``."""
+    if pos is None or not attention.training:
+        return None
+    memory = memory if memory is not None and memory.shape[1] > 0 else None
+    k_len = x.shape[1] + (0 if memory is None else memory.shape[1])
+    layers = (attention.query, attention.key_value, attention.position, attention.out)
+    tensors = [x, pos, attention.u, attention.v, norm.weight, *(layer.weight for layer in layers)]
+    tensors += [] if memory is None else [memory]
+    applies = (x.dim() == 3 and pos.shape[0] >= k_len and attention.dropout.p == 0.0
+               and all(type(layer) is nn.Linear and layer.bias is None for layer in layers)
+               and all(unhooked(module) for module in (attention, *layers))
+               and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+               and not torch.is_autocast_enabled("cpu") and _plain_layer_norm(norm, x.shape[-1])
+               and dropout_ops._fast_path(x, p, keep_all=True)
+               and _epilogue_kernel.KERNEL.pick_backend(x.device) == "native"
+               and kernel_takes(tensors, attention.n_heads, 0.0)
+               and _gate_fuses(gate, x, p, True) and _unit_fuses(unit, gate, x, p, True)
+               and _eau_fuses(eau, unit, x, p, True))
+    if not applies:
+        return None
+    return RelativeAttentionAddNorm.apply(x, memory, pos[pos.shape[0] - k_len :], attention.query.weight,
+                                          attention.key_value.weight, attention.position.weight, attention.out.weight,
+                                          attention.u, attention.v, norm.weight, norm.bias,
+                                          *_branch_parameters(gate, unit, eau), norm.eps, attention.n_heads, *_mask(p))

@@ -29,24 +29,13 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from gatedformer.backbones import _epilogue_kernel
-from gatedformer.backbones import dropout as dropout_ops
 from gatedformer.backbones._relative_attention_kernel import kernel_takes, relative_attention
 from gatedformer.backbones.attention import sinusoidal_positions
 from gatedformer.backbones.blocks import Sublayer, make_ffn
 from gatedformer.backbones.dropout import Dropout
-from gatedformer.backbones.fused_linear import (
-    _branch_parameters,
-    _eau_fuses,
-    _gate_fuses,
-    _mask,
-    _plain_layer_norm,
-    _unit_fuses,
-    unhooked,
-)
 from gatedformer.backbones.output_loss import logits_or_loss
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
-from gatedformer.backbones.relative_sublayer import RelativeAttentionAddNorm
+from gatedformer.backbones.relative_sublayer import relative_attention_add_norm
 from gatedformer.backbones.token_embedding import embed_tokens
 
 __all__ = ["RelativeMultiHeadAttention", "TransformerXLLM", "TransformerXLLayer", "rel_shift",
@@ -200,29 +189,7 @@ class RelativeMultiHeadAttention(nn.Module):
         module), else ``None``. With a gated residual connection ``gate``, an SDU branch, highway gate or gated
         MHDPA ``unit`` and an ``eau`` on the output, as
         :meth:`gatedformer.backbones.attention.CausalSelfAttention.add_norm`."""
-        if pos is None or not self.training:
-            return None
-        memory = memory if memory is not None and memory.shape[1] > 0 else None
-        k_len = x.shape[1] + (0 if memory is None else memory.shape[1])
-        layers = (self.query, self.key_value, self.position, self.out)
-        tensors = [x, pos, self.u, self.v, norm.weight, *(layer.weight for layer in layers)]
-        tensors += [] if memory is None else [memory]
-        applies = (x.dim() == 3 and pos.shape[0] >= k_len and self.dropout.p == 0.0
-                   and all(type(layer) is nn.Linear and layer.bias is None for layer in layers)
-                   and all(unhooked(module) for module in (self, *layers))
-                   and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
-                   and not torch.is_autocast_enabled("cpu") and _plain_layer_norm(norm, self.d_model)
-                   and dropout_ops._fast_path(x, p, keep_all=True)
-                   and _epilogue_kernel.KERNEL.pick_backend(x.device) == "native"
-                   and kernel_takes(tensors, self.n_heads, 0.0)
-                   and _gate_fuses(gate, x, p, True) and _unit_fuses(unit, gate, x, p, True)
-                   and _eau_fuses(eau, unit, x, p, True))
-        if not applies:
-            return None
-        return RelativeAttentionAddNorm.apply(x, memory, pos[pos.shape[0] - k_len :], self.query.weight,
-                                              self.key_value.weight, self.position.weight, self.out.weight, self.u,
-                                              self.v, norm.weight, norm.bias, *_branch_parameters(gate, unit, eau),
-                                              norm.eps, self.n_heads, *_mask(p))
+        return relative_attention_add_norm(self, x, p, norm, gate, unit, eau, memory, pos)
 
     def scores(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> Tensor:
         """:meth:`attention_scores` for inputs ``h``, ``memory``, ``pos`` (for inspection and tests)."""
