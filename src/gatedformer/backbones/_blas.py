@@ -17,9 +17,54 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PackedGemm", "packed_gemm"]
+__all__ = ["PACKED_GEMM_CPP", "PackedGemm", "packed_gemm"]
 
 _B_MATRIX = 162  # CBLAS_IDENTIFIER: the right-hand side
+
+PACKED_GEMM_CPP = r"""
+// MKL's packed products, by address (see gatedformer/backbones/_blas.py): the pack and compute functions and the
+// thread-local thread count, and stream_blocks, which runs a kernel's blocks of rows on OpenMP threads that each
+// call MKL on one thread. Needs <cstdint> and, with OpenMP, <omp.h>.
+typedef void (*PackFn)(int layout, int identifier, int trans, int m, int n, int k, float alpha, const float* src,
+                       int ld, float* dest);
+typedef void (*ComputeFn)(int layout, int transa, int transb, int m, int n, int k, const float* a, int lda,
+                          const float* b, int ldb, float beta, float* c, int ldc);
+typedef int (*LocalThreadsFn)(int);
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMatrix = 162;
+
+struct Blas {
+    PackFn pack;
+    ComputeFn compute;
+    LocalThreadsFn local_threads;
+};
+
+// body(thread, threads, first_block, end_block) on `threads` OpenMP threads, each with MKL on one thread and a
+// contiguous share of `blocks`.
+template <typename Fn>
+void stream_blocks(const Blas& blas, int64_t blocks, int64_t threads, Fn body) {
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int saved = blas.local_threads(1);
+        body(t, nt, t * blocks / nt, (t + 1) * blocks / nt);
+        blas.local_threads(saved);
+    }
+#else
+    (void)threads;
+    const int saved = blas.local_threads(1);
+    body(int64_t(0), int64_t(1), int64_t(0), blocks);
+    blas.local_threads(saved);
+#endif
+}
+
+inline void stream_barrier() {
+#if defined(_OPENMP)
+#pragma omp barrier
+#endif
+}
+"""
+"""C++ for kernels that take :class:`PackedGemm`'s addresses (put inside the kernel's own namespace)."""
 
 
 @dataclass(frozen=True)

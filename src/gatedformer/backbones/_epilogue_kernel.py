@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gatedformer.backbones._blas import PackedGemm
+from gatedformer.backbones._blas import PACKED_GEMM_CPP, PackedGemm
 from gatedformer.backbones._dropout_kernel import (
     _NO_FMA,
     PHILOX_CPP,
@@ -398,19 +398,7 @@ void dropout_add_norm_backward(const float* dy, const float* xhat, const float* 
 // runs the whole sublayer on them with MKL on one thread (its packed products, the weights packed once per call):
 // one parallel region instead of one per operation, and each block's hidden rows still in cache when the epilogue
 // and the second product read them. MKL's functions come in by address from the Python side (PyTorch links MKL).
-typedef void (*PackFn)(int layout, int identifier, int trans, int m, int n, int k, float alpha, const float* src,
-                       int ld, float* dest);
-typedef void (*ComputeFn)(int layout, int transa, int transb, int m, int n, int k, const float* a, int lda,
-                          const float* b, int ldb, float beta, float* c, int ldc);
-typedef int (*LocalThreadsFn)(int);
-constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMatrix = 162;
-
-struct Blas {
-    PackFn pack;
-    ComputeFn compute;
-    LocalThreadsFn local_threads;
-};
-
+""" + PACKED_GEMM_CPP + r"""
 // The two packed weights of one call: scratch, freed on return. MKL asks for several MB each whatever the sizes,
 // of which only the packed weight's own size is written, so most of the pages are never touched. 64-byte aligned
 // by hand (C++14 has no aligned allocation).
@@ -432,32 +420,6 @@ struct PackedPair {
     bool ok() const { return raw_first != nullptr && raw_second != nullptr; }
     static float* aligned(void* raw) { return (float*)(((uintptr_t)raw + 63) / 64 * 64); }
 };
-
-// body(thread, threads, first_block, end_block) on `threads` OpenMP threads, each with MKL on one thread and a
-// contiguous share of `blocks`.
-template <typename Fn>
-void stream_blocks(const Blas& blas, int64_t blocks, int64_t threads, Fn body) {
-#if defined(_OPENMP)
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int saved = blas.local_threads(1);
-        body(t, nt, t * blocks / nt, (t + 1) * blocks / nt);
-        blas.local_threads(saved);
-    }
-#else
-    (void)threads;
-    const int saved = blas.local_threads(1);
-    body(int64_t(0), int64_t(1), int64_t(0), blocks);
-    blas.local_threads(saved);
-#endif
-}
-
-inline void stream_barrier() {
-#if defined(_OPENMP)
-#pragma omp barrier
-#endif
-}
 
 void ffn_forward(const Blas& blas, const float* x, const float* w1, const float* b1, const float* w2, const float* b2,
                  const float* gamma, const float* beta, float* packed_w1t, float* packed_w2t, float* hidden,
