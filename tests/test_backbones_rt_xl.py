@@ -179,7 +179,9 @@ def test_local_rnn_equals_unfold(rnn_type: str, window: int) -> None:
         torch.testing.assert_close(torch.zeros_like(p) if a is None else a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_local_rnn_never_holds_a_copy_per_window() -> None:
+def test_local_rnn_never_holds_a_copy_per_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The steps one by one (the compiled recurrence's own test is in test_local_rnn_kernel.py)."""
+    monkeypatch.setenv("GATEDFORMER_PACKED_GEMM", "0")
     batch, length, d, window = 2, 8, 4, 7
     module = LocalRNN(d, window, "gru")
     largest = 0

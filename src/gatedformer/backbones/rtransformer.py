@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from gatedformer.backbones import _local_rnn_kernel
 from gatedformer.backbones._gru_kernel import gru_step
 from gatedformer.backbones._lstm_kernel import lstm_step
 from gatedformer.backbones.attention import CausalSelfAttention
@@ -86,6 +87,10 @@ class LocalRNN(nn.Module):
             gates_in = torch.cat([pad, gates_in], dim=0)
         else:
             gates_in = gates_in.contiguous()
+        blas = _local_rnn_kernel.streams(gates_in, w_hh, b_hh)
+        if blas is not None:  # every step of every window in one compiled call each way
+            h = _local_rnn_kernel.local_recurrence(gates_in, w_hh, b_hh, self.rnn_type, length, blas)
+            return h.view(length, batch, d_model).transpose(0, 1).contiguous()
         # Step j of the window ending at t reads position t - (M-1) + j: padded index t + j. Each step
         # is a view of (L·B, G) rows; their gradients are summed back in one pass (see _ShiftedViews).
         steps = _ShiftedViews.apply(gates_in, length, self.window)

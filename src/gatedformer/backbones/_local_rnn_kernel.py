@@ -1,0 +1,428 @@
+"""The R-Transformer's whole LocalRNN recurrence as one compiled call each way, streamed by blocks of rows.
+
+:class:`~gatedformer.backbones.rtransformer.LocalRNN` runs ``M`` steps of a GRU, LSTM or tanh RNN over the
+``L·B`` windows at once. Step by step in PyTorch each step is a hidden-to-hidden product and an element-wise
+pass over ``(L·B, G)`` tensors (``G`` = 3d, 4d or d), and the backward pass reads every step's tensors back
+long after the forward pass wrote them, from memory rather than cache. Here each thread takes blocks of rows
+(windows) through all ``M`` steps with MKL's packed products on one thread: a block's hidden state, its
+product and its gates stay in cache from one step to the next, the backward pass walks each block's steps
+back the same way, and one parallel region replaces ``M`` products and ``M`` element-wise passes per call.
+
+The input projection ``W_ih x + b_ih`` stays outside (one product over the positions, read by every window
+that contains them): row ``t·B + b`` of a window's step ``j`` reads row ``(t + j)·B + b`` of the time-major
+padded projection ``(L + M - 1, B, G)``. ``b_hh`` is added to the hidden product in the kernel, so the product
+needs no bias pass of its own. For the backward pass the forward keeps, per window and step, the hidden
+state, the LSTM's cell and the hidden product: what the step-by-step form keeps, in one tensor each. The
+backward pass returns the projection's gradient (the shifted steps summed in place), ``b_hh``'s (summed per
+block of rows in order, so it does not depend on the thread count), and the hidden products' gradients, from
+which ``W_hh``'s is one large product.
+
+Float32 on the CPU where PyTorch links MKL; it follows the LocalRNN steps' switch, ``GATEDFORMER_GRU_BACKEND``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from gatedformer.backbones._blas import PACKED_GEMM_CPP, PackedGemm, packed_gemm
+from gatedformer.backbones._native import NativeKernel, kernel_threads
+from gatedformer.backbones._simd import SIMD_HELPERS
+
+__all__ = ["CELLS", "KERNEL", "local_recurrence", "streams"]
+
+CELLS = {"rnn": 0, "gru": 1, "lstm": 2}
+"""The cells the kernel runs, by LocalRNN ``rnn_type``; their gate widths are 1, 3 and 4 times ``d``."""
+
+_GATES = {"rnn": 1, "gru": 3, "lstm": 4}
+_BLOCK_ROWS = 64
+
+_CPP_SOURCE = r"""
+// The LocalRNN recurrence over blocks of windows; see gatedformer/backbones/_local_rnn_kernel.py.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+#if defined(__AVX2__)
+#include <immintrin.h>
+#elif defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
+namespace {
+""" + SIMD_HELPERS + PACKED_GEMM_CPP + r"""
+
+enum Cell { kTanh = 0, kGru = 1, kLstm = 2 };
+
+// The floats p[0 .. left) of a row, a whole vector while left >= kW (masked past the end of the row).
+inline vec ld(const float* p, int64_t left) { return left >= kW ? load(p) : load_first(p, left); }
+inline void st(float* p, vec x, int64_t left) {
+    if (left >= kW) store(p, x);
+    else store_first(p, x, left);
+}
+
+// Gate k's pre-activation a = gi + gh + bias at column j (no gh: the zero state's product).
+inline vec pre(const float* gi, const float* gh, const float* bias, int64_t k, int64_t d, int64_t j, int64_t left) {
+    const vec a = ld(gi + k * d + j, left) + ld(bias + k * d + j, left);
+    return gh != nullptr ? a + ld(gh + k * d + j, left) : a;
+}
+
+// One window's step: h from the gates (GRU: and the previous h; LSTM: the previous cell, and writes the new one
+// when c is not null). Gate orders as torch.nn.GRU (r, z, n) and torch.nn.LSTM (i, f, g, o).
+template <int C>
+void step_row(const float* gi, const float* gh, const float* bias, const float* prev_h, const float* prev_c,
+              float* h, float* c, int64_t d) {
+    for (int64_t j = 0; j < d; j += kW) {
+        const int64_t left = d - j;
+        if (C == kTanh) {
+            st(h + j, vtanh(pre(gi, gh, bias, 0, d, j, left)), left);
+        } else if (C == kGru) {
+            const vec r = vsigmoid(pre(gi, gh, bias, 0, d, j, left)), z = vsigmoid(pre(gi, gh, bias, 1, d, j, left));
+            const vec hn = gh != nullptr ? ld(gh + 2 * d + j, left) + ld(bias + 2 * d + j, left)
+                                         : ld(bias + 2 * d + j, left);
+            const vec n = vtanh(ld(gi + 2 * d + j, left) + r * hn);
+            const vec p = prev_h != nullptr ? ld(prev_h + j, left) : splat(0.0f);
+            st(h + j, n + z * (p - n), left);
+        } else {
+            const vec i = vsigmoid(pre(gi, gh, bias, 0, d, j, left)), f = vsigmoid(pre(gi, gh, bias, 1, d, j, left));
+            const vec g = vtanh(pre(gi, gh, bias, 2, d, j, left)), o = vsigmoid(pre(gi, gh, bias, 3, d, j, left));
+            const vec cell = prev_c != nullptr ? f * ld(prev_c + j, left) + i * g : i * g;
+            if (c != nullptr) st(c + j, cell, left);
+            st(h + j, o * vtanh(cell), left);
+        }
+    }
+}
+
+// Its backward pass from dh (and the LSTM's dc, null for zero): adds the gradient of gi into dgi, writes that of
+// gh into dgh (unless null) and adds it into bias_sum; writes the GRU's direct share of the previous h's gradient
+// (g z) into dh_prev and the LSTM's previous cell's into dc_prev, where those are not null.
+template <int C>
+void step_backward_row(const float* gi, const float* gh, const float* bias, const float* prev_h, const float* prev_c,
+                       const float* dh, const float* dc, float* dgi, float* dgh, float* dh_prev, float* dc_prev,
+                       float* bias_sum, int64_t d) {
+    for (int64_t j = 0; j < d; j += kW) {
+        const int64_t left = d - j;
+        const vec g = ld(dh + j, left);
+        if (C == kTanh) {
+            const vec h = vtanh(pre(gi, gh, bias, 0, d, j, left));
+            const vec da = g * (1.0f - h * h);
+            st(dgi + j, ld(dgi + j, left) + da, left);
+            if (dgh != nullptr) st(dgh + j, da, left);
+            st(bias_sum + j, ld(bias_sum + j, left) + da, left);
+        } else if (C == kGru) {
+            const vec r = vsigmoid(pre(gi, gh, bias, 0, d, j, left)), z = vsigmoid(pre(gi, gh, bias, 1, d, j, left));
+            const vec hn = gh != nullptr ? ld(gh + 2 * d + j, left) + ld(bias + 2 * d + j, left)
+                                         : ld(bias + 2 * d + j, left);
+            const vec n = vtanh(ld(gi + 2 * d + j, left) + r * hn);
+            const vec p = prev_h != nullptr ? ld(prev_h + j, left) : splat(0.0f);
+            const vec dn = g * (1.0f - z) * (1.0f - n * n);
+            const vec dr = dn * hn * r * (1.0f - r);
+            const vec dz = g * (p - n) * z * (1.0f - z);
+            const vec dhn = dn * r;
+            st(dgi + j, ld(dgi + j, left) + dr, left);
+            st(dgi + d + j, ld(dgi + d + j, left) + dz, left);
+            st(dgi + 2 * d + j, ld(dgi + 2 * d + j, left) + dn, left);
+            if (dgh != nullptr) {
+                st(dgh + j, dr, left);
+                st(dgh + d + j, dz, left);
+                st(dgh + 2 * d + j, dhn, left);
+            }
+            st(bias_sum + j, ld(bias_sum + j, left) + dr, left);
+            st(bias_sum + d + j, ld(bias_sum + d + j, left) + dz, left);
+            st(bias_sum + 2 * d + j, ld(bias_sum + 2 * d + j, left) + dhn, left);
+            if (dh_prev != nullptr) st(dh_prev + j, g * z, left);
+        } else {
+            const vec i = vsigmoid(pre(gi, gh, bias, 0, d, j, left)), f = vsigmoid(pre(gi, gh, bias, 1, d, j, left));
+            const vec gg = vtanh(pre(gi, gh, bias, 2, d, j, left)), o = vsigmoid(pre(gi, gh, bias, 3, d, j, left));
+            const vec prev = prev_c != nullptr ? ld(prev_c + j, left) : splat(0.0f);
+            const vec t = vtanh(f * prev + i * gg);
+            const vec dcell = (dc != nullptr ? ld(dc + j, left) : splat(0.0f)) + g * o * (1.0f - t * t);
+            const vec da[4] = {dcell * gg * i * (1.0f - i), dcell * prev * f * (1.0f - f), dcell * i * (1.0f - gg * gg),
+                               g * t * o * (1.0f - o)};
+            for (int k = 0; k < 4; ++k) {
+                st(dgi + k * d + j, ld(dgi + k * d + j, left) + da[k], left);
+                if (dgh != nullptr) st(dgh + k * d + j, da[k], left);
+                st(bias_sum + k * d + j, ld(bias_sum + k * d + j, left) + da[k], left);
+            }
+            if (dc_prev != nullptr) st(dc_prev + j, dcell * f, left);
+        }
+    }
+}
+
+// A 64-byte aligned float scratch buffer, freed on return (C++14 has no aligned allocation).
+struct Scratch {
+    void* raw;
+    float* data;
+    explicit Scratch(int64_t floats) : raw(floats > 0 ? std::malloc((size_t)floats * 4 + 64) : nullptr),
+                                       data((float*)(((uintptr_t)raw + 63) / 64 * 64)) {}
+    ~Scratch() { std::free(raw); }
+    Scratch(const Scratch&) = delete;
+    Scratch& operator=(const Scratch&) = delete;
+};
+
+// Row r of a window's step j reads row r + j * batch of the padded projection gin ((rows + (M-1)·batch) x G).
+// Kept for the backward pass (when hs is not null), step by step for each block of n rows from row lo, step j < M-1
+// of the block's row r at [lo * (M-1) + j * n + r]: hs (its h, d wide), cs (its LSTM cell, d) and, for step j + 1,
+// ghs (that step's hidden product W_hh h_j, G wide). Each block's steps are then whole runs of memory, which the
+// backward pass reads in order; the rows of hs and ghs still pair up one to one for W_hh's gradient.
+template <int C>
+int forward(const Blas& blas, const float* gin, const float* w, const float* bias, int64_t packed_floats,
+            float* out, float* hs, float* cs, float* ghs, int64_t rows, int64_t batch, int64_t d, int64_t window,
+            int64_t block_rows, int64_t threads) {
+    const int64_t width = (C == kTanh ? 1 : C == kGru ? 3 : 4) * d, kept = window - 1;
+    const int64_t blocks = (rows + block_rows - 1) / block_rows;
+    Scratch packed(kept > 0 ? packed_floats : 0);
+    if (kept > 0 && packed.raw == nullptr) return 1;
+    int failed = 0;
+    stream_blocks(blas, blocks, threads, [&](int64_t t, int64_t nt, int64_t first, int64_t end) {
+        (void)nt;
+        if (t == 0 && kept > 0) blas.pack(kRowMajor, kBMatrix, kTrans, block_rows, width, d, 1.0f, w, d, packed.data);
+        stream_barrier();
+        Scratch scratch(hs != nullptr ? 0 : block_rows * (4 * d + width));  // h and c twice, gh: if nothing is kept
+        if (hs == nullptr && scratch.raw == nullptr) {
+#pragma omp atomic write
+            failed = 1;
+            return;
+        }
+        for (int64_t b = first; b < end; ++b) {
+            const int64_t lo = b * block_rows, n = lo + block_rows < rows ? block_rows : rows - lo;
+            const float* h_prev = nullptr;
+            const float* c_prev = nullptr;
+            for (int64_t j = 0; j < window; ++j) {
+                const float* gi = gin + (lo + j * batch) * width;
+                float* gh = nullptr;
+                if (j > 0) {
+                    gh = ghs != nullptr ? ghs + (lo * kept + (j - 1) * n) * width : scratch.data + 4 * block_rows * d;
+                    blas.compute(kRowMajor, kNoTrans, kPacked, n, width, d, h_prev, d, packed.data, width, 0.0f, gh,
+                                 width);
+                }
+                float* h = out + lo * d;
+                float* c = nullptr;
+                if (j < window - 1) {
+                    h = hs != nullptr ? hs + (lo * kept + j * n) * d : scratch.data + (j % 2) * block_rows * d;
+                    if (C == kLstm)
+                        c = cs != nullptr ? cs + (lo * kept + j * n) * d : scratch.data + (2 + j % 2) * block_rows * d;
+                }
+                for (int64_t r = 0; r < n; ++r)
+                    step_row<C>(gi + r * width, gh != nullptr ? gh + r * width : nullptr, bias,
+                                h_prev != nullptr ? h_prev + r * d : nullptr,
+                                c_prev != nullptr ? c_prev + r * d : nullptr, h + r * d,
+                                c != nullptr ? c + r * d : nullptr, d);
+                h_prev = h;
+                c_prev = c;
+            }
+        }
+    });
+    return failed;
+}
+
+// The backward pass from grad_out (rows x d): adds every step's gi gradient into dgin (zeroed by the caller, as
+// gin), writes the hidden products' gradients where ghs is (dghs, so W_hh's gradient is dghsᵀ hs) and b_hh's
+// gradient into dbias. Each thread's adds into rows past its own go to a spill buffer, added after.
+template <int C>
+int backward(const Blas& blas, const float* gin, const float* w, const float* bias, const float* hs, const float* cs,
+             const float* ghs, const float* grad_out, int64_t packed_floats, float* dgin, float* dghs, float* dbias,
+             int64_t rows, int64_t batch, int64_t d, int64_t window, int64_t block_rows, int64_t threads) {
+    const int64_t width = (C == kTanh ? 1 : C == kGru ? 3 : 4) * d, kept = window - 1;
+    const int64_t blocks = (rows + block_rows - 1) / block_rows, overlap = kept * batch;
+    const int64_t padded_rows = rows + overlap;
+    Scratch packed(kept > 0 ? packed_floats : 0);
+    std::vector<float> block_sums(blocks * width, 0.0f);
+    std::vector<float> spill(threads * overlap * width, 0.0f);
+    std::vector<int64_t> spill_from(threads, padded_rows);
+    if (kept > 0 && packed.raw == nullptr) return 1;
+    int failed = 0;
+    stream_blocks(blas, blocks, threads, [&](int64_t t, int64_t nt, int64_t first, int64_t end) {
+        if (t == 0 && kept > 0) blas.pack(kRowMajor, kBMatrix, kNoTrans, block_rows, d, width, 1.0f, w, d, packed.data);
+        stream_barrier();
+        Scratch scratch(4 * block_rows * d);  // dh and dc, twice
+        if (scratch.raw == nullptr) {
+#pragma omp atomic write
+            failed = 1;
+            return;
+        }
+        // Rows from the next thread's first row on are its too: this thread adds its share of them apart.
+        const int64_t own_end = t + 1 < nt ? (end * block_rows < rows ? end * block_rows : rows) : padded_rows;
+        spill_from[t] = own_end;
+        float* own_spill = spill.data() + t * overlap * width;
+        for (int64_t b = first; b < end; ++b) {
+            const int64_t lo = b * block_rows, n = lo + block_rows < rows ? block_rows : rows - lo;
+            float* sums = block_sums.data() + b * width;
+            float* dh = scratch.data;
+            float* dc = nullptr;
+            std::memcpy(dh, grad_out + lo * d, (size_t)(n * d) * sizeof(float));
+            for (int64_t j = window - 1; j >= 0; --j) {
+                const float* gi = gin + (lo + j * batch) * width;
+                const int64_t at = lo * kept + (j - 1) * n;  // this block's step j - 1 in hs, cs, ghs, dghs
+                const float* gh = j > 0 ? ghs + at * width : nullptr;
+                const float* h_prev = j > 0 ? hs + at * d : nullptr;
+                const float* c_prev = C == kLstm && j > 0 ? cs + at * d : nullptr;
+                float* dgh = j > 0 ? dghs + at * width : nullptr;
+                const int64_t other = dh == scratch.data ? 1 : 0;  // the free one of the two dh (and dc) buffers
+                float* dh_next = j > 0 ? scratch.data + other * block_rows * d : nullptr;
+                float* dc_next = C == kLstm && j > 0 ? scratch.data + (2 + other) * block_rows * d : nullptr;
+                for (int64_t r = 0; r < n; ++r) {
+                    const int64_t target = lo + r + j * batch;
+                    float* dgi = target < own_end ? dgin + target * width : own_spill + (target - own_end) * width;
+                    step_backward_row<C>(gi + r * width, gh != nullptr ? gh + r * width : nullptr, bias,
+                                         h_prev != nullptr ? h_prev + r * d : nullptr,
+                                         c_prev != nullptr ? c_prev + r * d : nullptr, dh + r * d,
+                                         dc != nullptr ? dc + r * d : nullptr, dgi,
+                                         dgh != nullptr ? dgh + r * width : nullptr,
+                                         C == kGru && dh_next != nullptr ? dh_next + r * d : nullptr,
+                                         dc_next != nullptr ? dc_next + r * d : nullptr, sums, d);
+                }
+                if (j > 0) {  // the previous h's gradient: W_hh's share (plus the GRU's direct one, written above)
+                    blas.compute(kRowMajor, kNoTrans, kPacked, n, d, width, dgh, width, packed.data, d,
+                                 C == kGru ? 1.0f : 0.0f, dh_next, d);
+                    dh = dh_next;
+                    dc = dc_next;
+                }
+            }
+        }
+    });
+    if (failed) return 1;
+    for (int64_t t = 0; t < threads; ++t)
+        for (int64_t r = spill_from[t]; r < padded_rows && r < spill_from[t] + overlap; ++r) {
+            const float* from = spill.data() + (t * overlap + r - spill_from[t]) * width;
+            for (int64_t k = 0; k < width; ++k) dgin[r * width + k] += from[k];
+        }
+    for (int64_t k = 0; k < width; ++k) dbias[k] = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b)
+        for (int64_t k = 0; k < width; ++k) dbias[k] += block_sums[b * width + k];
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+int local_rnn_forward_f32(const void* pack, const void* compute, const void* local_threads, int64_t cell,
+                          const float* gin, const float* w, const float* bias, int64_t packed_floats, float* out,
+                          float* hs, float* cs, float* ghs, int64_t rows, int64_t batch, int64_t d, int64_t window,
+                          int64_t block_rows, int64_t threads) {
+    const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
+    FlushDenormals flush;
+    if (cell == kGru)
+        return forward<kGru>(blas, gin, w, bias, packed_floats, out, hs, cs, ghs, rows, batch, d, window, block_rows,
+                             threads);
+    if (cell == kLstm)
+        return forward<kLstm>(blas, gin, w, bias, packed_floats, out, hs, cs, ghs, rows, batch, d, window, block_rows,
+                              threads);
+    return forward<kTanh>(blas, gin, w, bias, packed_floats, out, hs, cs, ghs, rows, batch, d, window, block_rows,
+                          threads);
+}
+int local_rnn_backward_f32(const void* pack, const void* compute, const void* local_threads, int64_t cell,
+                           const float* gin, const float* w, const float* bias, const float* hs, const float* cs,
+                           const float* ghs, const float* grad_out, int64_t packed_floats, float* dgin, float* dghs,
+                           float* dbias, int64_t rows, int64_t batch, int64_t d, int64_t window, int64_t block_rows,
+                           int64_t threads) {
+    const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
+    FlushDenormals flush;
+    if (cell == kGru)
+        return backward<kGru>(blas, gin, w, bias, hs, cs, ghs, grad_out, packed_floats, dgin, dghs, dbias, rows, batch,
+                              d, window, block_rows, threads);
+    if (cell == kLstm)
+        return backward<kLstm>(blas, gin, w, bias, hs, cs, ghs, grad_out, packed_floats, dgin, dghs, dbias, rows, batch,
+                               d, window, block_rows, threads);
+    return backward<kTanh>(blas, gin, w, bias, hs, cs, ghs, grad_out, packed_floats, dgin, dghs, dbias, rows, batch, d,
+                           window, block_rows, threads);
+}
+}
+"""
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.local_rnn_forward_f32.argtypes = [p, p, p, i, p, p, p, i, p, p, p, p, i, i, i, i, i, i]
+    lib.local_rnn_forward_f32.restype = ctypes.c_int
+    lib.local_rnn_backward_f32.argtypes = [p, p, p, i, p, p, p, p, p, p, p, i, p, p, p, i, i, i, i, i, i]
+    lib.local_rnn_backward_f32.restype = ctypes.c_int
+
+
+KERNEL = NativeKernel(
+    "local_rnn", _CPP_SOURCE, _bind, abi_version=1, env_var="GATEDFORMER_GRU_BACKEND",
+    description="the compiled LocalRNN recurrence", fallback="its steps one by one", avx512=True,
+)
+
+
+def streams(padded: Tensor, w_hh: Tensor, b_hh: Tensor) -> PackedGemm | None:
+    """MKL's packed products where :func:`local_recurrence` can run on these tensors, else ``None``: float32 on the
+    CPU, the kernel built, outside ``torch.compile``."""
+    tensors = (padded, w_hh, b_hh)
+    if (padded.device.type != "cpu" or any(t.dtype != torch.float32 for t in tensors)
+            or torch.compiler.is_compiling() or KERNEL.pick_backend(padded.device) != "native"):
+        return None
+    return packed_gemm()
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        raise MemoryError("the LocalRNN kernel could not allocate its scratch memory; free memory or set "
+                          "GATEDFORMER_GRU_BACKEND=torch")
+
+
+class _LocalRecurrence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, padded: Tensor, w_hh: Tensor, b_hh: Tensor, cell: str, length: int,  # type: ignore[override]
+                blas: PackedGemm) -> Tensor:
+        steps, batch, width = padded.shape
+        d, window = w_hh.shape[1], steps - length + 1
+        rows, kept = length * batch, steps - length
+        padded, w_hh, b_hh = padded.contiguous(), w_hh.contiguous(), b_hh.contiguous()
+        keep = any(ctx.needs_input_grad[:3]) and kept > 0
+        out = padded.new_empty(rows, d)
+        # Each block's steps in turn (see the kernel), one row per window and step.
+        hs = padded.new_empty(rows * kept, d) if keep else None
+        cs = padded.new_empty(rows * kept, d) if keep and cell == "lstm" else None
+        ghs = padded.new_empty(rows * kept, width) if keep else None
+        threads = min(kernel_threads(rows * width * window), -(-rows // _BLOCK_ROWS))
+        _check(KERNEL.library().local_rnn_forward_f32(
+            blas.pack, blas.compute, blas.local_threads, CELLS[cell], padded.data_ptr(), w_hh.data_ptr(),
+            b_hh.data_ptr(), blas.packed_floats(_BLOCK_ROWS, width, d), out.data_ptr(), _address(hs), _address(cs),
+            _address(ghs), rows, batch, d, window, _BLOCK_ROWS, threads))
+        ctx.save_for_backward(padded, w_hh, b_hh, hs, cs, ghs)
+        ctx.cell, ctx.length, ctx.blas = cell, length, blas
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        padded, w_hh, b_hh, hs, cs, ghs = ctx.saved_tensors
+        steps, batch, width = padded.shape
+        d, length, blas = w_hh.shape[1], ctx.length, ctx.blas
+        rows, kept = length * batch, steps - length
+        grad_out = grad_out.contiguous()
+        grad_padded, grad_bias = torch.zeros_like(padded), b_hh.new_empty(width)
+        grad_hidden = padded.new_empty(rows * kept, width) if kept > 0 else None
+        threads = min(kernel_threads(rows * width * (kept + 1)), -(-rows // _BLOCK_ROWS))
+        _check(KERNEL.library().local_rnn_backward_f32(
+            blas.pack, blas.compute, blas.local_threads, CELLS[ctx.cell], padded.data_ptr(), w_hh.data_ptr(),
+            b_hh.data_ptr(), _address(hs), _address(cs), _address(ghs), grad_out.data_ptr(),
+            blas.packed_floats(_BLOCK_ROWS, d, width), grad_padded.data_ptr(), _address(grad_hidden),
+            grad_bias.data_ptr(), rows, batch, d, kept + 1, _BLOCK_ROWS, threads))
+        # A window of one: W_hh only ever meets the zero state. Else (hsᵀ dghs)ᵀ: MKL runs the product with the
+        # narrow side outermost faster, copy included.
+        grad_weight = torch.zeros_like(w_hh) if grad_hidden is None else hs.t().mm(grad_hidden).t().contiguous()
+        return grad_padded, grad_weight, grad_bias, None, None, None
+
+
+def _address(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def local_recurrence(padded: Tensor, w_hh: Tensor, b_hh: Tensor, cell: str, length: int,
+                     blas: PackedGemm) -> Tensor:
+    """The last hidden state of every window, ``(length·B, d)`` time-major, from the padded input projection
+    ``(length + M - 1, B, G)`` (``W_ih x + b_ih``, time-major, the ``M - 1`` rows before the start being ``b_ih``)
+    and the cell's ``W_hh`` ``(G, d)`` and ``b_hh`` ``(G,)``; ``blas`` from :func:`streams`."""
+    if cell not in CELLS:
+        raise ValueError(f"unknown cell {cell!r}; choose one of {', '.join(CELLS)}")
+    if padded.shape[-1] != _GATES[cell] * w_hh.shape[1] or w_hh.shape[0] != padded.shape[-1]:
+        raise ValueError(f"a {cell} of width {w_hh.shape[1]} takes {_GATES[cell]}·d gates, got {tuple(padded.shape)} "
+                         f"and W_hh {tuple(w_hh.shape)}")
+    return _LocalRecurrence.apply(padded, w_hh, b_hh, cell, length, blas)
