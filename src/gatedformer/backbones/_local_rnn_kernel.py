@@ -74,14 +74,18 @@ inline vec pre(const float* gi, const float* gh, const float* bias, int64_t k, i
 }
 
 // One window's step: h from the gates (GRU: and the previous h; LSTM: the previous cell, and writes the new one
-// when c is not null). Gate orders as torch.nn.GRU (r, z, n) and torch.nn.LSTM (i, f, g, o).
-template <int C>
-void step_row(const float* gi, const float* gh, const float* bias, const float* prev_h, const float* prev_c,
-              float* h, float* c, int64_t d) {
+// when c is not null). Gate orders as torch.nn.GRU (r, z, n) and torch.nn.LSTM (i, f, g, o). With Keep, the
+// hidden product gh is overwritten with what the backward pass reads instead of recomputing it: the tanh cell's
+// h, the GRU's r, z and W_hn h + b_hn, the LSTM's four gates.
+template <int C, bool Keep>
+void step_row(const float* gi, float* gh, const float* bias, const float* prev_h, const float* prev_c, float* h,
+              float* c, int64_t d) {
     for (int64_t j = 0; j < d; j += kW) {
         const int64_t left = d - j;
         if (C == kTanh) {
-            st(h + j, vtanh(pre(gi, gh, bias, 0, d, j, left)), left);
+            const vec y = vtanh(pre(gi, gh, bias, 0, d, j, left));
+            st(h + j, y, left);
+            if (Keep) st(gh + j, y, left);
         } else if (C == kGru) {
             const vec r = vsigmoid(pre(gi, gh, bias, 0, d, j, left)), z = vsigmoid(pre(gi, gh, bias, 1, d, j, left));
             const vec hn = gh != nullptr ? ld(gh + 2 * d + j, left) + ld(bias + 2 * d + j, left)
@@ -89,36 +93,48 @@ void step_row(const float* gi, const float* gh, const float* bias, const float* 
             const vec n = vtanh(ld(gi + 2 * d + j, left) + r * hn);
             const vec p = prev_h != nullptr ? ld(prev_h + j, left) : splat(0.0f);
             st(h + j, n + z * (p - n), left);
+            if (Keep) {
+                st(gh + j, r, left);
+                st(gh + d + j, z, left);
+                st(gh + 2 * d + j, hn, left);
+            }
         } else {
             const vec i = vsigmoid(pre(gi, gh, bias, 0, d, j, left)), f = vsigmoid(pre(gi, gh, bias, 1, d, j, left));
             const vec g = vtanh(pre(gi, gh, bias, 2, d, j, left)), o = vsigmoid(pre(gi, gh, bias, 3, d, j, left));
             const vec cell = prev_c != nullptr ? f * ld(prev_c + j, left) + i * g : i * g;
             if (c != nullptr) st(c + j, cell, left);
             st(h + j, o * vtanh(cell), left);
+            if (Keep) {
+                st(gh + j, i, left);
+                st(gh + d + j, f, left);
+                st(gh + 2 * d + j, g, left);
+                st(gh + 3 * d + j, o, left);
+            }
         }
     }
 }
 
 // Its backward pass from dh (and the LSTM's dc, null for zero): adds the gradient of gi into dgi, writes that of
 // gh into dgh (unless null) and adds it into bias_sum; writes the GRU's direct share of the previous h's gradient
-// (g z) into dh_prev and the LSTM's previous cell's into dc_prev, where those are not null.
+// (g z) into dh_prev and the LSTM's previous cell's into dc_prev, where those are not null. With kept, the step's
+// activations come from what step_row<C, true> left there; without, from gi and the bias (the zero state).
 template <int C>
-void step_backward_row(const float* gi, const float* gh, const float* bias, const float* prev_h, const float* prev_c,
-                       const float* dh, const float* dc, float* dgi, float* dgh, float* dh_prev, float* dc_prev,
-                       float* bias_sum, int64_t d) {
+void step_backward_row(const float* gi, const float* kept, const float* bias, const float* prev_h,
+                       const float* prev_c, const float* dh, const float* dc, float* dgi, float* dgh, float* dh_prev,
+                       float* dc_prev, float* bias_sum, int64_t d) {
     for (int64_t j = 0; j < d; j += kW) {
         const int64_t left = d - j;
         const vec g = ld(dh + j, left);
         if (C == kTanh) {
-            const vec h = vtanh(pre(gi, gh, bias, 0, d, j, left));
+            const vec h = kept != nullptr ? ld(kept + j, left) : vtanh(pre(gi, nullptr, bias, 0, d, j, left));
             const vec da = g * (1.0f - h * h);
             st(dgi + j, ld(dgi + j, left) + da, left);
             if (dgh != nullptr) st(dgh + j, da, left);
             st(bias_sum + j, ld(bias_sum + j, left) + da, left);
         } else if (C == kGru) {
-            const vec r = vsigmoid(pre(gi, gh, bias, 0, d, j, left)), z = vsigmoid(pre(gi, gh, bias, 1, d, j, left));
-            const vec hn = gh != nullptr ? ld(gh + 2 * d + j, left) + ld(bias + 2 * d + j, left)
-                                         : ld(bias + 2 * d + j, left);
+            const vec r = kept != nullptr ? ld(kept + j, left) : vsigmoid(pre(gi, nullptr, bias, 0, d, j, left));
+            const vec z = kept != nullptr ? ld(kept + d + j, left) : vsigmoid(pre(gi, nullptr, bias, 1, d, j, left));
+            const vec hn = ld((kept != nullptr ? kept : bias) + 2 * d + j, left);
             const vec n = vtanh(ld(gi + 2 * d + j, left) + r * hn);
             const vec p = prev_h != nullptr ? ld(prev_h + j, left) : splat(0.0f);
             const vec dn = g * (1.0f - z) * (1.0f - n * n);
@@ -138,8 +154,18 @@ void step_backward_row(const float* gi, const float* gh, const float* bias, cons
             st(bias_sum + 2 * d + j, ld(bias_sum + 2 * d + j, left) + dhn, left);
             if (dh_prev != nullptr) st(dh_prev + j, g * z, left);
         } else {
-            const vec i = vsigmoid(pre(gi, gh, bias, 0, d, j, left)), f = vsigmoid(pre(gi, gh, bias, 1, d, j, left));
-            const vec gg = vtanh(pre(gi, gh, bias, 2, d, j, left)), o = vsigmoid(pre(gi, gh, bias, 3, d, j, left));
+            vec i, f, gg, o;
+            if (kept != nullptr) {
+                i = ld(kept + j, left);
+                f = ld(kept + d + j, left);
+                gg = ld(kept + 2 * d + j, left);
+                o = ld(kept + 3 * d + j, left);
+            } else {
+                i = vsigmoid(pre(gi, nullptr, bias, 0, d, j, left));
+                f = vsigmoid(pre(gi, nullptr, bias, 1, d, j, left));
+                gg = vtanh(pre(gi, nullptr, bias, 2, d, j, left));
+                o = vsigmoid(pre(gi, nullptr, bias, 3, d, j, left));
+            }
             const vec prev = prev_c != nullptr ? ld(prev_c + j, left) : splat(0.0f);
             const vec t = vtanh(f * prev + i * gg);
             const vec dcell = (dc != nullptr ? ld(dc + j, left) : splat(0.0f)) + g * o * (1.0f - t * t);
@@ -169,7 +195,8 @@ struct Scratch {
 // Row r of a window's step j reads row r + j * batch of the padded projection gin ((rows + (M-1)·batch) x G).
 // Kept for the backward pass (when hs is not null), step by step for each block of n rows from row lo, step j < M-1
 // of the block's row r at [lo * (M-1) + j * n + r]: hs (its h, d wide), cs (its LSTM cell, d) and, for step j + 1,
-// ghs (that step's hidden product W_hh h_j, G wide). Each block's steps are then whole runs of memory, which the
+// ghs (G wide: that step's hidden product W_hh h_j, then overwritten by step_row with what its backward pass
+// reads: its activations, the GRU's W_hn h_j + b_hn). Each block's steps are then whole runs of memory, which the
 // backward pass reads in order; the rows of hs and ghs still pair up one to one for W_hh's gradient.
 template <int C>
 int forward(const Blas& blas, const float* gin, const float* w, const float* bias, int64_t packed_floats,
@@ -209,11 +236,16 @@ int forward(const Blas& blas, const float* gin, const float* w, const float* bia
                     if (C == kLstm)
                         c = cs != nullptr ? cs + (lo * kept + j * n) * d : scratch.data + (2 + j % 2) * block_rows * d;
                 }
-                for (int64_t r = 0; r < n; ++r)
-                    step_row<C>(gi + r * width, gh != nullptr ? gh + r * width : nullptr, bias,
-                                h_prev != nullptr ? h_prev + r * d : nullptr,
-                                c_prev != nullptr ? c_prev + r * d : nullptr, h + r * d,
-                                c != nullptr ? c + r * d : nullptr, d);
+                for (int64_t r = 0; r < n; ++r) {
+                    float* gh_row = gh != nullptr ? gh + r * width : nullptr;
+                    const float* h_row = h_prev != nullptr ? h_prev + r * d : nullptr;
+                    const float* c_row = c_prev != nullptr ? c_prev + r * d : nullptr;
+                    float* c_out = c != nullptr ? c + r * d : nullptr;
+                    if (ghs != nullptr && gh != nullptr)
+                        step_row<C, true>(gi + r * width, gh_row, bias, h_row, c_row, h + r * d, c_out, d);
+                    else
+                        step_row<C, false>(gi + r * width, gh_row, bias, h_row, c_row, h + r * d, c_out, d);
+                }
                 h_prev = h;
                 c_prev = c;
             }
@@ -260,7 +292,7 @@ int backward(const Blas& blas, const float* gin, const float* w, const float* bi
             for (int64_t j = window - 1; j >= 0; --j) {
                 const float* gi = gin + (lo + j * batch) * width;
                 const int64_t at = lo * kept + (j - 1) * n;  // this block's step j - 1 in hs, cs, ghs, dghs
-                const float* gh = j > 0 ? ghs + at * width : nullptr;
+                const float* acts = j > 0 ? ghs + at * width : nullptr;
                 const float* h_prev = j > 0 ? hs + at * d : nullptr;
                 const float* c_prev = C == kLstm && j > 0 ? cs + at * d : nullptr;
                 float* dgh = j > 0 ? dghs + at * width : nullptr;
@@ -270,7 +302,7 @@ int backward(const Blas& blas, const float* gin, const float* w, const float* bi
                 for (int64_t r = 0; r < n; ++r) {
                     const int64_t target = lo + r + j * batch;
                     float* dgi = target < own_end ? dgin + target * width : own_spill + (target - own_end) * width;
-                    step_backward_row<C>(gi + r * width, gh != nullptr ? gh + r * width : nullptr, bias,
+                    step_backward_row<C>(gi + r * width, acts != nullptr ? acts + r * width : nullptr, bias,
                                          h_prev != nullptr ? h_prev + r * d : nullptr,
                                          c_prev != nullptr ? c_prev + r * d : nullptr, dh + r * d,
                                          dc != nullptr ? dc + r * d : nullptr, dgi,
