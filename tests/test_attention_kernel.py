@@ -176,3 +176,22 @@ def test_a_peaked_softmax_matches_and_denormals_stay_on_outside_the_kernel() -> 
     torch.testing.assert_close(g, ref_g, rtol=1e-3, atol=1e-3)
     tiny = torch.tensor(1e-39)  # a denormal float32: the kernel's flush-to-zero must not leak out of it
     assert (tiny * 1.5).item() > 0
+
+
+def test_heads_narrower_than_the_vectors_run_on_the_narrower_build() -> None:
+    """With AVX-512 (16 floats a vector), heads of 8 take the AVX2 build (8 floats) instead of PyTorch's attention,
+    in the packed function and in the streamed sublayers that call the kernel by address."""
+    _native_or_skip()
+    if _attention_kernel.KERNEL.isa != "avx512":
+        pytest.skip("the loaded build is not the AVX-512 one")
+    assert 8 not in supported_head_sizes(_attention_kernel.KERNEL.library())
+    assert 8 in supported_head_sizes()
+    assert _attention_kernel.kernel_addresses(8) != _attention_kernel.kernel_addresses(16)
+    generator = torch.Generator().manual_seed(8)
+    qkv = torch.randn(3, 41, 3 * 4 * 8, generator=generator) * 1.5
+    grad = torch.randn(3, 41, 4 * 8, generator=generator)
+    assert kernel_applies(qkv, 4, 0.0)
+    out, g = _values_and_grads(_attention_kernel._PackedCausalAttention.apply, qkv, 4, grad)
+    ref_out, ref_g = _values_and_grads(causal_attention_reference, qkv, 4, grad)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(g, ref_g, rtol=1e-4, atol=5e-5)

@@ -29,6 +29,7 @@ picks ``native``, ``torch`` (always ``scaled_dot_product_attention``) or ``auto`
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 import torch
@@ -478,21 +479,56 @@ def kernel_takes(width: int, n_heads: int, dropout: float, device: torch.device,
     head, rest = divmod(width, 3 * n_heads)
     if rest or head not in SUPPORTED_HEAD_SIZES or torch.compiler.is_compiling():
         return False
-    return KERNEL.pick_backend(device) == "native" and head in supported_head_sizes()
+    return KERNEL.pick_backend(device) == "native" and _library_for(head) is not None
 
 
 def supported_head_sizes(lib: ctypes.CDLL | None = None) -> tuple[int, ...]:
-    """The head sizes the loaded build (or ``lib``) takes: empty without a kernel."""
-    lib = lib or KERNEL.library(warn=False)
-    if lib is None:
-        return ()
+    """The head sizes that ``lib`` takes, or without it those the kernel takes on this CPU (the loaded build's, and
+    the heads narrower than its vectors that a narrower-vector build takes): empty without a kernel."""
+    if lib is not None:
+        return _sizes_of(lib)
+    return tuple(h for h in SUPPORTED_HEAD_SIZES if _library_for(h) is not None)
+
+
+@functools.lru_cache(maxsize=8)
+def _sizes_of(lib: ctypes.CDLL) -> tuple[int, ...]:
     return tuple(h for h in SUPPORTED_HEAD_SIZES if lib.attention_head_supported(h))
 
 
-def kernel_addresses() -> tuple[int, int]:
-    """The addresses of the compiled ``attention_forward_f32`` and ``attention_backward_f32``, for a kernel that calls
-    them on its own threads (see ``_epilogue_kernel.attention_sublayer_streamed``)."""
-    lib = KERNEL.library()
+_narrow_builds: dict[int, ctypes.CDLL | None] = {}
+
+
+def _library_for(head: int) -> ctypes.CDLL | None:
+    """The build that runs heads of ``head``: the loaded one, or where its vectors are wider than the head (heads of
+    8 with AVX-512's 16 floats) the AVX2 build, whose vectors are 8 floats; ``None`` if neither takes it."""
+    lib = KERNEL.library(warn=False)
+    if lib is None:
+        return None
+    if head in _sizes_of(lib):
+        return lib
+    if KERNEL.isa != "avx512" or head % 8:
+        return None
+    key = id(lib)
+    if key not in _narrow_builds:
+        try:
+            _narrow_builds[key] = KERNEL.library_for("avx2")
+        except RuntimeError:
+            _narrow_builds[key] = None
+    narrow = _narrow_builds[key]
+    return narrow if narrow is not None and head in _sizes_of(narrow) else None
+
+
+def _library(head: int) -> ctypes.CDLL:
+    lib = _library_for(head)
+    if lib is None:
+        raise RuntimeError(f"the attention kernel does not take heads of {head}")
+    return lib
+
+
+def kernel_addresses(head: int) -> tuple[int, int]:
+    """The addresses of the compiled ``attention_forward_f32`` and ``attention_backward_f32`` that take heads of
+    ``head``, for a kernel that calls them on its own threads (see ``_epilogue_kernel.attention_sublayer_streamed``)."""
+    lib = _library(head)
     forward, backward = (ctypes.cast(fn, ctypes.c_void_p).value for fn in (lib.attention_forward_f32,
                                                                            lib.attention_backward_f32))
     return forward or 0, backward or 0
@@ -508,7 +544,7 @@ def packed_forward(qkv: Tensor, n_heads: int, keep_lse: bool = True,
     out = qkv.new_empty(batch, length, n_heads * head)
     lse = qkv.new_empty(batch, n_heads, length) if keep_lse else None
     bias = None if bias is None else bias.contiguous()  # held: a temporary copy would be freed before the call
-    failed = KERNEL.library().attention_forward_f32(
+    failed = _library(head).attention_forward_f32(
         qkv.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
         None if lse is None else lse.data_ptr(), batch, length, n_heads, head, 1.0 / math.sqrt(head),
         kernel_threads(qkv.numel()),
@@ -528,7 +564,7 @@ def packed_backward(qkv: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, n_h
     grad_qkv = torch.empty_like(qkv)
     per_sequence = qkv.new_empty(batch, width) if bias_grad else None  # each thread sums its own rows
     bias = None if bias is None else bias.contiguous()
-    failed = KERNEL.library().attention_backward_f32(
+    failed = _library(head).attention_backward_f32(
         qkv.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), grad_out.data_ptr(),
         lse.data_ptr(), grad_qkv.data_ptr(), None if per_sequence is None else per_sequence.data_ptr(),
         batch, length, n_heads, head, 1.0 / math.sqrt(head), kernel_threads(qkv.numel()),

@@ -416,17 +416,19 @@ class _AttentionAddNorm(torch.autograd.Function):
         ctx.scale, ctx.n_heads, ctx.unit_tail = _INT32_VALUES / mask[1], n_heads, unit_tail
         x = x.contiguous()
         ctx.blas = _streams(w_qkv, w_out)
+        if ctx.blas is not None:  # the build that takes these heads (its forward and backward functions)
+            ctx.attend = _attention_kernel.kernel_addresses(w_qkv.shape[0] // (3 * n_heads))
         ctx.plain = w_gate is None and w_unit is None and eau[0] is None
         if ctx.blas is not None and ctx.plain:
             out, qkv, attended, lse, *tail = attention_sublayer_streamed(
-                ctx.blas, _attention_kernel.kernel_addresses()[0], x, batch, n_heads, w_qkv, b_qkv, w_out, b_out,
+                ctx.blas, ctx.attend[0], x, batch, n_heads, w_qkv, b_qkv, w_out, b_out,
                 gamma, beta, eps, mask, ctx.scale)
             qkv = qkv.view(batch, -1, w_qkv.shape[0])
             tail += [None] * 7  # as _norm_tail's: no gate, carry, branch or EAU
         else:
             if ctx.blas is not None:
                 projected, qkv, attended, lse = attention_body_streamed(
-                    ctx.blas, _attention_kernel.kernel_addresses()[0], x, batch, n_heads, w_qkv, b_qkv, w_out)
+                    ctx.blas, ctx.attend[0], x, batch, n_heads, w_qkv, b_qkv, w_out)
                 qkv = qkv.view(batch, -1, w_qkv.shape[0])
             else:
                 # The bias is added by the kernel as it reads Q, K and V (addmm would first copy it into every row).
@@ -448,7 +450,7 @@ class _AttentionAddNorm(torch.autograd.Function):
         needed = ctx.needs_input_grad
         if ctx.blas is not None and ctx.plain:
             grad_x, grad_projected, grad_qkv, grad_b_qkv, grad_gamma, grad_beta, grad_b_out = (
-                attention_sublayer_streamed_backward(ctx.blas, _attention_kernel.kernel_addresses()[1], grad,
+                attention_sublayer_streamed_backward(ctx.blas, ctx.attend[1], grad,
                                                      *tail[:2], gamma, tail[2], qkv.view(x.shape[0], -1), b_qkv,
                                                      attended, lse, w_qkv, w_out, ctx.scale, needed[2]))
             grads = (grad_x, _wide_weight_grad(grad_qkv, x) if needed[1] else None, grad_b_qkv,
@@ -461,7 +463,7 @@ class _AttentionAddNorm(torch.autograd.Function):
         if ctx.blas is not None:  # the body's share of x's gradient added in the stream's last product
             grad_x = torch.zeros_like(x) if grad_x is None else grad_x.contiguous()
             grad_qkv, grad_b_qkv = attention_body_streamed_backward(
-                ctx.blas, _attention_kernel.kernel_addresses()[1], grad_projected, grad_x, qkv.view(x.shape[0], -1),
+                ctx.blas, ctx.attend[1], grad_projected, grad_x, qkv.view(x.shape[0], -1),
                 b_qkv, attended, lse, w_qkv, w_out, needed[2])
             grad_x = grad_x if needed[0] else None
         else:
