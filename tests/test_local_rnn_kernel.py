@@ -50,8 +50,8 @@ def _values_and_grads(module: LocalRNN, x: Tensor, grad: Tensor) -> list[Tensor]
 
 @pytest.mark.parametrize("cell", ["gru", "lstm", "rnn"])
 @pytest.mark.parametrize(("d", "window", "batch", "length"), [
-    (16, 9, 16, 20),   # windows overlap by 128 rows: more than a block of the kernel
-    (24, 4, 2, 70),    # a width that is not a whole number of vectors, several blocks, a short last one
+    (16, 9, 16, 20),   # sequences shorter than a block of the kernel (64 windows): blocks span several
+    (24, 4, 2, 70),    # a width that is not a whole number of vectors; sequences span blocks, a short last one
     (5, 2, 3, 7),      # narrower than one vector, one block
     (8, 1, 4, 5),      # a window of one: no hidden-to-hidden product at all
 ])
@@ -98,7 +98,7 @@ def test_the_module_runs_through_the_kernel_only_where_it_applies(monkeypatch: p
 
 @pytest.mark.parametrize("cell", ["gru", "lstm"])
 def test_threads_share_the_rows_and_spill_their_overlap(cell: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three threads (windows that overlap the next thread's rows) give what one does, to rounding; a thread
+    """Three threads (windows that read the previous thread's rows) give what one does, to rounding; a thread
     count gives the same bits every time, and b_hh's gradient the same bits whatever the thread count."""
     _kernel_or_skip()
     module = _module(16, 7, cell, seed=5)
@@ -167,7 +167,11 @@ def test_unknown_cell_and_mismatched_shapes_are_refused() -> None:
     _kernel_or_skip()
     probe = torch.zeros(1)
     blas = _local_rnn_kernel.streams(probe, probe, probe)
+    gates, pad, w_hh, b_hh = torch.zeros(1, 4, 8), torch.zeros(8), torch.zeros(8, 2), torch.zeros(8)
     with pytest.raises(ValueError, match="unknown cell"):
-        _local_rnn_kernel.local_recurrence(torch.zeros(4, 1, 8), torch.zeros(8, 2), torch.zeros(8), "elman", 3, blas)
+        _local_rnn_kernel.local_recurrence(gates, pad, w_hh, b_hh, "elman", 3, blas)
     with pytest.raises(ValueError, match="takes"):
-        _local_rnn_kernel.local_recurrence(torch.zeros(4, 1, 8), torch.zeros(8, 2), torch.zeros(8), "gru", 3, blas)
+        _local_rnn_kernel.local_recurrence(gates, pad, w_hh, b_hh, "gru", 3, blas)
+    with pytest.raises(ValueError, match="window"):
+        _local_rnn_kernel.local_recurrence(torch.zeros(1, 4, 6), torch.zeros(6), torch.zeros(6, 2), torch.zeros(6),
+                                           "gru", 0, blas)

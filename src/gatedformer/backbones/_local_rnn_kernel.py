@@ -9,13 +9,14 @@ product and its gates stay in cache from one step to the next, the backward pass
 back the same way, and one parallel region replaces ``M`` products and ``M`` element-wise passes per call.
 
 The input projection ``W_ih x + b_ih`` stays outside (one product over the positions, read by every window
-that contains them): row ``t·B + b`` of a window's step ``j`` reads row ``(t + j)·B + b`` of the time-major
-padded projection ``(L + M - 1, B, G)``. ``b_hh`` is added to the hidden product in the kernel, so the product
-needs no bias pass of its own. For the backward pass the forward keeps, per window and step, the hidden
-state, the LSTM's cell and the hidden product: what the step-by-step form keeps, in one tensor each. The
-backward pass returns the projection's gradient (the shifted steps summed in place), ``b_hh``'s (summed per
-block of rows in order, so it does not depend on the thread count), and the hidden products' gradients, from
-which ``W_hh``'s is one large product.
+that contains them, ``(B, L, G)``). Windows are rows in batch-major order, as the output: row ``b·L + t`` reads,
+at step ``j``, the projection of position ``t - (M-1) + j``, or ``b_ih`` (the projection of x = 0) before the
+start, so nothing is padded or transposed. ``b_hh`` is added to the hidden product in the kernel, so the
+product needs no bias pass of its own. For the backward pass the forward keeps, per window and step, the
+hidden state, the LSTM's cell and the step's activations (in place of its hidden product): what the
+step-by-step form keeps, in one tensor each. The backward pass returns the projection's gradient (each step's
+added in place to the row it read), the pad's and ``b_hh``'s (summed per block of rows in order, so they do not
+depend on the thread count), and the hidden products' gradients, from which ``W_hh``'s is one large product.
 
 Float32 on the CPU where PyTorch links MKL; it follows the LocalRNN steps' switch, ``GATEDFORMER_GRU_BACKEND``.
 """
@@ -192,16 +193,17 @@ struct Scratch {
     Scratch& operator=(const Scratch&) = delete;
 };
 
-// Row r of a window's step j reads row r + j * batch of the padded projection gin ((rows + (M-1)·batch) x G).
+// Rows are windows in batch-major order, r = b·L + t (as the output, (B, L, d)). Step j of row r reads position
+// p = t - (M-1) + j: row r - (M-1) + j of the projection gin (rows x G), or the pad (b_ih: x = 0) where p < 0.
 // Kept for the backward pass (when hs is not null), step by step for each block of n rows from row lo, step j < M-1
 // of the block's row r at [lo * (M-1) + j * n + r]: hs (its h, d wide), cs (its LSTM cell, d) and, for step j + 1,
 // ghs (G wide: that step's hidden product W_hh h_j, then overwritten by step_row with what its backward pass
 // reads: its activations, the GRU's W_hn h_j + b_hn). Each block's steps are then whole runs of memory, which the
 // backward pass reads in order; the rows of hs and ghs still pair up one to one for W_hh's gradient.
 template <int C>
-int forward(const Blas& blas, const float* gin, const float* w, const float* bias, int64_t packed_floats,
-            float* out, float* hs, float* cs, float* ghs, int64_t rows, int64_t batch, int64_t d, int64_t window,
-            int64_t block_rows, int64_t threads) {
+int forward(const Blas& blas, const float* gin, const float* pad, const float* w, const float* bias,
+            int64_t packed_floats, float* out, float* hs, float* cs, float* ghs, int64_t rows, int64_t length,
+            int64_t d, int64_t window, int64_t block_rows, int64_t threads) {
     const int64_t width = (C == kTanh ? 1 : C == kGru ? 3 : 4) * d, kept = window - 1;
     const int64_t blocks = (rows + block_rows - 1) / block_rows;
     Scratch packed(kept > 0 ? packed_floats : 0);
@@ -222,7 +224,6 @@ int forward(const Blas& blas, const float* gin, const float* w, const float* bia
             const float* h_prev = nullptr;
             const float* c_prev = nullptr;
             for (int64_t j = 0; j < window; ++j) {
-                const float* gi = gin + (lo + j * batch) * width;
                 float* gh = nullptr;
                 if (j > 0) {
                     gh = ghs != nullptr ? ghs + (lo * kept + (j - 1) * n) * width : scratch.data + 4 * block_rows * d;
@@ -236,15 +237,16 @@ int forward(const Blas& blas, const float* gin, const float* w, const float* bia
                     if (C == kLstm)
                         c = cs != nullptr ? cs + (lo * kept + j * n) * d : scratch.data + (2 + j % 2) * block_rows * d;
                 }
-                for (int64_t r = 0; r < n; ++r) {
+                for (int64_t r = 0, time = lo % length; r < n; ++r, time = time + 1 == length ? 0 : time + 1) {
+                    const float* gi = time - kept + j >= 0 ? gin + (lo + r - kept + j) * width : pad;
                     float* gh_row = gh != nullptr ? gh + r * width : nullptr;
                     const float* h_row = h_prev != nullptr ? h_prev + r * d : nullptr;
                     const float* c_row = c_prev != nullptr ? c_prev + r * d : nullptr;
                     float* c_out = c != nullptr ? c + r * d : nullptr;
                     if (ghs != nullptr && gh != nullptr)
-                        step_row<C, true>(gi + r * width, gh_row, bias, h_row, c_row, h + r * d, c_out, d);
+                        step_row<C, true>(gi, gh_row, bias, h_row, c_row, h + r * d, c_out, d);
                     else
-                        step_row<C, false>(gi + r * width, gh_row, bias, h_row, c_row, h + r * d, c_out, d);
+                        step_row<C, false>(gi, gh_row, bias, h_row, c_row, h + r * d, c_out, d);
                 }
                 h_prev = h;
                 c_prev = c;
@@ -255,22 +257,25 @@ int forward(const Blas& blas, const float* gin, const float* w, const float* bia
 }
 
 // The backward pass from grad_out (rows x d): adds every step's gi gradient into dgin (zeroed by the caller, as
-// gin), writes the hidden products' gradients where ghs is (dghs, so W_hh's gradient is dghsᵀ hs) and b_hh's
-// gradient into dbias. Each thread's adds into rows past its own go to a spill buffer, added after.
+// gin) or, for the steps that read the pad, into dpad; writes the hidden products' gradients where ghs is (dghs,
+// so W_hh's gradient is dghsᵀ hs) and b_hh's gradient into dbias. dpad and dbias are summed per block of rows,
+// then the blocks in order. A step's gradient goes to the row it read, up to M-1 rows back: each thread's adds
+// into rows before its own first row (the previous thread's) go to a spill buffer, added after.
 template <int C>
-int backward(const Blas& blas, const float* gin, const float* w, const float* bias, const float* hs, const float* cs,
-             const float* ghs, const float* grad_out, int64_t packed_floats, float* dgin, float* dghs, float* dbias,
-             int64_t rows, int64_t batch, int64_t d, int64_t window, int64_t block_rows, int64_t threads) {
+int backward(const Blas& blas, const float* gin, const float* pad, const float* w, const float* bias,
+             const float* hs, const float* cs, const float* ghs, const float* grad_out, int64_t packed_floats,
+             float* dgin, float* dpad, float* dghs, float* dbias, int64_t rows, int64_t length, int64_t d,
+             int64_t window, int64_t block_rows, int64_t threads) {
     const int64_t width = (C == kTanh ? 1 : C == kGru ? 3 : 4) * d, kept = window - 1;
-    const int64_t blocks = (rows + block_rows - 1) / block_rows, overlap = kept * batch;
-    const int64_t padded_rows = rows + overlap;
+    const int64_t blocks = (rows + block_rows - 1) / block_rows;
     Scratch packed(kept > 0 ? packed_floats : 0);
-    std::vector<float> block_sums(blocks * width, 0.0f);
-    std::vector<float> spill(threads * overlap * width, 0.0f);
-    std::vector<int64_t> spill_from(threads, padded_rows);
+    std::vector<float> block_sums(blocks * width, 0.0f), pad_sums(blocks * width, 0.0f);
+    std::vector<float> spill(threads * kept * width, 0.0f);
+    std::vector<int64_t> spill_to(threads, 0);
     if (kept > 0 && packed.raw == nullptr) return 1;
     int failed = 0;
     stream_blocks(blas, blocks, threads, [&](int64_t t, int64_t nt, int64_t first, int64_t end) {
+        (void)nt;
         if (t == 0 && kept > 0) blas.pack(kRowMajor, kBMatrix, kNoTrans, block_rows, d, width, 1.0f, w, d, packed.data);
         stream_barrier();
         Scratch scratch(4 * block_rows * d);  // dh and dc, twice
@@ -279,18 +284,17 @@ int backward(const Blas& blas, const float* gin, const float* w, const float* bi
             failed = 1;
             return;
         }
-        // Rows from the next thread's first row on are its too: this thread adds its share of them apart.
-        const int64_t own_end = t + 1 < nt ? (end * block_rows < rows ? end * block_rows : rows) : padded_rows;
-        spill_from[t] = own_end;
-        float* own_spill = spill.data() + t * overlap * width;
+        const int64_t own_begin = t > 0 ? first * block_rows : 0;  // rows before it are the previous thread's too
+        spill_to[t] = own_begin;
+        float* own_spill = spill.data() + t * kept * width;
         for (int64_t b = first; b < end; ++b) {
             const int64_t lo = b * block_rows, n = lo + block_rows < rows ? block_rows : rows - lo;
             float* sums = block_sums.data() + b * width;
+            float* pad_sum = pad_sums.data() + b * width;
             float* dh = scratch.data;
             float* dc = nullptr;
             std::memcpy(dh, grad_out + lo * d, (size_t)(n * d) * sizeof(float));
             for (int64_t j = window - 1; j >= 0; --j) {
-                const float* gi = gin + (lo + j * batch) * width;
                 const int64_t at = lo * kept + (j - 1) * n;  // this block's step j - 1 in hs, cs, ghs, dghs
                 const float* acts = j > 0 ? ghs + at * width : nullptr;
                 const float* h_prev = j > 0 ? hs + at * d : nullptr;
@@ -299,10 +303,14 @@ int backward(const Blas& blas, const float* gin, const float* w, const float* bi
                 const int64_t other = dh == scratch.data ? 1 : 0;  // the free one of the two dh (and dc) buffers
                 float* dh_next = j > 0 ? scratch.data + other * block_rows * d : nullptr;
                 float* dc_next = C == kLstm && j > 0 ? scratch.data + (2 + other) * block_rows * d : nullptr;
-                for (int64_t r = 0; r < n; ++r) {
-                    const int64_t target = lo + r + j * batch;
-                    float* dgi = target < own_end ? dgin + target * width : own_spill + (target - own_end) * width;
-                    step_backward_row<C>(gi + r * width, acts != nullptr ? acts + r * width : nullptr, bias,
+                for (int64_t r = 0, time = lo % length; r < n; ++r, time = time + 1 == length ? 0 : time + 1) {
+                    const int64_t target = lo + r - kept + j;
+                    const bool padded = time - kept + j < 0;
+                    const float* gi = padded ? pad : gin + target * width;
+                    float* dgi = padded ? pad_sum
+                               : target >= own_begin ? dgin + target * width
+                                                     : own_spill + (target - own_begin + kept) * width;
+                    step_backward_row<C>(gi, acts != nullptr ? acts + r * width : nullptr, bias,
                                          h_prev != nullptr ? h_prev + r * d : nullptr,
                                          c_prev != nullptr ? c_prev + r * d : nullptr, dh + r * d,
                                          dc != nullptr ? dc + r * d : nullptr, dgi,
@@ -320,14 +328,17 @@ int backward(const Blas& blas, const float* gin, const float* w, const float* bi
         }
     });
     if (failed) return 1;
-    for (int64_t t = 0; t < threads; ++t)
-        for (int64_t r = spill_from[t]; r < padded_rows && r < spill_from[t] + overlap; ++r) {
-            const float* from = spill.data() + (t * overlap + r - spill_from[t]) * width;
+    for (int64_t t = 1; t < threads; ++t)
+        for (int64_t r = spill_to[t] - kept > 0 ? spill_to[t] - kept : 0; r < spill_to[t]; ++r) {
+            const float* from = spill.data() + (t * kept + r - spill_to[t] + kept) * width;
             for (int64_t k = 0; k < width; ++k) dgin[r * width + k] += from[k];
         }
-    for (int64_t k = 0; k < width; ++k) dbias[k] = 0.0f;
+    for (int64_t k = 0; k < width; ++k) dbias[k] = dpad[k] = 0.0f;
     for (int64_t b = 0; b < blocks; ++b)
-        for (int64_t k = 0; k < width; ++k) dbias[k] += block_sums[b * width + k];
+        for (int64_t k = 0; k < width; ++k) {
+            dbias[k] += block_sums[b * width + k];
+            dpad[k] += pad_sums[b * width + k];
+        }
     return 0;
 }
 
@@ -335,35 +346,35 @@ int backward(const Blas& blas, const float* gin, const float* w, const float* bi
 
 extern "C" {
 int local_rnn_forward_f32(const void* pack, const void* compute, const void* local_threads, int64_t cell,
-                          const float* gin, const float* w, const float* bias, int64_t packed_floats, float* out,
-                          float* hs, float* cs, float* ghs, int64_t rows, int64_t batch, int64_t d, int64_t window,
-                          int64_t block_rows, int64_t threads) {
+                          const float* gin, const float* pad, const float* w, const float* bias,
+                          int64_t packed_floats, float* out, float* hs, float* cs, float* ghs, int64_t rows,
+                          int64_t length, int64_t d, int64_t window, int64_t block_rows, int64_t threads) {
     const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
     FlushDenormals flush;
     if (cell == kGru)
-        return forward<kGru>(blas, gin, w, bias, packed_floats, out, hs, cs, ghs, rows, batch, d, window, block_rows,
-                             threads);
+        return forward<kGru>(blas, gin, pad, w, bias, packed_floats, out, hs, cs, ghs, rows, length, d, window,
+                             block_rows, threads);
     if (cell == kLstm)
-        return forward<kLstm>(blas, gin, w, bias, packed_floats, out, hs, cs, ghs, rows, batch, d, window, block_rows,
-                              threads);
-    return forward<kTanh>(blas, gin, w, bias, packed_floats, out, hs, cs, ghs, rows, batch, d, window, block_rows,
-                          threads);
+        return forward<kLstm>(blas, gin, pad, w, bias, packed_floats, out, hs, cs, ghs, rows, length, d, window,
+                              block_rows, threads);
+    return forward<kTanh>(blas, gin, pad, w, bias, packed_floats, out, hs, cs, ghs, rows, length, d, window,
+                          block_rows, threads);
 }
 int local_rnn_backward_f32(const void* pack, const void* compute, const void* local_threads, int64_t cell,
-                           const float* gin, const float* w, const float* bias, const float* hs, const float* cs,
-                           const float* ghs, const float* grad_out, int64_t packed_floats, float* dgin, float* dghs,
-                           float* dbias, int64_t rows, int64_t batch, int64_t d, int64_t window, int64_t block_rows,
-                           int64_t threads) {
+                           const float* gin, const float* pad, const float* w, const float* bias, const float* hs,
+                           const float* cs, const float* ghs, const float* grad_out, int64_t packed_floats,
+                           float* dgin, float* dpad, float* dghs, float* dbias, int64_t rows, int64_t length,
+                           int64_t d, int64_t window, int64_t block_rows, int64_t threads) {
     const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
     FlushDenormals flush;
     if (cell == kGru)
-        return backward<kGru>(blas, gin, w, bias, hs, cs, ghs, grad_out, packed_floats, dgin, dghs, dbias, rows, batch,
-                              d, window, block_rows, threads);
+        return backward<kGru>(blas, gin, pad, w, bias, hs, cs, ghs, grad_out, packed_floats, dgin, dpad, dghs, dbias,
+                              rows, length, d, window, block_rows, threads);
     if (cell == kLstm)
-        return backward<kLstm>(blas, gin, w, bias, hs, cs, ghs, grad_out, packed_floats, dgin, dghs, dbias, rows, batch,
-                               d, window, block_rows, threads);
-    return backward<kTanh>(blas, gin, w, bias, hs, cs, ghs, grad_out, packed_floats, dgin, dghs, dbias, rows, batch, d,
-                           window, block_rows, threads);
+        return backward<kLstm>(blas, gin, pad, w, bias, hs, cs, ghs, grad_out, packed_floats, dgin, dpad, dghs,
+                               dbias, rows, length, d, window, block_rows, threads);
+    return backward<kTanh>(blas, gin, pad, w, bias, hs, cs, ghs, grad_out, packed_floats, dgin, dpad, dghs, dbias,
+                           rows, length, d, window, block_rows, threads);
 }
 }
 """
@@ -371,24 +382,23 @@ int local_rnn_backward_f32(const void* pack, const void* compute, const void* lo
 
 def _bind(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.local_rnn_forward_f32.argtypes = [p, p, p, i, p, p, p, i, p, p, p, p, i, i, i, i, i, i]
+    lib.local_rnn_forward_f32.argtypes = [p, p, p, i, p, p, p, p, i, p, p, p, p, i, i, i, i, i, i]
     lib.local_rnn_forward_f32.restype = ctypes.c_int
-    lib.local_rnn_backward_f32.argtypes = [p, p, p, i, p, p, p, p, p, p, p, i, p, p, p, i, i, i, i, i, i]
+    lib.local_rnn_backward_f32.argtypes = [p, p, p, i, p, p, p, p, p, p, p, p, i, p, p, p, p, i, i, i, i, i, i]
     lib.local_rnn_backward_f32.restype = ctypes.c_int
 
 
 KERNEL = NativeKernel(
-    "local_rnn", _CPP_SOURCE, _bind, abi_version=1, env_var="GATEDFORMER_GRU_BACKEND",
+    "local_rnn", _CPP_SOURCE, _bind, abi_version=2, env_var="GATEDFORMER_GRU_BACKEND",
     description="the compiled LocalRNN recurrence", fallback="its steps one by one", avx512=True,
 )
 
 
-def streams(padded: Tensor, w_hh: Tensor, b_hh: Tensor) -> PackedGemm | None:
+def streams(*tensors: Tensor) -> PackedGemm | None:
     """MKL's packed products where :func:`local_recurrence` can run on these tensors, else ``None``: float32 on the
     CPU, the kernel built, outside ``torch.compile``."""
-    tensors = (padded, w_hh, b_hh)
-    if (padded.device.type != "cpu" or any(t.dtype != torch.float32 for t in tensors)
-            or torch.compiler.is_compiling() or KERNEL.pick_backend(padded.device) != "native"):
+    if (any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors)
+            or torch.compiler.is_compiling() or KERNEL.pick_backend(tensors[0].device) != "native"):
         return None
     return packed_gemm()
 
@@ -399,62 +409,63 @@ def _check(status: int) -> None:
                           "GATEDFORMER_GRU_BACKEND=torch")
 
 
-class _LocalRecurrence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, padded: Tensor, w_hh: Tensor, b_hh: Tensor, cell: str, length: int,  # type: ignore[override]
-                blas: PackedGemm) -> Tensor:
-        steps, batch, width = padded.shape
-        d, window = w_hh.shape[1], steps - length + 1
-        rows, kept = length * batch, steps - length
-        padded, w_hh, b_hh = padded.contiguous(), w_hh.contiguous(), b_hh.contiguous()
-        keep = any(ctx.needs_input_grad[:3]) and kept > 0
-        out = padded.new_empty(rows, d)
-        # Each block's steps in turn (see the kernel), one row per window and step.
-        hs = padded.new_empty(rows * kept, d) if keep else None
-        cs = padded.new_empty(rows * kept, d) if keep and cell == "lstm" else None
-        ghs = padded.new_empty(rows * kept, width) if keep else None
-        threads = min(kernel_threads(rows * width * window), -(-rows // _BLOCK_ROWS))
-        _check(KERNEL.library().local_rnn_forward_f32(
-            blas.pack, blas.compute, blas.local_threads, CELLS[cell], padded.data_ptr(), w_hh.data_ptr(),
-            b_hh.data_ptr(), blas.packed_floats(_BLOCK_ROWS, width, d), out.data_ptr(), _address(hs), _address(cs),
-            _address(ghs), rows, batch, d, window, _BLOCK_ROWS, threads))
-        ctx.save_for_backward(padded, w_hh, b_hh, hs, cs, ghs)
-        ctx.cell, ctx.length, ctx.blas = cell, length, blas
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        padded, w_hh, b_hh, hs, cs, ghs = ctx.saved_tensors
-        steps, batch, width = padded.shape
-        d, length, blas = w_hh.shape[1], ctx.length, ctx.blas
-        rows, kept = length * batch, steps - length
-        grad_out = grad_out.contiguous()
-        grad_padded, grad_bias = torch.zeros_like(padded), b_hh.new_empty(width)
-        grad_hidden = padded.new_empty(rows * kept, width) if kept > 0 else None
-        threads = min(kernel_threads(rows * width * (kept + 1)), -(-rows // _BLOCK_ROWS))
-        _check(KERNEL.library().local_rnn_backward_f32(
-            blas.pack, blas.compute, blas.local_threads, CELLS[ctx.cell], padded.data_ptr(), w_hh.data_ptr(),
-            b_hh.data_ptr(), _address(hs), _address(cs), _address(ghs), grad_out.data_ptr(),
-            blas.packed_floats(_BLOCK_ROWS, d, width), grad_padded.data_ptr(), _address(grad_hidden),
-            grad_bias.data_ptr(), rows, batch, d, kept + 1, _BLOCK_ROWS, threads))
-        # A window of one: W_hh only ever meets the zero state. Else (hsᵀ dghs)ᵀ: MKL runs the product with the
-        # narrow side outermost faster, copy included.
-        grad_weight = torch.zeros_like(w_hh) if grad_hidden is None else hs.t().mm(grad_hidden).t().contiguous()
-        return grad_padded, grad_weight, grad_bias, None, None, None
-
-
 def _address(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def local_recurrence(padded: Tensor, w_hh: Tensor, b_hh: Tensor, cell: str, length: int,
+class _LocalRecurrence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gates_in: Tensor, pad: Tensor, w_hh: Tensor, b_hh: Tensor, cell: str,  # type: ignore[override]
+                window: int, blas: PackedGemm) -> Tensor:
+        batch, length, width = gates_in.shape
+        d, rows, kept = w_hh.shape[1], batch * length, window - 1
+        gates_in, pad, w_hh, b_hh = (t.contiguous() for t in (gates_in, pad, w_hh, b_hh))
+        keep = any(ctx.needs_input_grad[:4]) and kept > 0
+        out = gates_in.new_empty(batch, length, d)
+        # Each block's steps in turn (see the kernel), one row per window and step.
+        hs = gates_in.new_empty(rows * kept, d) if keep else None
+        cs = gates_in.new_empty(rows * kept, d) if keep and cell == "lstm" else None
+        ghs = gates_in.new_empty(rows * kept, width) if keep else None
+        threads = min(kernel_threads(rows * width * window), -(-rows // _BLOCK_ROWS))
+        _check(KERNEL.library().local_rnn_forward_f32(
+            blas.pack, blas.compute, blas.local_threads, CELLS[cell], gates_in.data_ptr(), pad.data_ptr(),
+            w_hh.data_ptr(), b_hh.data_ptr(), blas.packed_floats(_BLOCK_ROWS, width, d), out.data_ptr(),
+            _address(hs), _address(cs), _address(ghs), rows, length, d, window, _BLOCK_ROWS, threads))
+        ctx.save_for_backward(gates_in, pad, w_hh, b_hh, hs, cs, ghs)
+        ctx.cell, ctx.window, ctx.blas = cell, window, blas
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        gates_in, pad, w_hh, b_hh, hs, cs, ghs = ctx.saved_tensors
+        batch, length, width = gates_in.shape
+        d, window, blas = w_hh.shape[1], ctx.window, ctx.blas
+        rows, kept = batch * length, window - 1
+        grad_out = grad_out.contiguous()
+        grad_in, grad_pad, grad_bias = torch.zeros_like(gates_in), pad.new_empty(width), b_hh.new_empty(width)
+        grad_hidden = gates_in.new_empty(rows * kept, width) if kept > 0 else None
+        threads = min(kernel_threads(rows * width * window), -(-rows // _BLOCK_ROWS))
+        _check(KERNEL.library().local_rnn_backward_f32(
+            blas.pack, blas.compute, blas.local_threads, CELLS[ctx.cell], gates_in.data_ptr(), pad.data_ptr(),
+            w_hh.data_ptr(), b_hh.data_ptr(), _address(hs), _address(cs), _address(ghs), grad_out.data_ptr(),
+            blas.packed_floats(_BLOCK_ROWS, d, width), grad_in.data_ptr(), grad_pad.data_ptr(), _address(grad_hidden),
+            grad_bias.data_ptr(), rows, length, d, window, _BLOCK_ROWS, threads))
+        # A window of one: W_hh only ever meets the zero state. Else (hsᵀ dghs)ᵀ: MKL runs the product with the
+        # narrow side outermost faster, copy included.
+        grad_weight = torch.zeros_like(w_hh) if grad_hidden is None else hs.t().mm(grad_hidden).t().contiguous()
+        return grad_in, grad_pad, grad_weight, grad_bias, None, None, None
+
+
+def local_recurrence(gates_in: Tensor, pad: Tensor, w_hh: Tensor, b_hh: Tensor, cell: str, window: int,
                      blas: PackedGemm) -> Tensor:
-    """The last hidden state of every window, ``(length·B, d)`` time-major, from the padded input projection
-    ``(length + M - 1, B, G)`` (``W_ih x + b_ih``, time-major, the ``M - 1`` rows before the start being ``b_ih``)
-    and the cell's ``W_hh`` ``(G, d)`` and ``b_hh`` ``(G,)``; ``blas`` from :func:`streams`."""
+    """The last hidden state of every window, ``(B, L, d)``, from the input projection ``gates_in`` ``(B, L, G)``
+    (``W_ih x + b_ih``), what positions before the start read in its place (``pad``, ``(G,)``: ``b_ih``, the
+    projection of x = 0), and the cell's ``W_hh`` ``(G, d)`` and ``b_hh`` ``(G,)``; ``blas`` from :func:`streams`."""
     if cell not in CELLS:
         raise ValueError(f"unknown cell {cell!r}; choose one of {', '.join(CELLS)}")
-    if padded.shape[-1] != _GATES[cell] * w_hh.shape[1] or w_hh.shape[0] != padded.shape[-1]:
-        raise ValueError(f"a {cell} of width {w_hh.shape[1]} takes {_GATES[cell]}·d gates, got {tuple(padded.shape)} "
-                         f"and W_hh {tuple(w_hh.shape)}")
-    return _LocalRecurrence.apply(padded, w_hh, b_hh, cell, length, blas)
+    if gates_in.shape[-1] != _GATES[cell] * w_hh.shape[1] or w_hh.shape[0] != gates_in.shape[-1]:
+        raise ValueError(f"a {cell} of width {w_hh.shape[1]} takes {_GATES[cell]}·d gates, got "
+                         f"{tuple(gates_in.shape)} and W_hh {tuple(w_hh.shape)}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an integer >= 1, got {window!r}")
+    return _LocalRecurrence.apply(gates_in, pad, w_hh, b_hh, cell, window, blas)

@@ -79,18 +79,19 @@ class LocalRNN(nn.Module):
         batch, length, d_model = x.shape
         rnn = self.rnn
         w_hh, b_hh = rnn.weight_hh_l0, rnn.bias_hh_l0
-        # Input projection of every position, once, time-major: (L, B, G).
-        gates_in = F.linear(x, rnn.weight_ih_l0, rnn.bias_ih_l0).transpose(0, 1)
+        # Input projection of every position, once.
+        gates_in = F.linear(x, rnn.weight_ih_l0, rnn.bias_ih_l0)
+        blas = _local_rnn_kernel.streams(gates_in, w_hh, b_hh, rnn.bias_ih_l0)
+        if blas is not None:  # every step of every window in one compiled call each way
+            return _local_rnn_kernel.local_recurrence(gates_in, rnn.bias_ih_l0, w_hh, b_hh, self.rnn_type, self.window,
+                                                      blas)
+        gates_in = gates_in.transpose(0, 1)  # time-major: (L, B, G)
         if self.window > 1:
             # Positions before the start read x = 0, whose projection is the bias alone.
             pad = rnn.bias_ih_l0.to(gates_in.dtype).expand(self.window - 1, batch, gates_in.shape[-1])
             gates_in = torch.cat([pad, gates_in], dim=0)
         else:
             gates_in = gates_in.contiguous()
-        blas = _local_rnn_kernel.streams(gates_in, w_hh, b_hh)
-        if blas is not None:  # every step of every window in one compiled call each way
-            h = _local_rnn_kernel.local_recurrence(gates_in, w_hh, b_hh, self.rnn_type, length, blas)
-            return h.view(length, batch, d_model).transpose(0, 1).contiguous()
         # Step j of the window ending at t reads position t - (M-1) + j: padded index t + j. Each step
         # is a view of (L·B, G) rows; their gradients are summed back in one pass (see _ShiftedViews).
         steps = _ShiftedViews.apply(gates_in, length, self.window)
