@@ -150,8 +150,22 @@ def test_keeps_each_steps_hidden_product_and_state_and_nothing_for_evaluation() 
         assert kept == rows * (window - 1) * (gates + states) * d
         assert not any(t.shape[0] == rows * window for t in saved if t.dim() >= 1)
         out.sum().backward()
+
+
+def test_evaluation_memory_does_not_grow_with_the_window() -> None:
+    """Without gradients nothing is kept per step: the peak is the projection and the output, whatever M."""
+    _kernel_or_skip()
+    from gatedformer.analysis.bench import measure_memory
+
+    x = torch.randn(4, 64, 32)
+    peaks = []
+    for window in (2, 16):
+        module = LocalRNN(32, window, "lstm")
         with torch.no_grad():
-            module(x)  # and no error without a graph
+            module(x)
+            peaks.append(measure_memory(lambda m=module: m(x), "cpu", "tensors"))
+    gates_and_output = 4 * 64 * (4 * 32 + 32) * 4 / 2 ** 20
+    assert peaks[0] == peaks[1] <= gates_and_output * 1.01
 
 
 def test_window_one_gives_zero_hidden_weight_gradient() -> None:

@@ -16,7 +16,8 @@ product needs no bias pass of its own. For the backward pass the forward keeps, 
 hidden state, the LSTM's cell and the step's activations (in place of its hidden product): what the
 step-by-step form keeps, in one tensor each. The backward pass returns the projection's gradient (each step's
 added in place to the row it read), the pad's and ``b_hh``'s (summed per block of rows in order, so they do not
-depend on the thread count), and the hidden products' gradients, from which ``W_hh``'s is one large product.
+depend on the thread count), and ``W_hh``'s: each block's hidden-product gradients stay in its thread's scratch
+for one product per block, so no tensor of them per window and step is ever made.
 
 Float32 on the CPU where PyTorch links MKL; it follows the LocalRNN steps' switch, ``GATEDFORMER_GRU_BACKEND``.
 """
@@ -257,20 +258,22 @@ int forward(const Blas& blas, const float* gin, const float* pad, const float* w
 }
 
 // The backward pass from grad_out (rows x d): adds every step's gi gradient into dgin (zeroed by the caller, as
-// gin) or, for the steps that read the pad, into dpad; writes the hidden products' gradients where ghs is (dghs,
-// so W_hh's gradient is dghsᵀ hs) and b_hh's gradient into dbias. dpad and dbias are summed per block of rows,
-// then the blocks in order. A step's gradient goes to the row it read, up to M-1 rows back: each thread's adds
-// into rows before its own first row (the previous thread's) go to a spill buffer, added after.
+// gin) or, for the steps that read the pad, into dpad, and writes W_hh's gradient into dweight and b_hh's into
+// dbias. dpad and dbias are summed per block of rows, then the blocks in order. A step's gradient goes to the row
+// it read, up to M-1 rows back: each thread's adds into rows before its own first row (the previous thread's) go
+// to a spill buffer, added after. The hidden products' gradients of a block's steps stay in the thread's scratch,
+// where one product per block adds their share of W_hh's gradient (dghᵀ h over the block's M-1 steps) into the
+// thread's sum; the threads' sums are added in order at the end.
 template <int C>
 int backward(const Blas& blas, const float* gin, const float* pad, const float* w, const float* bias,
              const float* hs, const float* cs, const float* ghs, const float* grad_out, int64_t packed_floats,
-             float* dgin, float* dpad, float* dghs, float* dbias, int64_t rows, int64_t length, int64_t d,
-             int64_t window, int64_t block_rows, int64_t threads) {
+             int64_t packed_h_floats, float* dgin, float* dpad, float* dweight, float* dbias, int64_t rows,
+             int64_t length, int64_t d, int64_t window, int64_t block_rows, int64_t threads) {
     const int64_t width = (C == kTanh ? 1 : C == kGru ? 3 : 4) * d, kept = window - 1;
     const int64_t blocks = (rows + block_rows - 1) / block_rows;
     Scratch packed(kept > 0 ? packed_floats : 0);
     std::vector<float> block_sums(blocks * width, 0.0f), pad_sums(blocks * width, 0.0f);
-    std::vector<float> spill(threads * kept * width, 0.0f);
+    std::vector<float> spill(threads * kept * width, 0.0f), weight_sums(threads * width * d, 0.0f);
     std::vector<int64_t> spill_to(threads, 0);
     if (kept > 0 && packed.raw == nullptr) return 1;
     int failed = 0;
@@ -278,8 +281,11 @@ int backward(const Blas& blas, const float* gin, const float* pad, const float* 
         (void)nt;
         if (t == 0 && kept > 0) blas.pack(kRowMajor, kBMatrix, kNoTrans, block_rows, d, width, 1.0f, w, d, packed.data);
         stream_barrier();
-        Scratch scratch(4 * block_rows * d);  // dh and dc, twice
-        if (scratch.raw == nullptr) {
+        // dh and dc, twice; the block's hidden-product gradients, step by step; its h's packed for W_hh's product.
+        Scratch scratch(4 * block_rows * d + block_rows * kept * width);
+        Scratch packed_h(kept > 0 ? packed_h_floats : 0);
+        float* dghs = scratch.data + 4 * block_rows * d;
+        if (scratch.raw == nullptr || (kept > 0 && packed_h.raw == nullptr)) {
 #pragma omp atomic write
             failed = 1;
             return;
@@ -295,11 +301,11 @@ int backward(const Blas& blas, const float* gin, const float* pad, const float* 
             float* dc = nullptr;
             std::memcpy(dh, grad_out + lo * d, (size_t)(n * d) * sizeof(float));
             for (int64_t j = window - 1; j >= 0; --j) {
-                const int64_t at = lo * kept + (j - 1) * n;  // this block's step j - 1 in hs, cs, ghs, dghs
+                const int64_t at = lo * kept + (j - 1) * n;  // this block's step j - 1 in hs, cs and ghs
                 const float* acts = j > 0 ? ghs + at * width : nullptr;
                 const float* h_prev = j > 0 ? hs + at * d : nullptr;
                 const float* c_prev = C == kLstm && j > 0 ? cs + at * d : nullptr;
-                float* dgh = j > 0 ? dghs + at * width : nullptr;
+                float* dgh = j > 0 ? dghs + (j - 1) * n * width : nullptr;
                 const int64_t other = dh == scratch.data ? 1 : 0;  // the free one of the two dh (and dc) buffers
                 float* dh_next = j > 0 ? scratch.data + other * block_rows * d : nullptr;
                 float* dc_next = C == kLstm && j > 0 ? scratch.data + (2 + other) * block_rows * d : nullptr;
@@ -325,9 +331,18 @@ int backward(const Blas& blas, const float* gin, const float* pad, const float* 
                     dc = dc_next;
                 }
             }
+            if (kept > 0) {  // W_hh's gradient += dghᵀ h over the block's steps (rows paired as kept)
+                blas.pack(kRowMajor, kBMatrix, kNoTrans, width, d, kept * n, 1.0f, hs + lo * kept * d, d,
+                          packed_h.data);
+                blas.compute(kRowMajor, kTrans, kPacked, width, d, kept * n, dghs, width, packed_h.data, d, 1.0f,
+                             weight_sums.data() + t * width * d, d);
+            }
         }
     });
     if (failed) return 1;
+    for (int64_t k = 0; k < width * d; ++k) dweight[k] = 0.0f;
+    for (int64_t t = 0; t < threads; ++t)
+        for (int64_t k = 0; k < width * d; ++k) dweight[k] += weight_sums[t * width * d + k];
     for (int64_t t = 1; t < threads; ++t)
         for (int64_t r = spill_to[t] - kept > 0 ? spill_to[t] - kept : 0; r < spill_to[t]; ++r) {
             const float* from = spill.data() + (t * kept + r - spill_to[t] + kept) * width;
@@ -363,18 +378,19 @@ int local_rnn_forward_f32(const void* pack, const void* compute, const void* loc
 int local_rnn_backward_f32(const void* pack, const void* compute, const void* local_threads, int64_t cell,
                            const float* gin, const float* pad, const float* w, const float* bias, const float* hs,
                            const float* cs, const float* ghs, const float* grad_out, int64_t packed_floats,
-                           float* dgin, float* dpad, float* dghs, float* dbias, int64_t rows, int64_t length,
-                           int64_t d, int64_t window, int64_t block_rows, int64_t threads) {
+                           int64_t packed_h_floats, float* dgin, float* dpad, float* dweight, float* dbias,
+                           int64_t rows, int64_t length, int64_t d, int64_t window, int64_t block_rows,
+                           int64_t threads) {
     const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
     FlushDenormals flush;
     if (cell == kGru)
-        return backward<kGru>(blas, gin, pad, w, bias, hs, cs, ghs, grad_out, packed_floats, dgin, dpad, dghs, dbias,
-                              rows, length, d, window, block_rows, threads);
+        return backward<kGru>(blas, gin, pad, w, bias, hs, cs, ghs, grad_out, packed_floats, packed_h_floats, dgin,
+                              dpad, dweight, dbias, rows, length, d, window, block_rows, threads);
     if (cell == kLstm)
-        return backward<kLstm>(blas, gin, pad, w, bias, hs, cs, ghs, grad_out, packed_floats, dgin, dpad, dghs,
-                               dbias, rows, length, d, window, block_rows, threads);
-    return backward<kTanh>(blas, gin, pad, w, bias, hs, cs, ghs, grad_out, packed_floats, dgin, dpad, dghs, dbias,
-                           rows, length, d, window, block_rows, threads);
+        return backward<kLstm>(blas, gin, pad, w, bias, hs, cs, ghs, grad_out, packed_floats, packed_h_floats, dgin,
+                               dpad, dweight, dbias, rows, length, d, window, block_rows, threads);
+    return backward<kTanh>(blas, gin, pad, w, bias, hs, cs, ghs, grad_out, packed_floats, packed_h_floats, dgin,
+                           dpad, dweight, dbias, rows, length, d, window, block_rows, threads);
 }
 }
 """
@@ -384,12 +400,12 @@ def _bind(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.local_rnn_forward_f32.argtypes = [p, p, p, i, p, p, p, p, i, p, p, p, p, i, i, i, i, i, i]
     lib.local_rnn_forward_f32.restype = ctypes.c_int
-    lib.local_rnn_backward_f32.argtypes = [p, p, p, i, p, p, p, p, p, p, p, p, i, p, p, p, p, i, i, i, i, i, i]
+    lib.local_rnn_backward_f32.argtypes = [p, p, p, i, p, p, p, p, p, p, p, p, i, i, p, p, p, p, i, i, i, i, i, i]
     lib.local_rnn_backward_f32.restype = ctypes.c_int
 
 
 KERNEL = NativeKernel(
-    "local_rnn", _CPP_SOURCE, _bind, abi_version=2, env_var="GATEDFORMER_GRU_BACKEND",
+    "local_rnn", _CPP_SOURCE, _bind, abi_version=3, env_var="GATEDFORMER_GRU_BACKEND",
     description="the compiled LocalRNN recurrence", fallback="its steps one by one", avx512=True,
 )
 
@@ -416,11 +432,11 @@ def _address(t: Tensor | None) -> int | None:
 class _LocalRecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gates_in: Tensor, pad: Tensor, w_hh: Tensor, b_hh: Tensor, cell: str,  # type: ignore[override]
-                window: int, blas: PackedGemm) -> Tensor:
+                window: int, blas: PackedGemm, training: bool) -> Tensor:
         batch, length, width = gates_in.shape
         d, rows, kept = w_hh.shape[1], batch * length, window - 1
         gates_in, pad, w_hh, b_hh = (t.contiguous() for t in (gates_in, pad, w_hh, b_hh))
-        keep = any(ctx.needs_input_grad[:4]) and kept > 0
+        keep = training and kept > 0  # (needs_input_grad says True under no_grad too)
         out = gates_in.new_empty(batch, length, d)
         # Each block's steps in turn (see the kernel), one row per window and step.
         hs = gates_in.new_empty(rows * kept, d) if keep else None
@@ -443,17 +459,15 @@ class _LocalRecurrence(torch.autograd.Function):
         rows, kept = batch * length, window - 1
         grad_out = grad_out.contiguous()
         grad_in, grad_pad, grad_bias = torch.zeros_like(gates_in), pad.new_empty(width), b_hh.new_empty(width)
-        grad_hidden = gates_in.new_empty(rows * kept, width) if kept > 0 else None
+        grad_weight = torch.empty_like(w_hh)
         threads = min(kernel_threads(rows * width * window), -(-rows // _BLOCK_ROWS))
         _check(KERNEL.library().local_rnn_backward_f32(
             blas.pack, blas.compute, blas.local_threads, CELLS[ctx.cell], gates_in.data_ptr(), pad.data_ptr(),
             w_hh.data_ptr(), b_hh.data_ptr(), _address(hs), _address(cs), _address(ghs), grad_out.data_ptr(),
-            blas.packed_floats(_BLOCK_ROWS, d, width), grad_in.data_ptr(), grad_pad.data_ptr(), _address(grad_hidden),
-            grad_bias.data_ptr(), rows, length, d, window, _BLOCK_ROWS, threads))
-        # A window of one: W_hh only ever meets the zero state. Else (hsᵀ dghs)ᵀ: MKL runs the product with the
-        # narrow side outermost faster, copy included.
-        grad_weight = torch.zeros_like(w_hh) if grad_hidden is None else hs.t().mm(grad_hidden).t().contiguous()
-        return grad_in, grad_pad, grad_weight, grad_bias, None, None, None
+            blas.packed_floats(_BLOCK_ROWS, d, width), blas.packed_floats(width, d, _BLOCK_ROWS * kept) if kept else 0,
+            grad_in.data_ptr(), grad_pad.data_ptr(), grad_weight.data_ptr(), grad_bias.data_ptr(), rows, length, d,
+            window, _BLOCK_ROWS, threads))
+        return grad_in, grad_pad, grad_weight, grad_bias, None, None, None, None
 
 
 def local_recurrence(gates_in: Tensor, pad: Tensor, w_hh: Tensor, b_hh: Tensor, cell: str, window: int,
@@ -468,4 +482,6 @@ def local_recurrence(gates_in: Tensor, pad: Tensor, w_hh: Tensor, b_hh: Tensor, 
                          f"{tuple(gates_in.shape)} and W_hh {tuple(w_hh.shape)}")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an integer >= 1, got {window!r}")
-    return _LocalRecurrence.apply(gates_in, pad, w_hh, b_hh, cell, window, blas)
+    tensors = (gates_in, pad, w_hh, b_hh)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return _LocalRecurrence.apply(*tensors, cell, window, blas, training)
