@@ -189,3 +189,12 @@ def test_unknown_cell_and_mismatched_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="window"):
         _local_rnn_kernel.local_recurrence(torch.zeros(1, 4, 6), torch.zeros(6), torch.zeros(6, 2), torch.zeros(6),
                                            "gru", 0, blas)
+
+
+def test_second_derivatives_are_refused_not_silently_wrong() -> None:
+    _kernel_or_skip()
+    module = _module(8, 3, "gru", seed=4)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    (grad,) = torch.autograd.grad(module(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()

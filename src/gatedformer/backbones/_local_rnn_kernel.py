@@ -452,6 +452,7 @@ class _LocalRecurrence(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         gates_in, pad, w_hh, b_hh, hs, cs, ghs = ctx.saved_tensors
         batch, length, width = gates_in.shape
