@@ -54,6 +54,8 @@ def _values_and_grads(module: LocalRNN, x: Tensor, grad: Tensor) -> list[Tensor]
     (24, 4, 2, 70),    # a width that is not a whole number of vectors; sequences span blocks, a short last one
     (5, 2, 3, 7),      # narrower than one vector, one block
     (8, 1, 4, 5),      # a window of one: no hidden-to-hidden product at all
+    (8, 9, 2, 3),      # a window longer than the sequence: every window starts in the pad
+    (16, 70, 3, 80),   # a window longer than a block: a step's rows reach back past the block before
 ])
 def test_matches_nn_rnn_window_by_window(cell: str, d: int, window: int, batch: int, length: int) -> None:
     """Float32 kernel values and gradients (input, both weights, both biases) against the float64 reading."""
@@ -97,12 +99,15 @@ def test_the_module_runs_through_the_kernel_only_where_it_applies(monkeypatch: p
 
 
 @pytest.mark.parametrize("cell", ["gru", "lstm"])
-def test_threads_share_the_rows_and_spill_their_overlap(cell: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three threads (windows that read the previous thread's rows) give what one does, to rounding; a thread
-    count gives the same bits every time, and b_hh's gradient the same bits whatever the thread count."""
+@pytest.mark.parametrize(("window", "batch", "length"), [(7, 8, 40), (70, 3, 100)])
+def test_threads_share_the_rows_and_spill_their_overlap(cell: str, window: int, batch: int, length: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three threads (windows that read the previous thread's rows, up to more than a block back) give what one
+    does, to rounding; a thread count gives the same bits every time, and b_hh's gradient the same bits whatever
+    the thread count."""
     _kernel_or_skip()
-    module = _module(16, 7, cell, seed=5)
-    x, grad = torch.randn(8, 40, 16), torch.randn(8, 40, 16)
+    module = _module(16, window, cell, seed=5)
+    x, grad = torch.randn(batch, length, 16), torch.randn(batch, length, 16)
     one = _values_and_grads(module, x, grad)
     monkeypatch.setattr(_native, "_ELEMENTS_PER_THREAD", 1)
     before = torch.get_num_threads()
