@@ -140,15 +140,17 @@ void pack_panels(const Rows<const float>& src, int64_t n, int64_t D, int64_t Dp,
 #endif
 }
 
-// S[r][j] = sum_{d < D} A_r[d] X_j[d] for r < kRows and the P panels of keys from j: kRows x P x kPanelVecs
+// S[r][j] = sum_{d < depth} A_r[d] X_j[d] for r < kRows and the P panels of keys from j: kRows x P x kPanelVecs
 // accumulators, one broadcast of A_r[d] for P * kPanelVecs fused multiply-adds. D is a compile-time constant (the
-// padded head size) so that the loop unrolls and the panel's vectors stay in registers.
+// padded head size, the panels' stride) so that the loop unrolls and the panel's vectors stay in registers; depth is
+// the head size itself: the padding columns are zero and need no multiply-adds (a quarter of them at heads of 12).
 template <int D, int P>
-inline void panel_products(const float* const a[kRows], const float* panel, float* s, int64_t lds, int64_t j) {
+inline void panel_products(const float* const a[kRows], const float* panel, float* s, int64_t lds, int64_t j,
+                           int64_t depth) {
     vec acc[kRows][P * kPanelVecs];
     for (int r = 0; r < kRows; ++r)
         for (int v = 0; v < P * kPanelVecs; ++v) acc[r][v] = splat(0);
-    for (int d = 0; d < D; ++d) {
+    const auto step = [&](int d) __attribute__((always_inline)) {
         vec b[P * kPanelVecs];
         for (int q = 0; q < P; ++q)
             for (int v = 0; v < kPanelVecs; ++v)
@@ -157,18 +159,23 @@ inline void panel_products(const float* const a[kRows], const float* panel, floa
             const vec ar = splat(a[r][d]);
             for (int v = 0; v < P * kPanelVecs; ++v) acc[r][v] += ar * b[v];
         }
-    }
+    };
+    if (depth == D)
+        for (int d = 0; d < D; ++d) step(d);
+    else
+        for (int d = 0; d < depth; ++d) step(d);
     for (int r = 0; r < kRows; ++r)
         for (int v = 0; v < P * kPanelVecs; ++v) store(s + r * lds + j + v * kW, acc[r][v]);
 }
 
 // The products of the block's rows with the packed keys j0 <= j < j1 (both multiples of kPanel).
 template <int D>
-void products(const float* const a[kRows], const float* panels, int64_t j0, int64_t j1, float* s, int64_t lds) {
+void products(const float* const a[kRows], const float* panels, int64_t j0, int64_t j1, float* s, int64_t lds,
+              int64_t depth) {
     int64_t j = j0;
     if (kRows * 2 * kPanelVecs <= kAccs)
-        for (; j + 2 * kPanel <= j1; j += 2 * kPanel) panel_products<D, 2>(a, panels + j * D, s, lds, j);
-    for (; j < j1; j += kPanel) panel_products<D, 1>(a, panels + j * D, s, lds, j);
+        for (; j + 2 * kPanel <= j1; j += 2 * kPanel) panel_products<D, 2>(a, panels + j * D, s, lds, j, depth);
+    for (; j < j1; j += kPanel) panel_products<D, 1>(a, panels + j * D, s, lds, j, depth);
 }
 
 // out_r (+)= sum_{j0 <= j < n} W(r, j) X_j for r < kRows, W(r, j) = w[r * wr + j * wc], X_j = x + j * NV * kW.
@@ -217,10 +224,10 @@ void block_scores(const Shape& z, const float* a, const float* b, const float* k
     block_rows(a, z.Dp, i0, rows, ar);
     block_rows(b, z.Dp, i0, rows, br);
     const int64_t n = z.M + i0 + rows;  // keys that any row of the block sees
-    products<D>(ar, kt, 0, round_up(n, kPanel), sc, ld);
+    products<D>(ar, kt, 0, round_up(n, kPanel), sc, ld, z.D);
     // Row i reads position columns L - 1 - i .. K - 1: the block's lowest is that of its last row.
     const int64_t c0 = (z.L - i0 - rows) / kPanel * kPanel;
-    products<D>(br, rt, c0, round_up(z.K, kPanel), sp, ld);
+    products<D>(br, rt, c0, round_up(z.K, kPanel), sp, ld, z.D);
 }
 
 template <int NV>
@@ -329,7 +336,7 @@ void backward_head(const Shape& z, const Head& h, const float* o, const float* g
         block_scores<NV * kW>(z, a, b, kt, rt, i0, rows, pb, sp, ld);
         const float* gr[kRows];
         block_rows(dout, Dp, i0, rows, gr);
-        products<NV * kW>(gr, vt, 0, round_up(n, kPanel), db, ld);  // dP = dO V^T
+        products<NV * kW>(gr, vt, 0, round_up(n, kPanel), db, ld, z.D);  // dP = dO V^T
         for (int64_t r = 0; r < kRows; ++r) {
             float* p = pb + r * ld;
             float* dr = db + r * ld;
@@ -565,7 +572,7 @@ def _bind(lib: ctypes.CDLL) -> None:
 
 
 KERNEL = NativeKernel(
-    "relative_attention", _CPP_SOURCE, _bind, abi_version=4, env_var="GATEDFORMER_ATTENTION_BACKEND",
+    "relative_attention", _CPP_SOURCE, _bind, abi_version=5, env_var="GATEDFORMER_ATTENTION_BACKEND",
     description="the compiled relative-position attention kernel", fallback="PyTorch operations",
     fast_math=True, avx512=True,
 )
