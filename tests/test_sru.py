@@ -163,6 +163,31 @@ def test_float32_fast_path_matches_reference() -> None:
     torch.testing.assert_close(c, c_ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("isa", _native.ISAS)
+@pytest.mark.parametrize("K,D,H", [(3, 1, 37), (4, 2, 16), (3, 2, 5)])
+def test_every_instruction_set_build_matches_in_float32(isa: str, K: int, D: int, H: int, kernel_build) -> None:  # noqa: ANN001
+    """The float32 rows run whole vectors (16 or 8 units, by the build) with the inline exp, then a scalar tail:
+    values and every gradient against the float64 reference, with widths below, at and across a vector."""
+    _native_or_skip()
+    kernel_build(_sru_kernel.KERNEL, isa)
+    inputs64 = [None if t is None else t.detach() for t in _recurrence_inputs(K, D, L=9, B=3, H=H)]
+    results = []
+    for dtype, fn in ((torch.float64, sru_recurrence_reference),
+                      (torch.float32, lambda *a, **k: sru_recurrence(*a, **k, backend="native"))):
+        inputs = [None if t is None else t.to(dtype).requires_grad_() for t in inputs64]
+        h, c = fn(*inputs, alpha=1.3)
+        g = torch.Generator().manual_seed(1)
+        loss = (h * torch.randn(h.shape, generator=g, dtype=torch.float64).to(dtype)).sum()
+        loss = loss + (c * torch.randn(c.shape, generator=g, dtype=torch.float64).to(dtype)).sum()
+        leaves = [t for t in inputs if t is not None]
+        results.append((h, c, torch.autograd.grad(loss, leaves)))
+    (h_ref, c_ref, g_ref), (h, c, grads) = results
+    torch.testing.assert_close(h.double(), h_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c.double(), c_ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, g_ref, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("threads", [2, 3, 4])
 def test_multithreaded_kernel_matches_reference(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     _native_or_skip()

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from gatedformer.backbones._native import NativeKernel, kernel_threads
+from gatedformer.backbones._simd import SIMD_HELPERS
 
 __all__ = ["kernel_backend", "sru_recurrence", "sru_recurrence_reference"]
 
@@ -49,8 +50,14 @@ _CPP_SOURCE = r"""
 // threads; the inner loop over j is vectorised (with -ffast-math, exp() comes from glibc's libmvec).
 #include <cmath>
 #include <cstdint>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#elif defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
 
 namespace {
+""" + SIMD_HELPERS + r"""
 
 template <typename T>
 inline T sigmoid(T x) {
@@ -70,17 +77,43 @@ struct Args {
     int64_t L, B, D, H;
 };
 
+// One time step of one row, units [0, returned) in whole vectors of floats with the inline exp of the SIMD helpers
+// (a call into the vector maths library per vector would make the loop save and restore its registers); the
+// scalar loops do the rest, and all of a double row.
+template <typename T>
+inline int64_t forward_vectors(const T*, const T*, const T*, const T*, const T*, const T*, const T*, const T*,
+                               const T*, T, T*, T*, int64_t) {
+    return 0;
+}
+inline int64_t forward_vectors(const float* cp, const float* ut, const float* ft_in, const float* rt_in,
+                               const float* xst, const float* vfd, const float* vrd, const float* bfd,
+                               const float* brd, float alpha, float* ct, float* ht, int64_t H) {
+    int64_t j = 0;
+    for (; j + kW <= H; j += kW) {
+        const vec c_prev = load(cp + j), u = load(ut + j);
+        const vec ft = vsigmoid(load(ft_in + j) + load(vfd + j) * c_prev + load(bfd + j));
+        const vec rt = vsigmoid(load(rt_in + j) + load(vrd + j) * c_prev + load(brd + j));
+        const vec c = u + ft * (c_prev - u);
+        const vec ax = alpha * load(xst + j);
+        store(ct + j, c);
+        store(ht + j, ax + rt * (c - ax));
+    }
+    return j;
+}
+
 template <typename T>
 void forward_rows(const Args<T>& a, T* __restrict__ h, T* __restrict__ c_all, int64_t row0, int64_t row1) {
     const int64_t L = a.L, D = a.D, H = a.H, ot = a.B * D * H;
     const T alpha = a.alpha;
-    for (int64_t row = row0; row < row1; ++row) {
-        const int64_t b = row / D, d = row % D, col = row * H;
-        const T* vfd = a.vf + d * H;
-        const T* vrd = a.vr + d * H;
-        const T* bfd = a.bf + d * H;
-        const T* brd = a.br + d * H;
-        for (int64_t s = 0; s < L; ++s) {
+    // Time steps outside, rows inside: a step's rows lie side by side in every stream, so each step reads and writes
+    // contiguous memory (row by row through all the steps, every step was a jump of a whole time slice).
+    for (int64_t s = 0; s < L; ++s) {
+        for (int64_t row = row0; row < row1; ++row) {
+            const int64_t b = row / D, d = row % D, col = row * H;
+            const T* vfd = a.vf + d * H;
+            const T* vrd = a.vr + d * H;
+            const T* bfd = a.bf + d * H;
+            const T* brd = a.br + d * H;
             const int64_t t = d == 0 ? s : L - 1 - s;
             const int64_t tp = d == 0 ? t - 1 : t + 1;
             const T* cp = s == 0 ? a.c0 + col : c_all + tp * ot + col;
@@ -92,7 +125,8 @@ void forward_rows(const Args<T>& a, T* __restrict__ h, T* __restrict__ c_all, in
             T* ct = c_all + t * ot + col;
             T* ht = h + t * ot + col;
 #pragma GCC ivdep
-            for (int64_t j = 0; j < H; ++j) {
+            for (int64_t j = forward_vectors(cp, ut, ft_in, rt_in, xst, vfd, vrd, bfd, brd, alpha, ct, ht, H); j < H;
+                 ++j) {
                 const T c_prev = cp[j];
                 const T ft = sigmoid(ft_in[j] + vfd[j] * c_prev + bfd[j]);
                 const T rt = sigmoid(rt_in[j] + vrd[j] * c_prev + brd[j]);
@@ -115,26 +149,60 @@ struct Grads {
     T* gc;                     // dL/dc, carried back in time; ends as dL/dc0
 };
 
+// The backward step's whole vectors of floats, as forward_vectors (the row's pointers in the order backward_rows
+// names them).
+template <typename T>
+inline int64_t backward_vectors(const T*, const T*, const T*, const T*, const T*, const T*, const T*, const T*,
+                                const T*, const T*, const T*, T, T*, T*, T*, T*, T*, T*, T*, T*, T*, int64_t) {
+    return 0;
+}
+inline int64_t backward_vectors(const float* cp, const float* ct, const float* ght, const float* ut,
+                                const float* ft_in, const float* rt_in, const float* xst, const float* vfd,
+                                const float* vrd, const float* bfd, const float* brd, float alpha, float* gcc,
+                                float* gvfc, float* gvrc, float* gbfc, float* gbrc, float* gut, float* gft, float* grt,
+                                float* gxst, int64_t H) {
+    int64_t j = 0;
+    for (; j + kW <= H; j += kW) {
+        const vec c_prev = load(cp + j), u = load(ut + j), vf = load(vfd + j), vr = load(vrd + j);
+        const vec ft = vsigmoid(load(ft_in + j) + vf * c_prev + load(bfd + j));
+        const vec rt = vsigmoid(load(rt_in + j) + vr * c_prev + load(brd + j));
+        const vec gh = load(ght + j);
+        const vec g_c = load(gcc + j) + gh * rt;
+        const vec g_pr = gh * (load(ct + j) - alpha * load(xst + j)) * rt * (1.0f - rt);
+        const vec g_pf = g_c * (c_prev - u) * ft * (1.0f - ft);
+        store(gut + j, g_c * (1.0f - ft));
+        store(gft + j, g_pf);
+        store(grt + j, g_pr);
+        store(gxst + j, gh * (1.0f - rt) * alpha);
+        store(gvfc + j, load(gvfc + j) + g_pf * c_prev);
+        store(gvrc + j, load(gvrc + j) + g_pr * c_prev);
+        store(gbfc + j, load(gbfc + j) + g_pf);
+        store(gbrc + j, load(gbrc + j) + g_pr);
+        store(gcc + j, g_c * ft + g_pf * vf + g_pr * vr);
+    }
+    return j;
+}
+
 template <typename T>
 void backward_rows(const Args<T>& a, const Grads<T>& g, int64_t row0, int64_t row1) {
     const int64_t L = a.L, D = a.D, H = a.H, ot = a.B * D * H;
     const T alpha = a.alpha;
-    for (int64_t row = row0; row < row1; ++row) {
-        const int64_t b = row / D, d = row % D, col = row * H;
-        const T* vfd = a.vf + d * H;
-        const T* vrd = a.vr + d * H;
-        const T* bfd = a.bf + d * H;
-        const T* brd = a.br + d * H;
-        T* gcc = g.gc + col;
-        T* gvfc = g.gvf + col;
-        T* gvrc = g.gvr + col;
-        T* gbfc = g.gbf + col;
-        T* gbrc = g.gbr + col;
-        for (int64_t j = 0; j < H; ++j) {
-            gcc[j] = g.grad_c_last ? g.grad_c_last[col + j] : T(0);
-            gvfc[j] = gvrc[j] = gbfc[j] = gbrc[j] = T(0);
-        }
-        for (int64_t s = L - 1; s >= 0; --s) {
+    for (int64_t col = row0 * H; col < row1 * H; ++col) {
+        g.gc[col] = g.grad_c_last ? g.grad_c_last[col] : T(0);
+        g.gvf[col] = g.gvr[col] = g.gbf[col] = g.gbr[col] = T(0);
+    }
+    for (int64_t s = L - 1; s >= 0; --s) {  // steps outside, rows inside, as in forward_rows
+        for (int64_t row = row0; row < row1; ++row) {
+            const int64_t b = row / D, d = row % D, col = row * H;
+            const T* vfd = a.vf + d * H;
+            const T* vrd = a.vr + d * H;
+            const T* bfd = a.bf + d * H;
+            const T* brd = a.br + d * H;
+            T* gcc = g.gc + col;
+            T* gvfc = g.gvf + col;
+            T* gvrc = g.gvr + col;
+            T* gbfc = g.gbf + col;
+            T* gbrc = g.gbr + col;
             const int64_t t = d == 0 ? s : L - 1 - s;
             const int64_t tp = d == 0 ? t - 1 : t + 1;
             const T* cp = s == 0 ? a.c0 + col : g.c_all + tp * ot + col;
@@ -149,8 +217,10 @@ void backward_rows(const Args<T>& a, const Grads<T>& g, int64_t row0, int64_t ro
             T* __restrict__ gft = g.gf + iu;
             T* __restrict__ grt = g.gr + iu;
             T* __restrict__ gxst = g.gxs + t * g.gxt + b * g.gxb + d * g.gxd;
+            const int64_t vectors = backward_vectors(cp, ct, ght, ut, ft_in, rt_in, xst, vfd, vrd, bfd, brd, alpha, gcc,
+                                                     gvfc, gvrc, gbfc, gbrc, gut, gft, grt, gxst, H);
 #pragma GCC ivdep
-            for (int64_t j = 0; j < H; ++j) {
+            for (int64_t j = vectors; j < H; ++j) {
                 const T c_prev = cp[j];
                 const T ft = sigmoid(ft_in[j] + vfd[j] * c_prev + bfd[j]);
                 const T rt = sigmoid(rt_in[j] + vrd[j] * c_prev + brd[j]);
@@ -219,7 +289,7 @@ def _bind(lib: ctypes.CDLL) -> None:
 KERNEL = NativeKernel(
     "sru", _CPP_SOURCE, _bind, abi_version=3, env_var="GATEDFORMER_SRU_BACKEND",
     description="the compiled SRU recurrence", fallback="PyTorch loops over time, which are several times slower",
-    fast_math=True,
+    fast_math=True, avx512=True,
 )
 
 
