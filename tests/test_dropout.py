@@ -207,6 +207,31 @@ def test_kernel_threads_follow_torch_and_the_work_size(monkeypatch: pytest.Monke
     assert _native.kernel_threads(1000) == 1
     assert _native.kernel_threads(10 ** 8) == 4
     assert _native.kernel_threads(10 ** 8, elements_per_thread=10 ** 8) == 1
+    # a 1024 x 48 dropout-residual-LayerNorm: one thread as a plain pass, split when each element is heavy
+    assert _native.kernel_threads(1024 * 48) == 1
+    assert _native.kernel_threads(1024 * 48, cost=_native.HEAVY_ELEMENT) == 4
+    assert _native.kernel_threads(1000, cost=_native.HEAVY_ELEMENT) == 1
+
+
+def test_heavy_kernels_split_small_tensors_between_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropout draws a Philox word per element: tensors of 4k-32k elements go to several threads, with the mask
+    (a function of each element's index) the same as on one."""
+    _native_or_skip()
+    x = torch.randn(128, 64)  # 8192 elements: one thread for a plain pass
+    assert _native.kernel_threads(x.numel()) == 1
+    one = _dropout_kernel.apply_dropout(x, seed=11, keep_below=3 << 30, scale=4 / 3)
+    calls = []
+    original = _native.kernel_threads
+
+    def counting(numel: int, elements_per_thread: int | None = None, *, cost: int = 1) -> int:
+        calls.append(original(numel, elements_per_thread, cost=cost))
+        return calls[-1]
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(_dropout_kernel, "kernel_threads", counting)
+    two = _dropout_kernel.apply_dropout(x, seed=11, keep_below=3 << 30, scale=4 / 3)
+    assert calls == [2]
+    torch.testing.assert_close(two, one, rtol=0, atol=0)
 
 
 def test_kernel_isa_cap_picks_the_build_and_rejects_unknown_names(monkeypatch: pytest.MonkeyPatch) -> None:

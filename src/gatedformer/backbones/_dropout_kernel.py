@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gatedformer.backbones._native import NativeKernel, kernel_threads
+from gatedformer.backbones._native import HEAVY_ELEMENT, NativeKernel, kernel_threads
 
 __all__ = ["KERNEL", "PHILOX_CPP", "apply_dropout", "apply_dropout_add", "apply_relu_dropout", "keep_word",
            "philox4x32_10", "philox_words", "scale_where_positive"]
@@ -407,7 +407,8 @@ def apply_dropout(x: Tensor, seed: int, keep_below: int, scale: float) -> Tensor
     if _native_ok(x):
         out = torch.empty_like(x)
         fn = getattr(KERNEL.library(), f"dropout_{_NATIVE_DTYPES[x.dtype]}")
-        fn(x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_word(keep_below), scale, kernel_threads(x.numel()))
+        fn(x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_word(keep_below), scale,
+           kernel_threads(x.numel(), cost=HEAVY_ELEMENT))
         return out
     return x * _reference_keep(x, seed, keep_below).to(x.dtype).mul_(scale)
 
@@ -418,7 +419,7 @@ def apply_dropout_add(base: Tensor, x: Tensor, seed: int, keep_below: int, scale
         out = torch.empty_like(x)
         fn = getattr(KERNEL.library(), f"dropout_add_{_NATIVE_DTYPES[x.dtype]}")
         fn(base.data_ptr(), x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_word(keep_below), scale,
-           kernel_threads(x.numel()))
+           kernel_threads(x.numel(), cost=HEAVY_ELEMENT))
         return out
     return base + x * _reference_keep(x, seed, keep_below).to(x.dtype).mul_(scale)
 
@@ -428,7 +429,8 @@ def apply_relu_dropout(x: Tensor, seed: int, keep_below: int, scale: float) -> T
     if _native_ok(x):
         out = torch.empty_like(x)
         fn = getattr(KERNEL.library(), f"relu_dropout_{_NATIVE_DTYPES[x.dtype]}")
-        fn(x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_word(keep_below), scale, kernel_threads(x.numel()))
+        fn(x.data_ptr(), out.data_ptr(), x.numel(), seed, keep_word(keep_below), scale,
+           kernel_threads(x.numel(), cost=HEAVY_ELEMENT))
         return out
     return x * (_reference_keep(x, seed, keep_below) & (x > 0)).to(x.dtype).mul_(scale)
 

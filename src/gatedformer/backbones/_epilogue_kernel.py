@@ -34,7 +34,7 @@ from gatedformer.backbones._dropout_kernel import (
     apply_relu_dropout,
     keep_word,
 )
-from gatedformer.backbones._native import NativeKernel, kernel_threads
+from gatedformer.backbones._native import HEAVY_ELEMENT, NativeKernel, kernel_threads
 
 __all__ = ["KERNEL", "attention_body_streamed", "attention_body_streamed_backward", "attention_sublayer_streamed",
            "attention_sublayer_streamed_backward", "bias_dropout_add_", "bias_relu_dropout_", "dropout_add_norm",
@@ -703,8 +703,8 @@ def bias_relu_dropout_(h: Tensor, bias: Tensor, seed: int, keep_below: int, scal
     positive = torch.empty(-(-h.numel() // 32), dtype=torch.int32)
     if _native_ok(h) and h.dtype == torch.float32:
         KERNEL.library().bias_relu_dropout_f32(h.data_ptr(), bias.data_ptr(), h.numel(), h.shape[-1], seed,
-                                               keep_word(keep_below), scale, kernel_threads(h.numel()),
-                                               positive.data_ptr())
+                                               keep_word(keep_below), scale,
+                                               kernel_threads(h.numel(), cost=HEAVY_ELEMENT), positive.data_ptr())
         return h, positive
     h.copy_(apply_relu_dropout(h + bias, seed, keep_below, scale))
     return h, _pack_bits(h.reshape(-1) > 0)
@@ -727,7 +727,7 @@ def bias_dropout_add_(h: Tensor, base: Tensor | None, bias: Tensor, seed: int, k
     if _native_ok(h) and h.dtype == torch.float32 and (base is None or base.dtype == h.dtype):
         KERNEL.library().bias_dropout_add_f32(None if base is None else base.data_ptr(), h.data_ptr(),
                                               bias.data_ptr(), h.numel(), h.shape[-1], seed, keep_word(keep_below),
-                                              scale, kernel_threads(h.numel()))
+                                              scale, kernel_threads(h.numel(), cost=HEAVY_ELEMENT))
         return h
     if base is None:
         return h.copy_(apply_dropout(h + bias, seed, keep_below, scale))
@@ -770,7 +770,7 @@ def dropout_add_norm(h: Tensor, base: Tensor, bias: Tensor | None, gamma: Tensor
                                           None if gate is None else gate.data_ptr(), xhat.data_ptr(),
                                           gamma.data_ptr(), beta.data_ptr(), y.data_ptr(), rstd.data_ptr(),
                                           keep_bits.data_ptr(), rows, cols, eps, seed, keep_word(keep_below), scale,
-                                          kernel_threads(h.numel()))
+                                          kernel_threads(h.numel(), cost=HEAVY_ELEMENT))
     return y, xhat, rstd, keep_bits
 
 
@@ -784,7 +784,7 @@ def dropout_add_norm_backward(grad: Tensor, xhat: Tensor, rstd: Tensor, gamma: T
     KERNEL.library().dropout_add_norm_backward_f32(grad.data_ptr(), xhat.data_ptr(), rstd.data_ptr(),
                                                    gamma.data_ptr(), keep_bits.data_ptr(), None, None, None,
                                                    dv.data_ptr(), dh.data_ptr(), None, sums.data_ptr(), rows, cols,
-                                                   scale, kernel_threads(grad.numel()))
+                                                   scale, kernel_threads(grad.numel(), cost=HEAVY_ELEMENT))
     return dv, dh, sums[0], sums[1], sums[2]
 
 
@@ -802,7 +802,7 @@ def gated_dropout_add_norm_backward(grad: Tensor, xhat: Tensor, rstd: Tensor, ga
                                                    gamma.data_ptr(), keep_bits.data_ptr(), gate.data_ptr(),
                                                    h.data_ptr(), bias.data_ptr(), dv.data_ptr(), dh.data_ptr(),
                                                    dgate.data_ptr(), sums.data_ptr(), rows, cols, scale,
-                                                   kernel_threads(grad.numel()))
+                                                   kernel_threads(grad.numel(), cost=HEAVY_ELEMENT))
     return dv, dh, dgate, sums[0], sums[1], sums[2], sums[3]
 
 
