@@ -47,7 +47,8 @@ _CPP_SOURCE = r"""
 // Layout: every stream is indexed [t][b][d][j] with j (the hidden unit) contiguous. Input streams
 // come with their own (t, b, d) strides; outputs and saved cells are contiguous (L, B, D, H).
 // Direction d == 1 runs from t = L - 1 down to 0. The B * D rows are independent and split between
-// threads; the inner loop over j is vectorised (with -ffast-math, exp() comes from glibc's libmvec).
+// threads. Over j, float rows run whole vectors with the inline exp (forward_vectors, backward_vectors);
+// the rest, and double rows, a loop that -ffast-math vectorises with glibc's libmvec.
 #include <cmath>
 #include <cstdint>
 #if defined(__AVX2__)
