@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from gatedformer.backbones import _epilogue_kernel, _relative_attention_kernel
+from gatedformer.backbones import _blas, _epilogue_kernel, _relative_attention_kernel
 from gatedformer.backbones.relative_sublayer import RelativeAttentionAddNorm
 from gatedformer.backbones.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM, relative_positions
 
@@ -21,6 +21,14 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     fused = RelativeAttentionAddNorm.apply
     monkeypatch.setattr(RelativeAttentionAddNorm, "apply", lambda *args: calls.append(1) or fused(*args))
+    return calls
+
+
+def _count_streamed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    streamed = _epilogue_kernel.relative_sublayer_streamed
+    monkeypatch.setattr(_epilogue_kernel, "relative_sublayer_streamed",
+                        lambda *args: calls.append(1) or streamed(*args))
     return calls
 
 
@@ -48,11 +56,27 @@ def test_training_gives_the_losses_and_gradients_of_the_modules(gates: str, drop
     _native_or_skip()
     with pytest.MonkeyPatch.context() as patch:
         calls = _count_calls(patch)
+        streamed = _count_streamed(patch)
         fused = _train_two_windows(dropout, gates=gates)
     assert len(calls) == 4  # two layers, two windows
+    # Where PyTorch links MKL, each thread streams its sequences through the products, the kernel and the tail
+    assert len(streamed) == (4 if _blas.packed_gemm() is not None else 0)
     monkeypatch.setattr(RelativeMultiHeadAttention, "add_norm", lambda *args, **kwargs: None)
     for a, b in zip(fused, _train_two_windows(dropout, gates=gates), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("gates", ["", "+EAU+GRC", "+highway gate"])
+def test_without_mkls_packed_products_it_gives_the_same(gates: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without MKL's packed products (another BLAS, or GATEDFORMER_PACKED_GEMM=0) the function makes its products
+    with PyTorch around the kernel: the same numbers."""
+    _native_or_skip()
+    streamed = _train_two_windows(0.1, gates=gates)
+    monkeypatch.setenv("GATEDFORMER_PACKED_GEMM", "0")
+    calls, streamed_calls = _count_calls(monkeypatch), _count_streamed(monkeypatch)
+    for a, b in zip(streamed, _train_two_windows(0.1, gates=gates), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert len(calls) == 4 and not streamed_calls
 
 
 def test_gradients_reach_the_memory_and_positions_when_they_ask_for_them() -> None:

@@ -40,7 +40,7 @@ __all__ = ["KERNEL", "attention_body_streamed", "attention_body_streamed_backwar
            "attention_sublayer_streamed_backward", "bias_dropout_add_", "bias_relu_dropout_", "dropout_add_norm",
            "dropout_add_norm_backward", "feed_forward_body_streamed", "feed_forward_body_streamed_backward",
            "feed_forward_streamed", "feed_forward_streamed_backward", "gated_dropout_add_norm_backward",
-           "scale_where_positive_with_sums"]
+           "relative_sublayer_streamed", "relative_sublayer_streamed_backward", "scale_where_positive_with_sums"]
 
 _CPP_SOURCE = PHILOX_CPP + r"""
 #if defined(_OPENMP)
@@ -565,6 +565,130 @@ void attention_sublayer_backward(const Blas& blas, AttentionBackwardFn attend_ba
     sum_blocks(partials, sum_blocks_n, 3 * d, sums);
 }
 
+// ---- Transformer-XL's post-LN relative attention sublayer, streamed by blocks of whole sequences -----------------
+// norm(x + dropout(Wo attend(Wq x, Wkv [memory ∘ x], r))): per block, the queries' and the window's keys' and values'
+// products side by side in qkv (rows of 3d, as one product with [Wq; Wkv] leaves them), the memory's keys and values
+// in memory_kv, the relative attention kernel (another library, by address) on the block's sequences, the output
+// projection and the tail. r, the projected position encodings, is shared by the sequences and made by the caller.
+// As above, with gamma null the forward pass stops at the output projection's product (in xhat) and the backward
+// pass, without dy, starts from its given gradient. `failed` is set where the kernel refuses its shapes.
+typedef int (*RelativeForwardFn)(const float* q, int64_t q_batch, int64_t q_row, const float* kv_mem,
+                                 int64_t kv_mem_batch, int64_t kv_mem_row, const float* kv_cur, int64_t kv_cur_batch,
+                                 int64_t kv_cur_row, const float* r, const float* u, const float* pb, float* out,
+                                 float* lse, int64_t B, int64_t L, int64_t M, int64_t H, int64_t D, double scale,
+                                 int64_t threads);
+typedef int (*RelativeBackwardFn)(const float* q, int64_t q_batch, int64_t q_row, const float* kv_mem,
+                                  int64_t kv_mem_batch, int64_t kv_mem_row, const float* kv_cur, int64_t kv_cur_batch,
+                                  int64_t kv_cur_row, const float* r, const float* u, const float* pb, const float* out,
+                                  const float* grad_out, const float* lse, float* gq, float* gkv_mem, float* gkv_cur,
+                                  float* gr, float* gu, float* gpb, int64_t B, int64_t L, int64_t M, int64_t H,
+                                  int64_t D, double scale, int64_t threads);
+
+// The sizes of one call, and where sequence s's rows start in each tensor.
+struct RelativeShape {
+    int64_t batch, length, mem, heads, d;
+    int64_t head() const { return d / heads; }
+    int64_t keys() const { return mem + length; }
+};
+
+void relative_sublayer_forward(const Blas& blas, RelativeForwardFn attend, const float* x, const float* memory,
+                               const float* r, const float* u, const float* pb, const float* w_q, const float* w_kv,
+                               const float* w_out, const float* bias, const float* gamma, const float* beta,
+                               float* packed_q, float* packed_kv, float* packed_out, float* qkv, float* memory_kv,
+                               float* attended, float* lse, float* xhat, float* y, float* rstd, uint32_t* keep_bits,
+                               const RelativeShape& z, float eps, uint64_t seed, uint32_t keep, float scale,
+                               int64_t block_sequences, int64_t threads, int* failed) {
+    const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    const int64_t L = z.length, M = z.mem, d = z.d, blocks = (z.batch + block_sequences - 1) / block_sequences;
+    const double softmax_scale = 1.0 / std::sqrt((double)z.head());
+    stream_blocks(blas, blocks, threads, [&](int64_t t, int64_t nt, int64_t first, int64_t end) {
+        const int64_t rows_max = block_sequences * (L > M ? L : M);
+        if (t == 0) {
+            blas.pack(kRowMajor, kBMatrix, kTrans, rows_max, d, d, 1.0f, w_q, d, packed_q);
+            blas.pack(kRowMajor, kBMatrix, kTrans, rows_max, d, d, 1.0f, w_out, d, packed_out);
+        }
+        if (t == (nt > 1 ? 1 : 0))
+            blas.pack(kRowMajor, kBMatrix, kTrans, rows_max, 2 * d, d, 1.0f, w_kv, d, packed_kv);
+        stream_barrier();
+        for (int64_t b = first; b < end; ++b) {
+            const int64_t s0 = b * block_sequences;
+            const int64_t s1 = s0 + block_sequences < z.batch ? s0 + block_sequences : z.batch;
+            const int64_t lo = s0 * L, hi = s1 * L;
+            float* q = qkv + lo * 3 * d;
+            blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, x + lo * d, d, packed_q, d, 0.0f, q, 3 * d);
+            blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, 2 * d, d, x + lo * d, d, packed_kv, 2 * d, 0.0f, q + d,
+                         3 * d);
+            float* kv_mem = q + d;  // not read without a memory
+            if (M > 0) {
+                kv_mem = memory_kv + s0 * M * 2 * d;
+                blas.compute(kRowMajor, kNoTrans, kPacked, (s1 - s0) * M, 2 * d, d, memory + s0 * M * d, d, packed_kv,
+                             2 * d, 0.0f, kv_mem, 2 * d);
+            }
+            if (attend(q, L * 3 * d, 3 * d, kv_mem, M * 2 * d, 2 * d, q + d, L * 3 * d, 3 * d, r, u, pb,
+                       attended + lo * d, lse + s0 * z.heads * L, s1 - s0, L, M, z.heads, z.head(), softmax_scale, 1))
+                *failed = 1;
+            blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, attended + lo * d, d, packed_out, d, 0.0f,
+                         xhat + lo * d, d);
+            if (gamma != nullptr)
+                dropout_add_norm_rows(x, xhat, bias, nullptr, xhat, gamma, beta, y, rstd, keep_bits, lo, hi, d, eps, k0,
+                                      k1, keep, scale);
+        }
+    });
+}
+
+// Its backward pass up to the weights' gradients: grad_x (the residual's and the body's), grad_projected, grad_qkv
+// (laid out as qkv), grad_memory_kv, and per sequence grad_r (B, M + L, d), grad_u and grad_pb (B, H, D); sums gets
+// gamma's, beta's and the (zero) bias's.
+void relative_sublayer_backward(const Blas& blas, RelativeBackwardFn attend_back, const float* dy, const float* xhat,
+                                const float* rstd, const float* gamma, const uint32_t* keep_bits, const float* qkv,
+                                const float* memory_kv, const float* r, const float* u, const float* pb,
+                                const float* attended, const float* lse, const float* w_q, const float* w_kv,
+                                const float* w_out, float* packed_out, float* packed_q, float* packed_kv,
+                                float* grad_x, float* grad_projected, float* grad_attended, float* grad_qkv,
+                                float* grad_memory_kv, float* grad_r, float* grad_u, float* grad_pb, float* sums,
+                                const RelativeShape& z, float scale, int64_t block_sequences, int64_t threads,
+                                int* failed) {
+    const int64_t L = z.length, M = z.mem, d = z.d, rows = z.batch * L, sum_blocks_n = (rows + kSumRows - 1) / kSumRows;
+    std::vector<float> partial(sum_blocks_n * 3 * d, 0.0f);
+    float* partials = partial.data();
+    const int64_t blocks = (z.batch + block_sequences - 1) / block_sequences;
+    const double softmax_scale = 1.0 / std::sqrt((double)z.head());
+    stream_blocks(blas, blocks, threads, [&](int64_t t, int64_t nt, int64_t first, int64_t end) {
+        const int64_t rows_max = block_sequences * L;
+        if (t == 0) {
+            blas.pack(kRowMajor, kBMatrix, kNoTrans, rows_max, d, d, 1.0f, w_out, d, packed_out);
+            blas.pack(kRowMajor, kBMatrix, kNoTrans, rows_max, d, d, 1.0f, w_q, d, packed_q);
+        }
+        if (t == (nt > 1 ? 1 : 0))
+            blas.pack(kRowMajor, kBMatrix, kNoTrans, rows_max, d, 2 * d, 1.0f, w_kv, d, packed_kv);
+        stream_barrier();
+        for (int64_t b = first; b < end; ++b) {
+            const int64_t s0 = b * block_sequences;
+            const int64_t s1 = s0 + block_sequences < z.batch ? s0 + block_sequences : z.batch;
+            const int64_t lo = s0 * L, hi = s1 * L;
+            for (int64_t s = lo; dy != nullptr && s < hi; s += kSumRows)  // whole sequences: a multiple of kSumRows
+                dropout_add_norm_backward_rows(dy, xhat, rstd, gamma, keep_bits, nullptr, nullptr, nullptr, grad_x,
+                                               grad_projected, nullptr, partials + s / kSumRows * 3 * d, s,
+                                               s + kSumRows < hi ? s + kSumRows : hi, d, scale);
+            blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, grad_projected + lo * d, d, packed_out, d, 0.0f,
+                         grad_attended + lo * d, d);
+            const float* q = qkv + lo * 3 * d;
+            float* gq = grad_qkv + lo * 3 * d;
+            const float* kv_mem = M > 0 ? memory_kv + s0 * M * 2 * d : q + d;
+            float* gkv_mem = M > 0 ? grad_memory_kv + s0 * M * 2 * d : gq + d;
+            if (attend_back(q, L * 3 * d, 3 * d, kv_mem, M * 2 * d, 2 * d, q + d, L * 3 * d, 3 * d, r, u, pb,
+                            attended + lo * d, grad_attended + lo * d, lse + s0 * z.heads * L, gq, gkv_mem, gq + d,
+                            grad_r + s0 * z.keys() * d, grad_u + s0 * d, grad_pb + s0 * d, s1 - s0, L, M, z.heads,
+                            z.head(), softmax_scale, 1))
+                *failed = 1;
+            blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, gq, 3 * d, packed_q, d, 1.0f, grad_x + lo * d, d);
+            blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, 2 * d, gq + d, 3 * d, packed_kv, d, 1.0f,
+                         grad_x + lo * d, d);
+        }
+    });
+    sum_blocks(partials, sum_blocks_n, 3 * d, sums);
+}
+
 }  // namespace
 
 extern "C" {
@@ -656,6 +780,48 @@ int attention_sublayer_backward_f32(const void* pack, const void* compute, const
                                 block_sequences, threads);
     return 0;
 }
+// Returns 1 where the packed weights could not be allocated, 2 where the attention kernel refused its shapes.
+int relative_sublayer_forward_f32(const void* pack, const void* compute, const void* local_threads,
+                                  const void* attend, const float* x, const float* memory, const float* r,
+                                  const float* u, const float* pb, const float* w_q, const float* w_kv,
+                                  const float* w_out, const float* bias, const float* gamma, const float* beta,
+                                  int64_t packed_q_floats, int64_t packed_kv_floats, int64_t packed_out_floats,
+                                  float* qkv, float* memory_kv, float* attended, float* lse, float* xhat, float* y,
+                                  float* rstd, uint32_t* keep_bits, int64_t batch, int64_t length, int64_t mem,
+                                  int64_t heads, int64_t d, double eps, uint64_t seed, uint32_t keep, double scale,
+                                  int64_t block_sequences, int64_t threads) {
+    const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
+    PackedPair packed(packed_q_floats, packed_kv_floats), packed_out(packed_out_floats, 0);
+    if (!packed.ok() || !packed_out.ok()) return 1;
+    int failed = 0;
+    relative_sublayer_forward(blas, (RelativeForwardFn)attend, x, memory, r, u, pb, w_q, w_kv, w_out, bias, gamma,
+                              beta, packed.first, packed.second, packed_out.first, qkv, memory_kv, attended, lse, xhat,
+                              y, rstd, keep_bits, RelativeShape{batch, length, mem, heads, d}, (float)eps, seed, keep,
+                              (float)scale, block_sequences, threads, &failed);
+    return failed ? 2 : 0;
+}
+int relative_sublayer_backward_f32(const void* pack, const void* compute, const void* local_threads,
+                                   const void* attend_back, const float* dy, const float* xhat, const float* rstd,
+                                   const float* gamma, const uint32_t* keep_bits, const float* qkv,
+                                   const float* memory_kv, const float* r, const float* u, const float* pb,
+                                   const float* attended, const float* lse, const float* w_q, const float* w_kv,
+                                   const float* w_out, int64_t packed_out_floats, int64_t packed_q_floats,
+                                   int64_t packed_kv_floats, float* grad_x, float* grad_projected,
+                                   float* grad_attended, float* grad_qkv, float* grad_memory_kv, float* grad_r,
+                                   float* grad_u, float* grad_pb, float* sums, int64_t batch, int64_t length,
+                                   int64_t mem, int64_t heads, int64_t d, double scale, int64_t block_sequences,
+                                   int64_t threads) {
+    const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
+    PackedPair packed(packed_out_floats, packed_q_floats), packed_kv(packed_kv_floats, 0);
+    if (!packed.ok() || !packed_kv.ok()) return 1;
+    int failed = 0;
+    relative_sublayer_backward(blas, (RelativeBackwardFn)attend_back, dy, xhat, rstd, gamma, keep_bits, qkv, memory_kv,
+                               r, u, pb, attended, lse, w_q, w_kv, w_out, packed.first, packed.second,
+                               packed_kv.first, grad_x, grad_projected, grad_attended, grad_qkv, grad_memory_kv,
+                               grad_r, grad_u, grad_pb, sums, RelativeShape{batch, length, mem, heads, d},
+                               (float)scale, block_sequences, threads, &failed);
+    return failed ? 2 : 0;
+}
 }
 """
 
@@ -680,10 +846,14 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.attention_sublayer_forward_f32.restype = ctypes.c_int
     lib.attention_sublayer_backward_f32.argtypes = [p] * 15 + [i, i] + [p] * 6 + [i, i, i, i, f, i, i]
     lib.attention_sublayer_backward_f32.restype = ctypes.c_int
+    lib.relative_sublayer_forward_f32.argtypes = [p] * 15 + [i, i, i] + [p] * 8 + [i, i, i, i, i, f, u64, u32, f, i, i]
+    lib.relative_sublayer_forward_f32.restype = ctypes.c_int
+    lib.relative_sublayer_backward_f32.argtypes = [p] * 19 + [i, i, i] + [p] * 9 + [i, i, i, i, i, f, i, i]
+    lib.relative_sublayer_backward_f32.restype = ctypes.c_int
 
 
 KERNEL = NativeKernel(
-    "epilogue", _CPP_SOURCE, _bind, abi_version=6, env_var="GATEDFORMER_DROPOUT_BACKEND",
+    "epilogue", _CPP_SOURCE, _bind, abi_version=7, env_var="GATEDFORMER_DROPOUT_BACKEND",
     description="the compiled linear-epilogue kernel", fallback="unfused PyTorch operations",
     extra_cflags=_NO_FMA, avx512=True,
 )
@@ -1001,3 +1171,111 @@ def attention_sublayer_streamed_backward(blas: PackedGemm, attend_back: int, gra
         sums.data_ptr(), batch, length, n_heads, width, scale, block, threads))
     return (grad_x, grad_projected, grad_qkv, None if per_sequence is None else per_sequence.sum(0), sums[:width],
             sums[width:2 * width], sums[2 * width:])
+
+
+def _address(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _relative_blocks(batch: int, length: int, work: int) -> tuple[int, int]:
+    """Sequences per block and threads for the streamed relative attention sublayer: each thread's share of the batch
+    in one block where whole blocks of the column sums' 64 rows allow (the attention kernel packs every head's position
+    keys once per call, so once per block)."""
+    threads = max(1, min(kernel_threads(work), batch))
+    unit = _block_sequences(length)
+    share = -(-batch // threads)
+    block = -(-share // unit) * unit
+    return block, max(1, min(threads, -(-batch // block)))
+
+
+def _check_relative(status: int) -> None:
+    _check_scratch(1 if status == 1 else 0)
+    if status:
+        raise RuntimeError("the relative attention kernel refused these shapes (heads of more than 128?)")
+
+
+def relative_sublayer_streamed(blas: PackedGemm, attend: int, x: Tensor, memory: Tensor | None, r: Tensor, u: Tensor,
+                               pos_bias: Tensor, w_q: Tensor, w_kv: Tensor, w_out: Tensor, batch: int, n_heads: int,
+                               norm: tuple[Tensor, Tensor, float, tuple[int, int], float] | None
+                               ) -> tuple[Tensor | None, ...]:
+    """Transformer-XL's post-LN attention sublayer ``norm(x + dropout(Wo attend(Wq x, Wkv [memory ∘ x], r)))`` on the
+    rows of ``batch`` sequences, ``x (B·L, d)`` and ``memory (B·M, d)`` or ``None``, each thread streaming its own
+    blocks of whole sequences through it (MKL's packed products via ``blas``; ``attend``: the relative attention
+    kernel's forward function, run on the calling thread). ``r (M+L, d)``: the projected position encodings; ``u``
+    and ``pos_bias (H, D)``; ``norm``: the LayerNorm's ``gamma``, ``beta`` and ``eps``, the dropout mask and its
+    scale, or ``None`` to stop at the output projection's product (a gated sublayer's tail follows).
+
+    Returns the output (the product without ``norm``), the projections ``(B·L, 3d)`` (queries, then the window's
+    keys and values), the memory's keys and values ``(B·M, 2d)`` or ``None``, the attention's output ``(B·L, d)`` and
+    log-sum-exps ``(B, H, L)``, then, with ``norm``, the normalised rows, ``1/std`` per row and the mask's bits."""
+    rows, width = x.shape
+    length, mem = rows // batch, 0 if memory is None else memory.shape[0] // batch
+    block, threads = _relative_blocks(batch, length, 3 * rows * width)
+    qkv, attended, xhat = x.new_empty(rows, 3 * width), torch.empty_like(x), torch.empty_like(x)
+    memory_kv = None if memory is None else x.new_empty(memory.shape[0], 2 * width)
+    lse = x.new_empty(batch, n_heads, length)
+    gamma = beta = y = rstd = keep_bits = bias = None
+    eps, seed, keep, scale = 0.0, 0, 0, 0.0
+    if norm is not None:
+        gamma, beta, eps, (seed, keep_below), scale = norm
+        keep = keep_word(keep_below)
+        y, rstd = torch.empty_like(x), x.new_empty(rows)
+        keep_bits = torch.empty(rows, -(-width // 32), dtype=torch.int32)
+        bias = x.new_zeros(width)  # the tail adds one; the output projection has none
+    rows_max = block * max(length, mem)
+    _check_relative(KERNEL.library().relative_sublayer_forward_f32(
+        blas.pack, blas.compute, blas.local_threads, attend, x.data_ptr(), _address(memory), r.data_ptr(),
+        u.data_ptr(), pos_bias.data_ptr(), w_q.data_ptr(), w_kv.data_ptr(), w_out.data_ptr(), _address(bias),
+        _address(gamma), _address(beta), blas.packed_floats(rows_max, width, width),
+        blas.packed_floats(rows_max, 2 * width, width), blas.packed_floats(rows_max, width, width), qkv.data_ptr(),
+        _address(memory_kv), attended.data_ptr(), lse.data_ptr(), xhat.data_ptr(), _address(y), _address(rstd),
+        _address(keep_bits), batch, length, mem, n_heads, width, eps, seed, keep, scale, block, threads))
+    if norm is None:
+        return xhat, qkv, memory_kv, attended, lse, None, None, None
+    return y, qkv, memory_kv, attended, lse, xhat, rstd, keep_bits
+
+
+def relative_sublayer_streamed_backward(blas: PackedGemm, attend_back: int, qkv: Tensor, memory_kv: Tensor | None,
+                                        r: Tensor, u: Tensor, pos_bias: Tensor, attended: Tensor, lse: Tensor,
+                                        w_q: Tensor, w_kv: Tensor, w_out: Tensor, *,
+                                        norm: tuple[Tensor, Tensor, Tensor, Tensor, Tensor, float] | None = None,
+                                        grad_projected: Tensor | None = None, grad_x: Tensor | None = None
+                                        ) -> tuple[Tensor | None, ...]:
+    """The backward pass of :func:`relative_sublayer_streamed` up to the weights' gradients (``attend_back``: the
+    kernel's backward function). From the output's gradient with ``norm = (grad, xhat, rstd, gamma, keep_bits,
+    scale)``; without it, from ``grad_projected``, adding the body's share to ``grad_x`` (contiguous, in place).
+
+    Returns x's gradient, the output projection's output gradient, the projections' ``(B·L, 3d)``, the memory's keys'
+    and values' (or ``None``), then the gradients of ``r``, ``u`` and ``pos_bias`` and, with ``norm``, gamma's and
+    beta's."""
+    batch, n_heads, length = lse.shape
+    rows, width = attended.shape
+    mem = 0 if memory_kv is None else memory_kv.shape[0] // batch
+    block, threads = _relative_blocks(batch, length, 3 * rows * width)
+    dy = xhat = rstd = gamma = keep_bits = None
+    scale = 0.0
+    if norm is not None:
+        dy, xhat, rstd, gamma, keep_bits, scale = norm
+        dy = dy.contiguous()
+        grad_x, grad_projected = torch.empty_like(attended), torch.empty_like(attended)
+    elif grad_projected is None or grad_x is None:
+        raise ValueError("relative_sublayer_streamed_backward takes norm, or grad_projected with grad_x")
+    else:
+        grad_projected = grad_projected.contiguous()
+    grad_attended, grad_qkv = torch.empty_like(attended), torch.empty_like(qkv)
+    grad_memory_kv = None if memory_kv is None else torch.empty_like(memory_kv)
+    grad_r = r.new_empty(batch, *r.shape)  # each sequence's share, summed below
+    grad_u, grad_pos_bias = u.new_empty(batch, *u.shape), u.new_empty(batch, *u.shape)
+    sums = attended.new_empty(3 * width)
+    _check_relative(KERNEL.library().relative_sublayer_backward_f32(
+        blas.pack, blas.compute, blas.local_threads, attend_back, _address(dy), _address(xhat), _address(rstd),
+        _address(gamma), _address(keep_bits), qkv.data_ptr(), _address(memory_kv), r.data_ptr(), u.data_ptr(),
+        pos_bias.data_ptr(), attended.data_ptr(), lse.data_ptr(), w_q.data_ptr(), w_kv.data_ptr(), w_out.data_ptr(),
+        blas.packed_floats(block * length, width, width), blas.packed_floats(block * length, width, width),
+        blas.packed_floats(block * length, width, 2 * width), grad_x.data_ptr(), grad_projected.data_ptr(),
+        grad_attended.data_ptr(), grad_qkv.data_ptr(), _address(grad_memory_kv), grad_r.data_ptr(),
+        grad_u.data_ptr(), grad_pos_bias.data_ptr(), sums.data_ptr(), batch, length, mem, n_heads, width, scale,
+        block, threads))
+    norm_grads = (sums[:width], sums[width:2 * width]) if norm is not None else (None, None)
+    return (grad_x, grad_projected, grad_qkv, grad_memory_kv, grad_r.sum(0), grad_u.sum(0), grad_pos_bias.sum(0),
+            *norm_grads)

@@ -37,7 +37,8 @@ from torch import Tensor
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 from gatedformer.backbones._simd import SIMD_HELPERS
 
-__all__ = ["KERNEL", "MAX_HEAD_SIZE", "backward_kernel", "forward_kernel", "kernel_takes", "relative_attention"]
+__all__ = ["KERNEL", "MAX_HEAD_SIZE", "backward_kernel", "forward_kernel", "kernel_addresses", "kernel_takes",
+           "relative_attention"]
 
 MAX_HEAD_SIZE = 128
 
@@ -576,6 +577,15 @@ KERNEL = NativeKernel(
     description="the compiled relative-position attention kernel", fallback="PyTorch operations",
     fast_math=True, avx512=True,
 )
+
+
+def kernel_addresses() -> tuple[int, int]:
+    """The addresses of the compiled ``relative_attention_forward_f32`` and ``relative_attention_backward_f32``, for a
+    kernel that calls them on its own threads (see ``_epilogue_kernel.relative_sublayer_streamed``)."""
+    lib = KERNEL.library()
+    forward, backward = (ctypes.cast(fn, ctypes.c_void_p).value for fn in (lib.relative_attention_forward_f32,
+                                                                           lib.relative_attention_backward_f32))
+    return forward or 0, backward or 0
 
 
 def kernel_takes(tensors: Sequence[Tensor], n_heads: int, dropout: float) -> bool:

@@ -3,10 +3,15 @@
 Written with modules, the sublayer is five linear layers (queries, the window's and the memory's keys and
 values, the position keys, the output projection), the relative attention kernel and the fused dropout, residual
 add and LayerNorm: seven autograd nodes forward and as many backward, each with its own Python dispatch. At the
-``enwik8`` recipes' widths (48-64) that overhead is a visible share of the step. Here the products are plain
-``mm`` calls around :func:`~gatedformer.backbones._relative_attention_kernel.forward_kernel` and the epilogue
-kernel's ``dropout_add_norm``, and the backward pass computes every gradient in one function: the residual's
-and the queries' and keys' shares of ``h``'s gradient are added in its products.
+``enwik8`` recipes' widths (48-64) that overhead is a visible share of the step. Here, where PyTorch links MKL,
+one call of the epilogue kernel (``relative_sublayer_streamed``) runs the whole sublayer in one parallel region,
+each thread taking its own sequences through the projections (MKL's packed products), the relative attention
+kernel, the output projection and the dropout, residual and LayerNorm, as the Transformer's attention sublayer
+does; its backward pass likewise, up to the weights' gradients, which are a few large products after it. Without
+MKL the products are plain ``mm`` calls around
+:func:`~gatedformer.backbones._relative_attention_kernel.forward_kernel`. Either way the backward pass computes every
+gradient in one function: the residual's and the queries' and keys' shares of ``h``'s gradient are added in its
+products.
 
 The sublayer's gates (a gated residual connection, an SDU branch, a highway gate, a gated MHDPA, an EAU on the
 attention's output) end it as in the Transformer's whole-sublayer functions
@@ -28,7 +33,12 @@ from torch import Tensor, nn
 
 from gatedformer.backbones import _epilogue_kernel
 from gatedformer.backbones import dropout as dropout_ops
-from gatedformer.backbones._relative_attention_kernel import backward_kernel, forward_kernel, kernel_takes
+from gatedformer.backbones._relative_attention_kernel import (
+    backward_kernel,
+    forward_kernel,
+    kernel_addresses,
+    kernel_takes,
+)
 from gatedformer.backbones.fused_linear import (
     _add_branch_grads,
     _branch_parameters,
@@ -38,6 +48,7 @@ from gatedformer.backbones.fused_linear import (
     _norm_tail,
     _norm_tail_backward,
     _plain_layer_norm,
+    _streams,
     _unit_fuses,
     unhooked,
 )
@@ -62,61 +73,88 @@ class RelativeAttentionAddNorm(torch.autograd.Function):
         batch, length, width = h.shape
         rows = h.reshape(-1, width).contiguous()
         memory_rows = None if memory is None else memory.reshape(-1, width).contiguous()
-        pos = pos.contiguous()
-        # The queries, keys and values of the window as one product; the kernel reads them where it leaves them.
-        w_qkv = torch.cat([w_q, w_kv])
-        qkv = rows.mm(w_qkv.t()).view(batch, length, -1)
-        q, kv = qkv[..., : w_q.shape[0]], qkv[..., w_q.shape[0] :]
-        memory_kv = None if memory_rows is None else memory_rows.mm(w_kv.t()).view(batch, memory.shape[1], -1)
-        r = pos.mm(w_r.t())
-        attended, lse = forward_kernel(q, kv, r, u.contiguous(), v.contiguous(), memory_kv, n_heads)
-        projected = attended.view(rows.shape[0], -1).mm(w_out.t())
+        pos, u, v = pos.contiguous(), u.contiguous(), v.contiguous()
         ctx.scale, ctx.n_heads, ctx.unit_tail = _INT32_VALUES / keep_below, n_heads, unit_tail
-        no_bias = projected.new_zeros(width)  # the output projection has none; the tail takes one
-        out, tail = _norm_tail(rows, projected, no_bias, gamma, beta, eps, (seed, keep_below), ctx.scale,
-                               None if w_gate is None else (w_gate, b_gate),
-                               None if w_unit is None else (w_unit, b_unit, unit_tail),
-                               None if eau[0] is None else tuple(eau))
-        ctx.save_for_backward(rows, memory_rows, pos, qkv, memory_kv, r, attended, lse, w_qkv, w_r, w_out, u, v, gamma,
-                              no_bias, w_gate, w_unit, *eau, *tail)
+        ctx.plain = w_gate is None and w_unit is None and eau[0] is None
+        r = pos.mm(w_r.t())
+        no_bias = r.new_zeros(width)  # the output projection has none; the tail takes one
+        gates = (None if w_gate is None else (w_gate, b_gate), None if w_unit is None else (w_unit, b_unit, unit_tail),
+                 None if eau[0] is None else tuple(eau))
+        ctx.blas = _streams(w_q, w_out) if w_kv.is_contiguous() else None
+        if ctx.blas is not None:
+            # One parallel region: each thread runs its sequences through the products, the kernel and the tail.
+            ctx.attend = kernel_addresses()
+            norm = (gamma, beta, eps, (seed, keep_below), ctx.scale) if ctx.plain else None
+            out, qkv, memory_kv, attended, lse, *tail = _epilogue_kernel.relative_sublayer_streamed(
+                ctx.blas, ctx.attend[0], rows, memory_rows, r, u, v, w_q, w_kv, w_out, batch, n_heads, norm)
+            if ctx.plain:
+                tail += [None] * 7  # as _norm_tail's: no gate, carry, branch or EAU
+            else:
+                out, tail = _norm_tail(rows, out, no_bias, gamma, beta, eps, (seed, keep_below), ctx.scale, *gates)
+        else:
+            # The queries, keys and values of the window as one product; the kernel reads them where it leaves them.
+            qkv = rows.mm(torch.cat([w_q, w_kv]).t())
+            memory_kv = None if memory_rows is None else memory_rows.mm(w_kv.t())
+            attended, lse = forward_kernel(qkv[:, :width].view(batch, length, -1),
+                                           qkv[:, width:].view(batch, length, -1), r, u, v,
+                                           None if memory_kv is None else memory_kv.view(batch, -1, 2 * width), n_heads)
+            attended = attended.view(rows.shape[0], -1)
+            out, tail = _norm_tail(rows, attended.mm(w_out.t()), no_bias, gamma, beta, eps, (seed, keep_below),
+                                   ctx.scale, *gates)
+        ctx.save_for_backward(rows, memory_rows, pos, qkv, memory_kv, r, attended, lse, w_q, w_kv, w_r, w_out, u, v,
+                              gamma, no_bias, w_gate, w_unit, *eau, *tail)
+        ctx.shape = (batch, length)
         return out.view(batch, length, width)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        (rows, memory_rows, pos, qkv, memory_kv, r, attended, lse, w_qkv, w_r, w_out, u, v, gamma, no_bias, w_gate,
+        (rows, memory_rows, pos, qkv, memory_kv, r, attended, lse, w_q, w_kv, w_r, w_out, u, v, gamma, no_bias, w_gate,
          w_unit, *rest) = ctx.saved_tensors
         eau, tail = tuple(rest[:6]), tuple(rest[6:])
         needed = ctx.needs_input_grad
+        batch, length = ctx.shape
         width = attended.shape[-1]
-        q, kv = qkv[..., :width], qkv[..., width:]
-        # h's gradient through the residual and the gates' tail (their products' shares are added below)
-        grad_h, grad_projected, grad_gate, grad_gamma, grad_beta, _, grad_b_gate, grad_branch, grad_eau = (
-            _norm_tail_backward(grad.reshape(rows.shape).contiguous(), tail, gamma, no_bias, ctx.scale, ctx.unit_tail,
-                                rows, eau))
-        grad_h = grad_h.contiguous()
-        attended_rows = attended.view(rows.shape[0], -1)
-        grad_w_out = grad_projected.t().mm(attended_rows) if needed[6] else None
-        grad_attended = grad_projected.mm(w_out).view(attended.shape)
-        grad_qkv = torch.empty_like(qkv)  # the kernel writes the queries' and the keys' and values' gradients in it
-        _, _, grad_r, grad_u, grad_v, grad_memory_kv = backward_kernel(
-            grad_attended, q, kv, r, u.contiguous(), v.contiguous(), memory_kv, attended, lse, ctx.n_heads,
-            grad_qkv[..., :width], grad_qkv[..., width:])
-        grad_qkv = grad_qkv.view(rows.shape[0], -1)
-        grad_h.addmm_(grad_qkv, w_qkv)  # the residual's share plus the queries' and keys'
+        grad_rows = grad.reshape(rows.shape)
+        grad_gate = grad_b_gate = grad_branch = grad_eau = None
+        if ctx.blas is not None and ctx.plain:
+            (grad_h, grad_projected, grad_qkv, grad_memory_kv, grad_r, grad_u, grad_v, grad_gamma,
+             grad_beta) = _epilogue_kernel.relative_sublayer_streamed_backward(
+                ctx.blas, ctx.attend[1], qkv, memory_kv, r, u, v, attended, lse, w_q, w_kv, w_out,
+                norm=(grad_rows, tail[0], tail[1], gamma, tail[2], ctx.scale))
+        else:
+            # h's gradient through the residual and the gates' tail (their products' shares are added below)
+            grad_h, grad_projected, grad_gate, grad_gamma, grad_beta, _, grad_b_gate, grad_branch, grad_eau = (
+                _norm_tail_backward(grad_rows.contiguous(), tail, gamma, no_bias, ctx.scale, ctx.unit_tail, rows, eau))
+            grad_h = grad_h.contiguous()
+            if ctx.blas is not None:  # the body's share of h's gradient added in the stream's last products
+                _, _, grad_qkv, grad_memory_kv, grad_r, grad_u, grad_v, _, _ = (
+                    _epilogue_kernel.relative_sublayer_streamed_backward(
+                        ctx.blas, ctx.attend[1], qkv, memory_kv, r, u, v, attended, lse, w_q, w_kv, w_out,
+                        grad_projected=grad_projected, grad_x=grad_h))
+            else:
+                grad_attended = grad_projected.mm(w_out).view(batch, length, width)
+                grad_qkv = torch.empty_like(qkv)  # the kernel writes the queries' and the keys' and values' gradients
+                queries, keys_values = qkv[:, :width].view(batch, length, -1), qkv[:, width:].view(batch, length, -1)
+                _, _, grad_r, grad_u, grad_v, grad_memory_kv = backward_kernel(
+                    grad_attended, queries, keys_values, r, u, v,
+                    None if memory_kv is None else memory_kv.view(batch, -1, 2 * width),
+                    attended.view(batch, length, width), lse, ctx.n_heads,
+                    grad_qkv[:, :width].view(batch, length, -1), grad_qkv[:, width:].view(batch, length, -1))
+                grad_memory_kv = None if grad_memory_kv is None else grad_memory_kv.view(-1, 2 * width)
+                grad_h.addmm_(grad_qkv, torch.cat([w_q, w_kv]))  # the residual's share plus the queries' and keys'
+        grad_w_out = grad_projected.t().mm(attended) if needed[6] else None
         grad_w_q = grad_w_kv = None
         if needed[3] or needed[4]:
             grad_w_qkv = grad_qkv.t().mm(rows)
             grad_w_q, grad_w_kv = grad_w_qkv[:width], grad_w_qkv[width:]
             if grad_memory_kv is not None:
-                grad_w_kv.addmm_(grad_memory_kv.view(memory_rows.shape[0], -1).t(), memory_rows)
-        w_kv = w_qkv[width:]
+                grad_w_kv.addmm_(grad_memory_kv.t(), memory_rows)
         grad_memory = None
         if needed[1] and grad_memory_kv is not None:
-            grad_memory = grad_memory_kv.view(memory_rows.shape[0], -1).mm(w_kv).view(memory_kv.shape[0], -1,
-                                                                                        rows.shape[1])
+            grad_memory = grad_memory_kv.mm(w_kv).view(batch, -1, width)
         grad_w_gate, grad_w_unit, grad_b_unit = _add_branch_grads(grad_h, rows, grad_gate, w_gate, grad_branch, w_unit,
                                                                 (needed[11], needed[13], needed[14]))
-        grads = (grad_h.view(qkv.shape[0], qkv.shape[1], -1), grad_memory, grad_r.mm(w_r) if needed[2] else None,
+        grads = (grad_h.view(batch, length, width), grad_memory, grad_r.mm(w_r) if needed[2] else None,
                  grad_w_q, grad_w_kv, grad_r.t().mm(pos) if needed[5] else None, grad_w_out, grad_u, grad_v,
                  grad_gamma, grad_beta, grad_w_gate, grad_b_gate, grad_w_unit, grad_b_unit,
                  *(grad_eau or (None,) * 6))
