@@ -125,3 +125,35 @@ def test_it_applies_only_where_the_modules_would_run_fused(monkeypatch: pytest.M
     assert not calls
     _train_two_windows(0.1, gates="+σ SDU+EAU L2")  # layer 1's attention sublayer has no gate
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize(("batch", "length", "mem_len", "width", "gates"),
+                         [(8, 64, 32, 64, ""), (8, 64, 32, 64, "+GRC"), (5, 16, 48, 48, ""), (5, 16, 48, 48, "+σ SDU")])
+def test_two_threads_and_memories_longer_or_shorter_than_the_window_give_the_modules_numbers(
+        batch: int, length: int, mem_len: int, width: int, gates: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sequences split between two threads in blocks, and memories shorter and longer than the window (the packed
+    products are sized for the longer): the losses and gradients of the modules."""
+    _native_or_skip()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def train() -> list[Tensor]:
+            tokens = torch.randint(0, 50, (batch, 4, length + 1), generator=torch.Generator().manual_seed(1))
+            torch.manual_seed(0)
+            model = TransformerXLLM(50, d_model=width, n_layers=1, n_heads=4, d_ffn=2 * width, dropout=0.1,
+                                    mem_len=mem_len, gates=gates).train()
+            state, losses = None, []
+            for window in tokens.unbind(1):  # memories of 0, then up to mem_len positions
+                loss, state = model(window[:, :-1], state, targets=window[:, 1:])
+                losses.append(loss)
+            return [torch.stack(losses), *torch.autograd.grad(sum(losses), list(model.parameters()))]
+
+        with pytest.MonkeyPatch.context() as patch:
+            streamed = _count_streamed(patch)
+            fused = train()
+        assert len(streamed) == (4 if _blas.packed_gemm() is not None else 0)
+        monkeypatch.setattr(RelativeMultiHeadAttention, "add_norm", lambda *args, **kwargs: None)
+        for a, b in zip(fused, train(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
