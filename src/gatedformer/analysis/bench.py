@@ -3,8 +3,9 @@
 What a row measures
 -------------------
 * **training step**: forward, cross-entropy (on float32 logits, as the trainer), ``zero_grad``, backward and one
-  optimiser step (AdamW with torch's fused kernel by default; ``optimizer="adamw"`` is torch's default
-  implementation, the one the trainer builds; ``"none"`` leaves the step out) on one ``(batch, seq_len)``
+  optimiser step (by default the trainer's AdamW, :class:`~gatedformer.train.flat_adam.FlatAdam`, one fused update
+  over flat buffers; ``optimizer="adamw-fused"`` is torch's fused AdamW, ``"adamw"`` torch's default implementation,
+  ``"none"`` leaves the step out) on one ``(batch, seq_len)``
   window of random tokens. **Evaluation step**: forward and loss in eval mode under ``torch.no_grad``.
 * **timing**: every contender of a table runs in the same process, round-robin. After ``warmup`` rounds,
   each of ``repeats`` rounds calls every contender once, the order reversed every other round, so the slow
@@ -72,6 +73,7 @@ from gatedformer.backbones.attention import sinusoidal_positions
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
 from gatedformer.config import INIT_SCHEMES, InitConfig, ModelConfig
 from gatedformer.errors import ConfigError
+from gatedformer.train.flat_adam import FlatAdam, flat_eligible
 from gatedformer.train.init import initialise
 
 __all__ = [
@@ -105,7 +107,7 @@ GATE_VARIANTS: dict[str, str] = {
 """Variant name -> gate placement spec; any other spec string is accepted as a variant of its own."""
 
 SECTIONS = ("models", "transformer-peers", "rnn-peers", "memory")
-OPTIMIZERS = ("adamw-fused", "adamw", "none")
+OPTIMIZERS = ("adamw-flat", "adamw-fused", "adamw", "none")
 MEMORY_METHODS = ("auto", "tensors", "rss", "cuda", "none")
 
 _RNN_GATES = {"gru": 3, "lstm": 4, "rnn": 1}
@@ -174,7 +176,7 @@ class BenchOptions:
     device: str = "auto"
     compile: bool = False
     bf16: bool = False
-    optimizer: str = "adamw-fused"
+    optimizer: str = "adamw-flat"
     memory: str = "auto"
     threads: int = 0
     seed: int = 0
@@ -584,7 +586,9 @@ def _make_optimizer(model: nn.Module, kind: str, device: torch.device) -> torch.
     if kind == "none":
         return None
     params = [p for p in model.parameters() if p.requires_grad]
-    if kind == "adamw-fused":
+    if kind == "adamw-flat" and flat_eligible(params):
+        return FlatAdam(params, lr=1e-4, decoupled_weight_decay=True)
+    if kind in ("adamw-flat", "adamw-fused"):
         try:
             return torch.optim.AdamW(params, lr=1e-4, fused=True)
         except (RuntimeError, ValueError, TypeError):
@@ -1146,7 +1150,8 @@ def run_bench(size: BenchSize | None = None, options: BenchOptions | None = None
 
 
 def _describe(options: BenchOptions, device: torch.device) -> str:
-    step = {"adamw-fused": "forward + loss + backward + fused AdamW step",
+    step = {"adamw-flat": "forward + loss + backward + AdamW step over flat buffers (the trainer's)",
+            "adamw-fused": "forward + loss + backward + fused AdamW step",
             "adamw": "forward + loss + backward + AdamW step (torch's default implementation)",
             "none": "forward + loss + backward (no optimiser step)"}[options.optimizer]
     method = _memory_method(options.memory, device)

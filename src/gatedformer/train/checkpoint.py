@@ -78,15 +78,19 @@ def _unflatten(layout: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def model_state_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Weights with tied parameters stored once (safetensors refuses shared storage)."""
+    """Weights with tied parameters stored once, each in storage of its own (safetensors refuses shared storage; the
+    trainer's optimiser keeps all parameters in one flat buffer)."""
     state: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
     for name, tensor in model.state_dict().items():
-        ident = tensor.untyped_storage().data_ptr() if tensor.numel() else id(tensor)
+        ident = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride())
         if ident in seen and tensor.numel():
             continue
         seen.add(ident)
-        state[name] = tensor.detach().contiguous().cpu()
+        tensor = tensor.detach().cpu()
+        if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        state[name] = tensor
     return state
 
 

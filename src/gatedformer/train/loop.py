@@ -40,7 +40,7 @@ from gatedformer.train.checkpoint import (
 )
 from gatedformer.train.gate_stats import GateStatistics, gate_biases
 from gatedformer.train.init import initialise
-from gatedformer.train.optim import build_optimizer, build_scheduler
+from gatedformer.train.optim import build_optimizer, build_scheduler, clip_gradients
 
 # Fields that may change between a run and its resumption without changing what is computed.
 RESUMABLE_CHANGES = {"train.steps", "train.eval_every", "train.log_every", "train.device", "train.threads",
@@ -192,7 +192,7 @@ def optimise(loss: torch.Tensor, model: nn.Module, optimizer: torch.optim.Optimi
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     clip = config.optim.clip if config.optim.clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    grad_norm = clip_gradients(model, optimizer, clip)
     value = loss_value(loss)
     stepped = math.isfinite(value) and math.isfinite(grad_norm.item())
     if stepped:
