@@ -1,10 +1,10 @@
 """MKL's packed single-precision matrix products, from the copy PyTorch links for its own CPU products.
 
 The compiled kernels include no BLAS header and link no BLAS: where PyTorch is built with MKL (its x86 wheels),
-:func:`packed_gemm` finds ``cblas_sgemm_pack``, ``cblas_sgemm_compute`` and ``MKL_Set_Num_Threads_Local`` among the
-symbols of ``libtorch_cpu`` and hands their addresses to a kernel, which then runs matrix products on row blocks of
-its own choosing (a weight packed once, reused by every block) inside its own parallel region. Elsewhere it
-returns ``None`` and the callers keep PyTorch's operations. ``GATEDFORMER_PACKED_GEMM=0`` turns it off.
+:func:`packed_gemm` finds ``cblas_sgemm_pack``, ``cblas_sgemm_compute``, ``MKL_Set_Num_Threads_Local`` and the plain
+``SGEMM`` among the symbols of ``libtorch_cpu`` and hands their addresses to a kernel, which then runs matrix products
+on row blocks of its own choosing (a weight packed once, reused by every block) inside its own parallel region.
+Elsewhere it returns ``None`` and the callers keep PyTorch's operations. ``GATEDFORMER_PACKED_GEMM=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ typedef void (*PackFn)(int layout, int identifier, int trans, int m, int n, int 
 typedef void (*ComputeFn)(int layout, int transa, int transb, int m, int n, int k, const float* a, int lda,
                           const float* b, int ldb, float beta, float* c, int ldc);
 typedef int (*LocalThreadsFn)(int);
+// The plain product through MKL's Fortran interface (column-major, arguments by pointer): PyTorch's copy of MKL
+// exports no cblas_sgemm.
+typedef void (*FortranGemmFn)(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                              const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                              const float* beta, float* c, const int* ldc);
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMatrix = 162;
 
 struct Blas {
@@ -37,6 +42,15 @@ struct Blas {
     ComputeFn compute;
     LocalThreadsFn local_threads;
 };
+
+// c (m x n) += a^T b for a (k x m) and b (k x n), all row-major with leading dimensions lda, ldb and n: a weight's
+// gradient from one block of rows. Row-major c is column-major c^T = b^T a, which is what the call computes.
+inline void add_at_b(FortranGemmFn gemm, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                     int64_t ldb, float* c) {
+    const int cm = (int)n, cn = (int)m, ck = (int)k, la = (int)ldb, lb = (int)lda, lc = (int)n;
+    const float one = 1.0f;
+    gemm("N", "T", &cm, &cn, &ck, &one, b, &la, a, &lb, &one, c, &lc);
+}
 
 // body(thread, threads, first_block, end_block) on `threads` OpenMP threads, each with MKL on one thread and a
 // contiguous share of `blocks`.
@@ -74,6 +88,8 @@ class PackedGemm:
     pack: int
     compute: int
     local_threads: int
+    gemm: int
+    """MKL's Fortran ``SGEMM`` (column-major), for products with neither side packed."""
     _size: ctypes._CFuncPtr
     _sizes: dict[tuple[int, int, int], int] = field(default_factory=dict, compare=False)
 
@@ -108,6 +124,7 @@ def _find() -> PackedGemm | None:
         # MKL_Set_Num_Threads_Local is the C function (mkl_set_num_threads_local, a macro for it in mkl.h, is exported
         # as the Fortran one, which takes a pointer)
         pack, compute, local = lib.cblas_sgemm_pack, lib.cblas_sgemm_compute, lib.MKL_Set_Num_Threads_Local
+        gemm = lib.SGEMM
     except AttributeError:  # a build that keeps MKL's symbols to itself
         return None
     size.restype, size.argtypes = ctypes.c_size_t, [ctypes.c_int] * 4
@@ -115,7 +132,7 @@ def _find() -> PackedGemm | None:
     def address(fn: ctypes._CFuncPtr) -> int:
         return ctypes.cast(fn, ctypes.c_void_p).value or 0
 
-    return PackedGemm(address(pack), address(compute), address(local), size)
+    return PackedGemm(address(pack), address(compute), address(local), address(gemm), size)
 
 
 def packed_gemm() -> PackedGemm | None:

@@ -7,8 +7,8 @@ add and LayerNorm: seven autograd nodes forward and as many backward, each with 
 one call of the epilogue kernel (``relative_sublayer_streamed``) runs the whole sublayer in one parallel region,
 each thread taking its own sequences through the projections (MKL's packed products), the relative attention
 kernel, the output projection and the dropout, residual and LayerNorm, as the Transformer's attention sublayer
-does; its backward pass likewise, up to the weights' gradients, which are a few large products after it. Without
-MKL the products are plain ``mm`` calls around
+does; its backward pass likewise, the weights' gradients included (each thread adds its own rows' products to a
+share of its own). Without MKL the products are plain ``mm`` calls around
 :func:`~gatedformer.backbones._relative_attention_kernel.forward_kernel`. Either way the backward pass computes every
 gradient in one function: the residual's and the queries' and keys' shares of ``h``'s gradient are added in its
 products.
@@ -116,21 +116,24 @@ class RelativeAttentionAddNorm(torch.autograd.Function):
         width = attended.shape[-1]
         grad_rows = grad.reshape(rows.shape)
         grad_gate = grad_b_gate = grad_branch = grad_eau = None
+        grad_w_out = grad_w_qkv = None
+        # The stream makes the weights' gradients too, each thread from its own rows while they are in cache.
+        inputs = (rows, memory_rows) if needed[3] or needed[4] or needed[6] else None
         if ctx.blas is not None and ctx.plain:
             (grad_h, grad_projected, grad_qkv, grad_memory_kv, grad_r, grad_u, grad_v, grad_gamma,
-             grad_beta) = _epilogue_kernel.relative_sublayer_streamed_backward(
+             grad_beta, grad_w_out, grad_w_qkv) = _epilogue_kernel.relative_sublayer_streamed_backward(
                 ctx.blas, ctx.attend[1], qkv, memory_kv, r, u, v, attended, lse, w_q, w_kv, w_out,
-                norm=(grad_rows, tail[0], tail[1], gamma, tail[2], ctx.scale))
+                norm=(grad_rows, tail[0], tail[1], gamma, tail[2], ctx.scale), inputs=inputs)
         else:
             # h's gradient through the residual and the gates' tail (their products' shares are added below)
             grad_h, grad_projected, grad_gate, grad_gamma, grad_beta, _, grad_b_gate, grad_branch, grad_eau = (
                 _norm_tail_backward(grad_rows.contiguous(), tail, gamma, no_bias, ctx.scale, ctx.unit_tail, rows, eau))
             grad_h = grad_h.contiguous()
             if ctx.blas is not None:  # the body's share of h's gradient added in the stream's last products
-                _, _, grad_qkv, grad_memory_kv, grad_r, grad_u, grad_v, _, _ = (
+                _, _, grad_qkv, grad_memory_kv, grad_r, grad_u, grad_v, _, _, grad_w_out, grad_w_qkv = (
                     _epilogue_kernel.relative_sublayer_streamed_backward(
                         ctx.blas, ctx.attend[1], qkv, memory_kv, r, u, v, attended, lse, w_q, w_kv, w_out,
-                        grad_projected=grad_projected, grad_x=grad_h))
+                        grad_projected=grad_projected, grad_x=grad_h, inputs=inputs))
             else:
                 grad_attended = grad_projected.mm(w_out).view(batch, length, width)
                 grad_qkv = torch.empty_like(qkv)  # the kernel writes the queries' and the keys' and values' gradients
@@ -142,13 +145,13 @@ class RelativeAttentionAddNorm(torch.autograd.Function):
                     grad_qkv[:, :width].view(batch, length, -1), grad_qkv[:, width:].view(batch, length, -1))
                 grad_memory_kv = None if grad_memory_kv is None else grad_memory_kv.view(-1, 2 * width)
                 grad_h.addmm_(grad_qkv, torch.cat([w_q, w_kv]))  # the residual's share plus the queries' and keys'
-        grad_w_out = grad_projected.t().mm(attended) if needed[6] else None
-        grad_w_q = grad_w_kv = None
-        if needed[3] or needed[4]:
+        if grad_w_out is None and needed[6]:
+            grad_w_out = grad_projected.t().mm(attended)
+        if grad_w_qkv is None and (needed[3] or needed[4]):
             grad_w_qkv = grad_qkv.t().mm(rows)
-            grad_w_q, grad_w_kv = grad_w_qkv[:width], grad_w_qkv[width:]
             if grad_memory_kv is not None:
-                grad_w_kv.addmm_(grad_memory_kv.t(), memory_rows)
+                grad_w_qkv[width:].addmm_(grad_memory_kv.t(), memory_rows)
+        grad_w_q, grad_w_kv = (None, None) if grad_w_qkv is None else (grad_w_qkv[:width], grad_w_qkv[width:])
         grad_memory = None
         if needed[1] and grad_memory_kv is not None:
             grad_memory = grad_memory_kv.mm(w_kv).view(batch, -1, width)
