@@ -375,20 +375,27 @@ class _FeedForwardAddNorm(torch.autograd.Function):
         x, w1, positive, hidden, w2, b2, gamma, w_gate, w_unit, *rest = ctx.saved_tensors
         eau, tail = tuple(rest[:6]), tuple(rest[6:])
         needed = ctx.needs_input_grad
+        # The stream makes the weights' gradients too, each thread from its own rows.
+        inputs = (x, hidden) if needed[1] or needed[3] else None
         if ctx.blas is not None and ctx.plain:
-            grad_x, grad_outer, grad_inner, grad_gamma, grad_beta, grad_b2, grad_b1 = feed_forward_streamed_backward(
-                ctx.blas, grad, *tail[:2], gamma, tail[2], positive, w1, w2, *ctx.scales)
-            grads = (grad_x, _wide_weight_grad(grad_inner, x) if needed[1] else None, grad_b1,
-                     grad_outer.t().mm(hidden) if needed[3] else None, grad_b2, grad_gamma, grad_beta)
+            grad_x, grad_outer, grad_inner, grad_gamma, grad_beta, grad_b2, grad_b1, grad_w1, grad_w2 = (
+                feed_forward_streamed_backward(ctx.blas, grad, *tail[:2], gamma, tail[2], positive, w1, w2,
+                                               *ctx.scales, inputs=inputs))
+            if grad_w1 is None and needed[1]:
+                grad_w1 = _wide_weight_grad(grad_inner, x)
+            if grad_w2 is None and needed[3]:
+                grad_w2 = grad_outer.t().mm(hidden)
+            grads = (grad_x, grad_w1, grad_b1, grad_w2, grad_b2, grad_gamma, grad_beta)
             return (*(g if need else None for g, need in zip(grads, needed, strict=False)), *(None,) * 14)
         grad_x, grad_outer, grad_gate, grad_gamma, grad_beta, grad_b2, grad_b_gate, grad_branch, grad_eau = (
             _norm_tail_backward(grad, tail, gamma, b2, ctx.scales[1], ctx.unit_tail, x, eau))
         if not needed[0]:
             grad_x = None
+        grad_w1 = grad_w2 = None
         if ctx.blas is not None:  # the body's share of x's gradient added in the stream's last product
             grad_x = torch.zeros_like(x) if grad_x is None else grad_x.contiguous()
-            grad_inner, grad_b1 = feed_forward_body_streamed_backward(ctx.blas, grad_outer, grad_x, positive, w1, w2,
-                                                                      ctx.scales[0])
+            grad_inner, grad_b1, grad_w1, grad_w2 = feed_forward_body_streamed_backward(
+                ctx.blas, grad_outer, grad_x, positive, w1, w2, ctx.scales[0], inputs=inputs)
             grad_x = grad_x if needed[0] else None
         else:
             grad_inner, grad_b1 = scale_where_positive_with_sums(positive, grad_outer.mm(w2), ctx.scales[0],
@@ -397,8 +404,10 @@ class _FeedForwardAddNorm(torch.autograd.Function):
                 grad_x.addmm_(grad_inner, w1)
         grad_w_gate, grad_w_unit, grad_b_unit = _add_branch_grads(grad_x, x, grad_gate, w_gate, grad_branch, w_unit,
                                                                 (needed[7], needed[9], needed[10]))
-        grad_w1 = _wide_weight_grad(grad_inner, x) if needed[1] else None
-        grad_w2 = grad_outer.t().mm(hidden) if needed[3] else None
+        if grad_w1 is None and needed[1]:
+            grad_w1 = _wide_weight_grad(grad_inner, x)
+        if grad_w2 is None and needed[3]:
+            grad_w2 = grad_outer.t().mm(hidden)
         grads = (grad_x, grad_w1, grad_b1, grad_w2, grad_b2, grad_gamma, grad_beta, grad_w_gate, grad_b_gate,
                  grad_w_unit, grad_b_unit, *(grad_eau or (None,) * 6))
         return (*(g if need else None for g, need in zip(grads, needed, strict=False)), None, None, None, None)
