@@ -3,9 +3,9 @@
 What a row measures
 -------------------
 * **training step**: forward, cross-entropy (on float32 logits, as the trainer), ``zero_grad``, backward and one
-  optimiser step (by default the trainer's AdamW, :class:`~gatedformer.train.flat_adam.FlatAdam`, one fused update
-  over flat buffers; ``optimizer="adamw-fused"`` is torch's fused AdamW, ``"adamw"`` torch's default implementation,
-  ``"none"`` leaves the step out) on one ``(batch, seq_len)``
+  optimiser step (by default the trainer's AdamW, :class:`~gatedformer.train.grouped_adam.GroupedAdam`, one fused
+  call per parameter group; ``optimizer="adamw-fused"`` is torch's fused AdamW, ``"adamw"`` torch's default
+  implementation, ``"none"`` leaves the step out) on one ``(batch, seq_len)``
   window of random tokens. **Evaluation step**: forward and loss in eval mode under ``torch.no_grad``.
 * **timing**: every contender of a table runs in the same process, round-robin. After ``warmup`` rounds,
   each of ``repeats`` rounds calls every contender once, the order reversed every other round, so the slow
@@ -73,7 +73,7 @@ from gatedformer.backbones.attention import sinusoidal_positions
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
 from gatedformer.config import INIT_SCHEMES, InitConfig, ModelConfig
 from gatedformer.errors import ConfigError
-from gatedformer.train.flat_adam import FlatAdam, flat_eligible
+from gatedformer.train.grouped_adam import GroupedAdam, groupable
 from gatedformer.train.init import initialise
 
 __all__ = [
@@ -107,7 +107,7 @@ GATE_VARIANTS: dict[str, str] = {
 """Variant name -> gate placement spec; any other spec string is accepted as a variant of its own."""
 
 SECTIONS = ("models", "transformer-peers", "rnn-peers", "memory")
-OPTIMIZERS = ("adamw-flat", "adamw-fused", "adamw", "none")
+OPTIMIZERS = ("adamw-grouped", "adamw-fused", "adamw", "none")
 MEMORY_METHODS = ("auto", "tensors", "rss", "cuda", "none")
 
 _RNN_GATES = {"gru": 3, "lstm": 4, "rnn": 1}
@@ -176,7 +176,7 @@ class BenchOptions:
     device: str = "auto"
     compile: bool = False
     bf16: bool = False
-    optimizer: str = "adamw-flat"
+    optimizer: str = "adamw-grouped"
     memory: str = "auto"
     threads: int = 0
     seed: int = 0
@@ -586,9 +586,9 @@ def _make_optimizer(model: nn.Module, kind: str, device: torch.device) -> torch.
     if kind == "none":
         return None
     params = [p for p in model.parameters() if p.requires_grad]
-    if kind == "adamw-flat" and flat_eligible(params):
-        return FlatAdam(params, lr=1e-4, decoupled_weight_decay=True)
-    if kind in ("adamw-flat", "adamw-fused"):
+    if kind == "adamw-grouped" and groupable(params):
+        return GroupedAdam(params, lr=1e-4, decoupled_weight_decay=True)
+    if kind in ("adamw-grouped", "adamw-fused"):
         try:
             return torch.optim.AdamW(params, lr=1e-4, fused=True)
         except (RuntimeError, ValueError, TypeError):
@@ -1150,7 +1150,7 @@ def run_bench(size: BenchSize | None = None, options: BenchOptions | None = None
 
 
 def _describe(options: BenchOptions, device: torch.device) -> str:
-    step = {"adamw-flat": "forward + loss + backward + AdamW step over flat buffers (the trainer's)",
+    step = {"adamw-grouped": "forward + loss + backward + AdamW step, one fused call (the trainer's)",
             "adamw-fused": "forward + loss + backward + fused AdamW step",
             "adamw": "forward + loss + backward + AdamW step (torch's default implementation)",
             "none": "forward + loss + backward (no optimiser step)"}[options.optimizer]

@@ -78,8 +78,8 @@ def _unflatten(layout: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def model_state_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Weights with tied parameters stored once, each in storage of its own (safetensors refuses shared storage; the
-    trainer's optimiser keeps all parameters in one flat buffer)."""
+    """Weights with tied parameters stored once, each in storage of its own (safetensors refuses shared storage, and
+    parameters may be views into one buffer)."""
     state: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
     for name, tensor in model.state_dict().items():

@@ -8,15 +8,15 @@ import torch
 from torch import nn
 
 from gatedformer.config import OptimConfig
-from gatedformer.train.flat_adam import FLAT_DTYPES, FlatAdam, flat_eligible
+from gatedformer.train.grouped_adam import FUSED_DTYPES, GroupedAdam, groupable
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """SGD, Adam or AdamW over the model's trainable parameters.
 
     Weight decay is not applied to biases, LayerNorm weights and embeddings' biases (1-D tensors),
-    as is usual for Transformers. Adam and AdamW are :class:`~gatedformer.train.flat_adam.FlatAdam` (each group in
-    one flat buffer, one fused update) where the parameters allow it, else PyTorch's own.
+    as is usual for Transformers. Adam and AdamW are :class:`~gatedformer.train.grouped_adam.GroupedAdam` (one fused
+    kernel call and one step counter per group) where the parameters allow it, else PyTorch's own.
     """
     decayed, plain = [], []
     for parameter in model.parameters():
@@ -26,18 +26,18 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     betas = (cfg.beta1, cfg.beta2)
-    if all(flat_eligible(group["params"]) for group in groups):
-        return FlatAdam(groups, lr=cfg.lr, betas=betas, decoupled_weight_decay=cfg.name == "adamw")
+    if all(groupable(group["params"]) for group in groups):
+        return GroupedAdam(groups, lr=cfg.lr, betas=betas, decoupled_weight_decay=cfg.name == "adamw")
     optimizer = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in FLAT_DTYPES for g in groups for p in g["params"])
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in FUSED_DTYPES for g in groups for p in g["params"])
     return optimizer(groups, lr=cfg.lr, betas=betas, fused=fused or None)
 
 
 def clip_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
     """Clip the model's gradients to the global L2 norm ``max_norm`` (``inf``: measure only) and return the norm
-    before clipping, as ``torch.nn.utils.clip_grad_norm_``; on the optimiser's flat buffers where it keeps the
-    model's parameters in them."""
-    if isinstance(optimizer, FlatAdam):
+    before clipping, as ``torch.nn.utils.clip_grad_norm_`` (by the optimiser's own multi-tensor calls where it is a
+    :class:`~gatedformer.train.grouped_adam.GroupedAdam` over the model's parameters)."""
+    if isinstance(optimizer, GroupedAdam):
         trained = {id(p) for p in model.parameters() if p.requires_grad}
         if trained == {id(p) for group in optimizer.param_groups for p in group["params"]}:
             return optimizer.clip_grad_norm_(max_norm)
