@@ -6,9 +6,16 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from gatedformer.backbones import _blas, _epilogue_kernel, _relative_attention_kernel
+from gatedformer.backbones import _blas, _epilogue_kernel, _relative_attention_kernel, transformer_xl
 from gatedformer.backbones.relative_sublayer import RelativeAttentionAddNorm
 from gatedformer.backbones.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM, relative_positions
+
+
+@pytest.fixture(autouse=True)
+def _layer_by_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the sublayer's own function: the model calls its layers one by one (the whole stack as
+    one function is tested in test_layer_stack.py)."""
+    monkeypatch.setattr(transformer_xl, "plain_layer_stack", lambda *args: None)
 
 
 def _native_or_skip() -> None:

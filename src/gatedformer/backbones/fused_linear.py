@@ -76,8 +76,8 @@ from gatedformer.backbones._epilogue_kernel import (
 from gatedformer.backbones._gate_kernel import tail_backward, tail_forward
 from gatedformer.gates import GatedMHDPA, HighwayGate
 
-__all__ = ["attention_add_norm", "dropout_add_layer_norm", "feed_forward_add_norm", "fusion_applies",
-           "linear_dropout", "linear_dropout_add", "linear_dropout_add_norm", "linear_relu_dropout"]
+__all__ = ["attention_add_norm", "dropout_add_layer_norm", "feed_forward_add_norm", "feed_forward_fusion_applies",
+           "fusion_applies", "linear_dropout", "linear_dropout_add", "linear_dropout_add_norm", "linear_relu_dropout"]
 
 _INT32_VALUES = 2 ** 32
 
@@ -616,15 +616,22 @@ def feed_forward_add_norm(x: Tensor, inner: nn.Linear, outer: nn.Linear, inner_p
     :class:`~gatedformer.gates.GatedMHDPA`, no ``gate``) ``norm(x + dropout(unit(x, FFN(x))))``; with an ``eau``
     (:class:`~gatedformer.gates.EAU`, no ``unit``) on the body's output ``norm([gate](x, dropout(eau(FFN(x)))))``;
     each only without hooks. The masks are drawn in the order of the unfused sublayer."""
-    if not (fusion_applies(x, inner, inner_p, training) and fusion_applies(x, outer, p, training)
-            and outer.in_features == inner.out_features and outer.out_features == x.shape[-1]
-            and _plain_layer_norm(norm, x.shape[-1]) and _gate_fuses(gate, x, p, training)
-            and _unit_fuses(unit, gate, x, p, training) and _eau_fuses(eau, unit, x, p, training)):
+    if not feed_forward_fusion_applies(x, inner, outer, inner_p, p, norm, training, gate, unit, eau):
         return None
     inner_mask = _mask(inner_p)
     out = _FeedForwardAddNorm.apply(_rows(x), inner.weight, inner.bias, outer.weight, outer.bias, norm.weight,
                                     norm.bias, *_branch_parameters(gate, unit, eau), norm.eps, inner_mask, _mask(p))
     return out.view(x.shape)
+
+
+def feed_forward_fusion_applies(x: Tensor, inner: nn.Linear, outer: nn.Linear, inner_p: float, p: float,
+                                norm: nn.LayerNorm, training: bool = True, gate: nn.Module | None = None,
+                                unit: nn.Module | None = None, eau: nn.Module | None = None) -> bool:
+    """Whether :func:`feed_forward_add_norm` computes this sublayer as one function (it returns ``None`` where not)."""
+    return (fusion_applies(x, inner, inner_p, training) and fusion_applies(x, outer, p, training)
+            and outer.in_features == inner.out_features and outer.out_features == x.shape[-1]
+            and _plain_layer_norm(norm, x.shape[-1]) and _gate_fuses(gate, x, p, training)
+            and _unit_fuses(unit, gate, x, p, training) and _eau_fuses(eau, unit, x, p, training))
 
 
 def attention_add_norm(x: Tensor, qkv: nn.Linear, out: nn.Linear, n_heads: int, attention_dropout: float, p: float,

@@ -53,7 +53,7 @@ from gatedformer.backbones.fused_linear import (
     unhooked,
 )
 
-__all__ = ["RelativeAttentionAddNorm", "relative_attention_add_norm"]
+__all__ = ["RelativeAttentionAddNorm", "relative_attention_add_norm", "relative_fusion_applies"]
 
 _INT32_VALUES = 2 ** 32
 
@@ -172,9 +172,24 @@ def relative_attention_add_norm(attention: nn.Module, x: Tensor, p: float, norm:
     :class:`~gatedformer.backbones.transformer_xl.RelativeMultiHeadAttention`, with its sublayer's gates (as
     :func:`~gatedformer.backbones.fused_linear.attention_add_norm` takes them), by :class:`RelativeAttentionAddNorm`
     where that applies (see the module), else ``None``."""
-    if pos is None or not attention.training:
+    if pos is None:
         return None
     memory = memory if memory is not None and memory.shape[1] > 0 else None
+    if not relative_fusion_applies(attention, x, p, norm, gate, unit, eau, memory, pos):
+        return None
+    k_len = x.shape[1] + (0 if memory is None else memory.shape[1])
+    return RelativeAttentionAddNorm.apply(x, memory, pos[pos.shape[0] - k_len :], attention.query.weight,
+                                          attention.key_value.weight, attention.position.weight, attention.out.weight,
+                                          attention.u, attention.v, norm.weight, norm.bias,
+                                          *_branch_parameters(gate, unit, eau), norm.eps, attention.n_heads, *_mask(p))
+
+
+def relative_fusion_applies(attention: nn.Module, x: Tensor, p: float, norm: nn.LayerNorm, gate: nn.Module | None,
+                            unit: nn.Module | None, eau: nn.Module | None, memory: Tensor | None, pos: Tensor) -> bool:
+    """Whether :class:`RelativeAttentionAddNorm` computes this sublayer (see the module); ``memory`` is ``None`` or
+    has rows."""
+    if not attention.training:
+        return False
     k_len = x.shape[1] + (0 if memory is None else memory.shape[1])
     layers = (attention.query, attention.key_value, attention.position, attention.out)
     tensors = [x, pos, attention.u, attention.v, norm.weight, *(layer.weight for layer in layers)]
@@ -189,9 +204,4 @@ def relative_attention_add_norm(attention: nn.Module, x: Tensor, p: float, norm:
                and kernel_takes(tensors, attention.n_heads, 0.0)
                and _gate_fuses(gate, x, p, True) and _unit_fuses(unit, gate, x, p, True)
                and _eau_fuses(eau, unit, x, p, True))
-    if not applies:
-        return None
-    return RelativeAttentionAddNorm.apply(x, memory, pos[pos.shape[0] - k_len :], attention.query.weight,
-                                          attention.key_value.weight, attention.position.weight, attention.out.weight,
-                                          attention.u, attention.v, norm.weight, norm.bias,
-                                          *_branch_parameters(gate, unit, eau), norm.eps, attention.n_heads, *_mask(p))
+    return applies

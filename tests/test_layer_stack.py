@@ -1,0 +1,153 @@
+"""Transformer-XL's plain layers as one autograd function: the numbers of the layers one by one, where they apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from gatedformer.backbones import _epilogue_kernel, _relative_attention_kernel, transformer_xl
+from gatedformer.backbones.blocks import FeedForward
+from gatedformer.backbones.layer_stack import PlainLayerStack
+from gatedformer.backbones.relative_sublayer import RelativeAttentionAddNorm
+from gatedformer.backbones.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM
+
+
+def _native_or_skip() -> None:
+    for kernel in (_relative_attention_kernel.KERNEL, _epilogue_kernel.KERNEL):
+        if kernel.pick_backend(torch.device("cpu")) != "native":
+            pytest.skip(f"a compiled kernel is unavailable here: {kernel.error}")
+
+
+def _count(monkeypatch: pytest.MonkeyPatch, function: type[torch.autograd.Function]) -> list[int]:
+    calls: list[int] = []
+    apply = function.apply
+    monkeypatch.setattr(function, "apply", lambda *args: calls.append(1) or apply(*args))
+    return calls
+
+
+def _layer_by_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transformer_xl, "plain_layer_stack", lambda *args: None)
+
+
+def _model(n_layers: int = 3, dropout: float = 0.1, **model_args: object) -> TransformerXLLM:
+    torch.manual_seed(0)
+    return TransformerXLLM(50, d_model=48, n_layers=n_layers, n_heads=4, d_ffn=96, dropout=dropout, mem_len=16,
+                           **model_args).train()
+
+
+def _train_two_windows(model: TransformerXLLM, batch: int = 3, length: int = 12) -> list[Tensor]:
+    """Losses over two windows (the second with the first's memory), every parameter's gradient, the memories."""
+    tokens = torch.randint(0, 50, (batch, 2, length + 1), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(2)  # the dropout masks
+    state, losses = None, []
+    for window in tokens.unbind(1):
+        loss, state = model(window[:, :-1], state, targets=window[:, 1:])
+        losses.append(loss)
+    grads = torch.autograd.grad(sum(losses), list(model.parameters()))
+    return [torch.stack(losses), *grads, *(state or [])]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_stack_gives_the_numbers_of_the_layers_one_by_one(threads: int, dropout: float,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same sublayer functions, the same masks drawn in the same order: the same losses, gradients and memories
+    bit for bit, and within float rounding of the modules themselves."""
+    _native_or_skip()
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            stacks, sublayers = _count(patch, PlainLayerStack), _count(patch, RelativeAttentionAddNorm)
+            stacked = _train_two_windows(_model(dropout=dropout))
+        assert len(stacks) == 2 and not sublayers  # one call per window, no layer called on its own
+        _layer_by_layer(monkeypatch)
+        sublayers = _count(monkeypatch, RelativeAttentionAddNorm)
+        one_by_one = _train_two_windows(_model(dropout=dropout))
+        assert len(sublayers) == 6
+        for a, b in zip(stacked, one_by_one, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        monkeypatch.setattr(RelativeMultiHeadAttention, "add_norm", lambda *args, **kwargs: None)
+        monkeypatch.setattr(FeedForward, "add_norm", lambda *args, **kwargs: None)
+        for a, b in zip(stacked, _train_two_windows(_model(dropout=dropout)), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+@settings(max_examples=12, deadline=None)
+@given(batch=st.integers(1, 3), length=st.integers(1, 9), n_layers=st.integers(1, 3), mem_len=st.integers(0, 12))
+def test_any_batch_window_depth_and_memory_give_the_layers_numbers(batch: int, length: int, n_layers: int,
+                                                                   mem_len: int) -> None:
+    _native_or_skip()
+
+    def run(stacked: bool) -> list[Tensor]:
+        torch.manual_seed(0)
+        model = TransformerXLLM(50, d_model=32, n_layers=n_layers, n_heads=4, d_ffn=64, dropout=0.1,
+                                mem_len=mem_len).train()
+        with pytest.MonkeyPatch.context() as patch:
+            if not stacked:
+                _layer_by_layer(patch)
+            calls = _count(patch, PlainLayerStack)
+            result = _train_two_windows(model, batch, length)
+        assert len(calls) == (2 if stacked else 0)
+        return result
+
+    for a, b in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_it_steps_aside_where_a_layer_is_not_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gates, pre-LN, hooks on a layer or a sublayer (which must run), global module hooks, evaluation and memories
+    that ask for a gradient leave the layers to themselves."""
+    _native_or_skip()
+    calls = _count(monkeypatch, PlainLayerStack)
+    tokens = torch.randint(0, 50, (2, 8))
+    for model_args in ({"gates": "+σ L2"}, {"gates": "+EAU+GRC"}, {"norm": "pre"}):
+        _model(**model_args)(tokens, targets=tokens)[0].backward()
+    model = _model()
+    seen: list[int] = []
+    handle = model.layers[1].ffn.register_forward_hook(lambda *args: seen.append(1))
+    model(tokens, targets=tokens)[0].backward()
+    handle.remove()
+    assert seen == [1]
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: seen.append(2))
+    try:
+        model(tokens, targets=tokens)
+    finally:
+        handle.remove()
+    assert 2 in seen
+    memories = [torch.zeros(2, 4, 48, requires_grad=True) for _ in model.layers]
+    loss, _ = model(tokens, memories, targets=tokens)
+    loss.backward()
+    assert all(m.grad is not None for m in memories)
+    with torch.no_grad():
+        model.eval()(tokens)
+    assert not calls
+    model.train()(tokens, targets=tokens)[0].backward()
+    assert len(calls) == 1
+
+
+def test_a_retained_graph_gives_its_gradients_again_and_a_freed_one_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The activations are saved as any function's: kept with ``retain_graph``, freed after the backward pass."""
+    _native_or_skip()
+    tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def twice(model: TransformerXLLM) -> list[Tensor]:
+        torch.manual_seed(3)
+        loss, _ = model(tokens, targets=tokens)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    calls = _count(monkeypatch, PlainLayerStack)
+    stacked = twice(_model())
+    assert len(calls) == 1
+    _layer_by_layer(monkeypatch)
+    for a, b in zip(stacked, twice(_model()), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
