@@ -1,4 +1,4 @@
-"""Transformer-XL's plain layers as one autograd function: the numbers of the layers one by one, where they apply."""
+"""Transformer-XL's layers as one autograd function: the numbers of the layers one by one, where they apply."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import Tensor
 
 from gatedformer.backbones import _epilogue_kernel, _relative_attention_kernel, transformer_xl
 from gatedformer.backbones.blocks import FeedForward
-from gatedformer.backbones.layer_stack import PlainLayerStack
+from gatedformer.backbones.layer_stack import LayerStack
 from gatedformer.backbones.relative_sublayer import RelativeAttentionAddNorm
 from gatedformer.backbones.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM
 
@@ -29,7 +29,7 @@ def _count(monkeypatch: pytest.MonkeyPatch, function: type[torch.autograd.Functi
 
 
 def _layer_by_layer(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transformer_xl, "plain_layer_stack", lambda *args: None)
+    monkeypatch.setattr(transformer_xl, "layer_stack", lambda *args: None)
 
 
 def _model(n_layers: int = 3, dropout: float = 0.1, **model_args: object) -> TransformerXLLM:
@@ -50,29 +50,31 @@ def _train_two_windows(model: TransformerXLLM, batch: int = 3, length: int = 12)
     return [torch.stack(losses), *grads, *(state or [])]
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_the_stack_gives_the_numbers_of_the_layers_one_by_one(threads: int, dropout: float,
+@pytest.mark.parametrize(("threads", "dropout", "gates"), [
+    (1, 0.0, ""), (1, 0.1, ""), (2, 0.0, ""), (2, 0.1, ""), (2, 0.1, "+σ SDU"), (1, 0.1, "+tanh SDU L2"),
+    (2, 0.1, "+highway gate"), (2, 0.1, "+gated MHDPA"), (1, 0.1, "+EAU"), (2, 0.1, "+GRC"), (2, 0.1, "+EAU+GRC"),
+    (2, 0.1, "+σ SDU+GRC")])
+def test_the_stack_gives_the_numbers_of_the_layers_one_by_one(threads: int, dropout: float, gates: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same sublayer functions, the same masks drawn in the same order: the same losses, gradients and memories
-    bit for bit, and within float rounding of the modules themselves."""
+    """The same sublayer functions (with every gate they take), the same masks drawn in the same order: the same
+    losses, gradients and memories bit for bit, and within float rounding of the modules themselves."""
     _native_or_skip()
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with pytest.MonkeyPatch.context() as patch:
-            stacks, sublayers = _count(patch, PlainLayerStack), _count(patch, RelativeAttentionAddNorm)
-            stacked = _train_two_windows(_model(dropout=dropout))
+            stacks, sublayers = _count(patch, LayerStack), _count(patch, RelativeAttentionAddNorm)
+            stacked = _train_two_windows(_model(dropout=dropout, gates=gates))
         assert len(stacks) == 2 and not sublayers  # one call per window, no layer called on its own
         _layer_by_layer(monkeypatch)
         sublayers = _count(monkeypatch, RelativeAttentionAddNorm)
-        one_by_one = _train_two_windows(_model(dropout=dropout))
+        one_by_one = _train_two_windows(_model(dropout=dropout, gates=gates))
         assert len(sublayers) == 6
         for a, b in zip(stacked, one_by_one, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         monkeypatch.setattr(RelativeMultiHeadAttention, "add_norm", lambda *args, **kwargs: None)
         monkeypatch.setattr(FeedForward, "add_norm", lambda *args, **kwargs: None)
-        for a, b in zip(stacked, _train_two_windows(_model(dropout=dropout)), strict=True):
+        for a, b in zip(stacked, _train_two_windows(_model(dropout=dropout, gates=gates)), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     finally:
         torch.set_num_threads(saved_threads)
@@ -91,7 +93,7 @@ def test_any_batch_window_depth_and_memory_give_the_layers_numbers(batch: int, l
         with pytest.MonkeyPatch.context() as patch:
             if not stacked:
                 _layer_by_layer(patch)
-            calls = _count(patch, PlainLayerStack)
+            calls = _count(patch, LayerStack)
             result = _train_two_windows(model, batch, length)
         assert len(calls) == (2 if stacked else 0)
         return result
@@ -100,13 +102,13 @@ def test_any_batch_window_depth_and_memory_give_the_layers_numbers(batch: int, l
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_it_steps_aside_where_a_layer_is_not_plain(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Gates, pre-LN, hooks on a layer or a sublayer (which must run), global module hooks, evaluation and memories
-    that ask for a gradient leave the layers to themselves."""
+def test_it_steps_aside_where_a_layer_would_not_run_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pre-LN, a sublayer whose function does not take its gates, hooks on a layer or a sublayer (which must run),
+    global module hooks, evaluation and memories that ask for a gradient leave the layers to themselves."""
     _native_or_skip()
-    calls = _count(monkeypatch, PlainLayerStack)
+    calls = _count(monkeypatch, LayerStack)
     tokens = torch.randint(0, 50, (2, 8))
-    for model_args in ({"gates": "+σ L2"}, {"gates": "+EAU+GRC"}, {"norm": "pre"}):
+    for model_args in ({"norm": "pre"}, {"gates": "+σ SDU+EAU L2"}):
         _model(**model_args)(tokens, targets=tokens)[0].backward()
     model = _model()
     seen: list[int] = []
@@ -145,7 +147,7 @@ def test_a_retained_graph_gives_its_gradients_again_and_a_freed_one_refuses(monk
             loss.backward()
         return [p.grad for p in model.parameters()]
 
-    calls = _count(monkeypatch, PlainLayerStack)
+    calls = _count(monkeypatch, LayerStack)
     stacked = twice(_model())
     assert len(calls) == 1
     _layer_by_layer(monkeypatch)

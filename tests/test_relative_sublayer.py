@@ -15,7 +15,7 @@ from gatedformer.backbones.transformer_xl import RelativeMultiHeadAttention, Tra
 def _layer_by_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests are about the sublayer's own function: the model calls its layers one by one (the whole stack as
     one function is tested in test_layer_stack.py)."""
-    monkeypatch.setattr(transformer_xl, "plain_layer_stack", lambda *args: None)
+    monkeypatch.setattr(transformer_xl, "layer_stack", lambda *args: None)
 
 
 def _native_or_skip() -> None:

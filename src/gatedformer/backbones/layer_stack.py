@@ -1,16 +1,17 @@
-"""Transformer-XL's plain layers, all of them, as one autograd function.
+"""Transformer-XL's layers, all of them, as one autograd function.
 
-Each post-LN sublayer already runs as one autograd function (:class:`~gatedformer.backbones.relative_sublayer.
-RelativeAttentionAddNorm`, the FFN's ``_FeedForwardAddNorm``), whose compiled calls do nearly all of the work.
-At the ``enwik8`` recipes' size (width 48, twelve layers) what remains around those calls still costs about a sixth
-of a two-thread training step: the module calls, the checks before each sublayer, the autograd functions' own
-bookkeeping and the engine's 24 nodes, all on one thread while the other waits. :class:`PlainLayerStack` runs the
-same two functions' forward and backward bodies, layer after layer, inside a single autograd function: the
-arithmetic, the dropout masks (drawn in the same order) and so the results are those of the layers one by one.
+Each post-LN sublayer already runs as one autograd function, gates included
+(:class:`~gatedformer.backbones.relative_sublayer.RelativeAttentionAddNorm`, the FFN's ``_FeedForwardAddNorm``), and
+their compiled calls do nearly all of the work. At the ``enwik8`` recipes' size (width 48, twelve layers) what
+remains around those calls still costs about a sixth of a two-thread training step: the module calls, the checks
+before each sublayer, the autograd functions' own bookkeeping and the engine's 24 nodes, all on one thread while
+the other waits. :class:`LayerStack` runs the same two functions' forward and backward bodies, layer after layer,
+inside a single autograd function: the arithmetic, the dropout masks (drawn in the same order) and so the results
+are those of the layers one by one.
 
-It applies where every layer is plain (no gates), post-LN, without hooks on the layers or their sublayers (nor
-global module hooks), takes both fused sublayer functions, and the memories and position encodings need no
-gradient; :func:`plain_layer_stack` checks that and otherwise returns ``None`` (the model then calls its layers).
+It applies where every layer's two sublayers would each run as one function (post-LN, the gates those take), no
+hooks are on the layers or their sublayers (nor global module hooks), and the memories and position encodings
+need no gradient; :func:`layer_stack` checks that and otherwise returns ``None`` (the model then calls its layers).
 """
 
 from __future__ import annotations
@@ -21,49 +22,58 @@ import torch
 from torch import Tensor, nn
 
 from gatedformer.backbones.blocks import FeedForward, Sublayer
-from gatedformer.backbones.fused_linear import _FeedForwardAddNorm, _mask, feed_forward_fusion_applies, unhooked
+from gatedformer.backbones.fused_linear import (
+    _branch_parameters,
+    _FeedForwardAddNorm,
+    _mask,
+    feed_forward_fusion_applies,
+    unhooked,
+)
 from gatedformer.backbones.relative_sublayer import RelativeAttentionAddNorm, relative_fusion_applies
 
-__all__ = ["PlainLayerStack", "plain_layer_stack"]
+__all__ = ["LayerStack", "layer_stack"]
 
-_PARAMETERS_PER_LAYER = 14  # the attention's 8 (Wq, Wkv, Wr, Wo, u, v, LayerNorm's 2), the FFN's 6
-_NO_GATES = (None,) * 4 + (None,) * 6 + (None,)  # gate, unit and EAU parameters, the unit's tail
+# A layer's inputs to the function: the attention's 8 parameters (Wq, Wkv, Wr, Wo, u, v, LayerNorm's 2) and its
+# gates' 10 (a residual gate's 2, a unit's 2, an EAU's 6; None where there is none), then the FFN's 6 and its 10.
+_ATTENTION, _BRANCH, _FFN = 8, 10, 6
+_PER_LAYER = 2 * _BRANCH + _ATTENTION + _FFN
 
 
 class _InnerContext:
     """What a sublayer function's forward pass keeps for its backward pass when it runs inside another function."""
 
-    def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
-        self.needs_input_grad = needs_input_grad
+    def __init__(self) -> None:
+        self.needs_input_grad: tuple[bool, ...] = ()
 
     def save_for_backward(self, *tensors: Tensor | None) -> None:
         self.saved_tensors = tensors
 
 
-class PlainLayerStack(torch.autograd.Function):
-    """``apply(x (B, L, d), pos (M+L, d), memories, settings, *parameters)``: the plain post-LN layers in turn, each
-    ``FFN-sublayer(attention-sublayer(h, memory, pos))`` as :func:`plain_layer_stack` lays out its arguments
-    (``memories``: a tuple of ``(B, M, d)`` tensors or Nones; ``settings``: per layer the attention's LayerNorm eps,
-    heads and mask, then the FFN's eps and its inner and outer masks; ``parameters``: fourteen per layer). Returns the
-    last layer's output, then the inputs of the layers after the first (for the memories; no gradient)."""
+class LayerStack(torch.autograd.Function):
+    """``apply(x (B, L, d), pos (M+L, d), memories, settings, *parameters)``: the layers in turn, each
+    ``FFN-sublayer(attention-sublayer(h, memory, pos))``, with the arguments :func:`layer_stack` gives (``memories``:
+    a tuple of ``(B, M, d)`` tensors or Nones; ``settings``: per layer the attention's LayerNorm eps, heads, mask and
+    unit's tail, then the FFN's eps, inner and outer masks and unit's tail; ``parameters``: 34 per layer, see
+    ``_PER_LAYER``). Returns the last layer's output, then the inputs of the layers after the first (for the
+    memories; no gradient)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, pos: Tensor, memories: tuple[Tensor | None, ...],  # type: ignore[override]
-                settings: tuple[tuple[object, ...], ...], *parameters: Tensor) -> tuple[Tensor, ...]:
+                settings: tuple[tuple[object, ...], ...], *parameters: Tensor | None) -> tuple[Tensor, ...]:
         batch, length, width = x.shape
         contexts, outputs = [], []
         h = x
-        for i, (attention_eps, n_heads, (seed, keep_below), ffn_eps, inner_mask, outer_mask) in enumerate(settings):
-            w_q, w_kv, w_r, w_out, u, v, gamma, beta, w1, b1, w2, b2, ffn_gamma, ffn_beta = (
-                parameters[i * _PARAMETERS_PER_LAYER : (i + 1) * _PARAMETERS_PER_LAYER])
-            attention, ffn = _InnerContext(()), _InnerContext(())
+        for i, (eps, n_heads, (seed, keep_below), tail, ffn_eps, inner_mask, outer_mask, ffn_tail) in (
+                enumerate(settings)):
+            layer = parameters[i * _PER_LAYER : (i + 1) * _PER_LAYER]
+            attention_parameters, ffn_parameters = layer[: _ATTENTION + _BRANCH], layer[_ATTENTION + _BRANCH :]
+            attention, ffn = _InnerContext(), _InnerContext()
             memory = memories[i]
             keys = length + (0 if memory is None else memory.shape[1])
-            h = RelativeAttentionAddNorm.forward(attention, h, memory, pos[pos.shape[0] - keys :], w_q, w_kv, w_r,
-                                                 w_out, u, v, gamma, beta, *_NO_GATES, attention_eps, n_heads, seed,
-                                                 keep_below)
-            h = _FeedForwardAddNorm.forward(ffn, h.view(-1, width), w1, b1, w2, b2, ffn_gamma, ffn_beta, *_NO_GATES,
-                                            ffn_eps, inner_mask, outer_mask).view(batch, length, width)
+            h = RelativeAttentionAddNorm.forward(attention, h, memory, pos[pos.shape[0] - keys :],
+                                                 *attention_parameters, tail, eps, n_heads, seed, keep_below)
+            h = _FeedForwardAddNorm.forward(ffn, h.view(-1, width), *ffn_parameters, ffn_tail, ffn_eps, inner_mask,
+                                            outer_mask).view(batch, length, width)
             contexts.append((attention, ffn))
             outputs.append(h)
         # Saved through ctx, as any function's: freed after the backward pass (unless the graph is retained) and
@@ -82,7 +92,6 @@ class PlainLayerStack(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor | None, *_: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         needed = ctx.needs_input_grad
-        parameters_needed = needed[4:]
         saved, start = ctx.saved_tensors, 0
         for inner in (inner for pair in ctx.contexts for inner in pair):
             inner.saved_tensors = saved[start : start + inner.count]
@@ -90,32 +99,39 @@ class PlainLayerStack(torch.autograd.Function):
         grads: list[tuple[Tensor | None, ...]] = []
         for i in reversed(range(len(ctx.contexts))):
             attention, ffn = ctx.contexts[i]
-            wanted = parameters_needed[i * _PARAMETERS_PER_LAYER : (i + 1) * _PARAMETERS_PER_LAYER]
-            # The functions' own input order: (h, memory, pos, the attention's eight, ...) and (x, the FFN's six, ...).
-            attention.needs_input_grad = (True, False, False, *wanted[:8]) + (False,) * 15
-            ffn.needs_input_grad = (True, *wanted[8:]) + (False,) * 14
+            wanted = needed[4 + i * _PER_LAYER : 4 + (i + 1) * _PER_LAYER]
+            split = _ATTENTION + _BRANCH
+            # In the functions' own input order: (h, memory, pos, the attention's 18, the unit's tail, eps, heads,
+            # seed, keep) and (x, the FFN's 16, the unit's tail, eps, the two masks).
+            attention.needs_input_grad = (True, False, False, *wanted[:split]) + (False,) * 5
+            ffn.needs_input_grad = (True, *wanted[split:]) + (False,) * 4
             if grad is None:
-                grads.append((None,) * _PARAMETERS_PER_LAYER)
+                grads.append((None,) * _PER_LAYER)
                 continue
             batch, length, width = grad.shape
             from_ffn = _FeedForwardAddNorm.backward(ffn, grad.reshape(-1, width))
             from_attention = RelativeAttentionAddNorm.backward(attention, from_ffn[0].view(batch, length, width))
             grad = from_attention[0]
-            grads.append((*from_attention[3:11], *from_ffn[1:7]))
+            grads.append((*from_attention[3 : 3 + split], *from_ffn[1 : 1 + _FFN + _BRANCH]))
         for inner in (inner for pair in ctx.contexts for inner in pair):
             del inner.saved_tensors
         flat = [g for layer in reversed(grads) for g in layer]
         return (grad if needed[0] else None, None, None, None, *flat)
 
 
-def _plain_layer(layer: nn.Module) -> bool:
-    """Whether a Transformer-XL layer is two plain post-LN sublayers that would each run as one function."""
+def _gates(sublayer: Sublayer) -> tuple[nn.Module | None, nn.Module | None, nn.Module | None]:
+    """The residual gate, the unit and the EAU, as :class:`~gatedformer.backbones.blocks.Sublayer` hands them to its
+    body's ``add_norm``."""
+    unit = next((u for u in (sublayer.sdu, sublayer.highway, sublayer.gated_mix) if u is not None), None)
+    return sublayer.residual_gate, unit, sublayer.eau
+
+
+def _whole_sublayers(layer: nn.Module) -> bool:
+    """Whether a layer is two post-LN sublayers, without hooks, whose bodies each compute the whole sublayer."""
     attn, ffn = getattr(layer, "attn", None), getattr(layer, "ffn", None)
     if not (isinstance(attn, Sublayer) and isinstance(ffn, Sublayer) and type(ffn.body) is FeedForward):
         return False
-    sublayers = (attn, ffn)
-    return (all(s.fuse_sublayer and not s.pre_norm for s in sublayers)
-            and all(g is None for s in sublayers for g in (s.sdu, s.highway, s.gated_mix, s.eau, s.residual_gate))
+    return (attn.fuse_sublayer and ffn.fuse_sublayer and not attn.pre_norm and not ffn.pre_norm
             and all(unhooked(module) for module in (layer, attn, ffn, attn.body, ffn.body)))
 
 
@@ -125,10 +141,10 @@ def _global_hooks() -> bool:
                 or hooks._global_backward_pre_hooks)
 
 
-def plain_layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tensor] | None,
-                      pos: Tensor) -> tuple[Tensor, list[Tensor]] | None:
+def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tensor] | None,
+                pos: Tensor) -> tuple[Tensor, list[Tensor]] | None:
     """``layers`` (Transformer-XL layers) applied in turn to ``x (B, L, d)`` with their ``memories`` (one ``(B, M, d)``
-    each, or ``None``) and the position encodings ``pos``, by :class:`PlainLayerStack` where that applies (see the
+    each, or ``None``) and the position encodings ``pos``, by :class:`LayerStack` where that applies (see the
     module): the last output and the list of every layer's input. Else ``None``."""
     if not layers or not torch.is_grad_enabled() or _global_hooks() or pos.requires_grad:
         return None
@@ -138,22 +154,27 @@ def plain_layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence
     memories = [m if m is not None and m.shape[1] > 0 else None for m in memories]
     settings, parameters = [], []
     for layer, memory in zip(layers, memories, strict=True):
-        if not _plain_layer(layer):
+        if not _whole_sublayers(layer):
             return None
         attn, ffn = layer.attn, layer.ffn
         attention, feed_forward, attention_norm, ffn_norm = attn.body, ffn.body, attn.norm, ffn.norm
         inner, outer, p_attention, p_inner, p_ffn = feed_forward.inner, feed_forward.outer, attn.dropout.p, \
             feed_forward.dropout.p, ffn.dropout.p
+        attention_gates, ffn_gates = _gates(attn), _gates(ffn)
         # Every layer's input has x's shape, dtype and device: checking with x checks what the layer will see.
-        if not (relative_fusion_applies(attention, x, p_attention, attention_norm, None, None, None, memory, pos)
-                and feed_forward_fusion_applies(x, inner, outer, p_inner, p_ffn, ffn_norm, ffn.training)):
+        if not (relative_fusion_applies(attention, x, p_attention, attention_norm, *attention_gates, memory, pos)
+                and feed_forward_fusion_applies(x, inner, outer, p_inner, p_ffn, ffn_norm, ffn.training, *ffn_gates)):
             return None
-        settings.append((attention_norm.eps, attention.n_heads, p_attention, ffn_norm.eps, p_inner, p_ffn))
+        *attention_branch, attention_tail = _branch_parameters(*attention_gates)
+        *ffn_branch, ffn_tail = _branch_parameters(*ffn_gates)
+        settings.append((attention_norm.eps, attention.n_heads, p_attention, attention_tail, ffn_norm.eps, p_inner,
+                         p_ffn, ffn_tail))
         parameters += [attention.query.weight, attention.key_value.weight, attention.position.weight,
                        attention.out.weight, attention.u, attention.v, attention_norm.weight, attention_norm.bias,
-                       inner.weight, inner.bias, outer.weight, outer.bias, ffn_norm.weight, ffn_norm.bias]
+                       *attention_branch, inner.weight, inner.bias, outer.weight, outer.bias, ffn_norm.weight,
+                       ffn_norm.bias, *ffn_branch]
     # The masks, drawn once every layer is known to run here, in the order the layers one by one would draw them.
-    masked = tuple((eps, heads, _mask(p_attention), ffn_eps, _mask(p_inner), _mask(p_ffn))
-                   for eps, heads, p_attention, ffn_eps, p_inner, p_ffn in settings)
-    out, *later_inputs = PlainLayerStack.apply(x, pos, tuple(memories), masked, *parameters)
+    masked = tuple((eps, heads, _mask(p_attention), tail, ffn_eps, _mask(p_inner), _mask(p_ffn), ffn_tail)
+                   for eps, heads, p_attention, tail, ffn_eps, p_inner, p_ffn, ffn_tail in settings)
+    out, *later_inputs = LayerStack.apply(x, pos, tuple(memories), masked, *parameters)
     return out, [x, *later_inputs]

@@ -33,7 +33,7 @@ from gatedformer.backbones._relative_attention_kernel import kernel_takes, relat
 from gatedformer.backbones.attention import sinusoidal_positions
 from gatedformer.backbones.blocks import Sublayer, make_ffn
 from gatedformer.backbones.dropout import Dropout
-from gatedformer.backbones.layer_stack import plain_layer_stack
+from gatedformer.backbones.layer_stack import layer_stack
 from gatedformer.backbones.output_loss import logits_or_loss
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
 from gatedformer.backbones.relative_sublayer import relative_attention_add_norm
@@ -274,8 +274,8 @@ class TransformerXLLM(nn.Module):
         mem_len_in = memories[0].shape[1] if memories else 0
         x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), dropout=self.emb_dropout)
         pos = self.emb_dropout(relative_positions(mem_len_in + length, self.d_model, x.device, x.dtype))
-        # Plain layers run as one autograd function where they can (the same arithmetic and masks, less overhead).
-        stacked = plain_layer_stack(self.layers, x, memories, pos)
+        # The layers run as one autograd function where they can (the same arithmetic and masks, less overhead).
+        stacked = layer_stack(self.layers, x, memories, pos)
         if stacked is not None:
             x, inputs = stacked
         else:
