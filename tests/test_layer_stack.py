@@ -153,3 +153,28 @@ def test_a_retained_graph_gives_its_gradients_again_and_a_freed_one_refuses(monk
     _layer_by_layer(monkeypatch)
     for a, b in zip(stacked, twice(_model()), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_frozen_parameters_get_no_gradient_and_the_others_the_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which of its inputs ask for a gradient reaches each sublayer function in the stack as it would alone."""
+    _native_or_skip()
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def grads(model: TransformerXLLM) -> list[Tensor | None]:
+        for frozen in (model.layers[0].attn.body.key_value.weight, model.layers[1].ffn.body.inner.bias,
+                       model.layers[1].attn.norm.weight, model.layers[2].attn.sdu.proj.weight):
+            frozen.requires_grad_(False)
+        torch.manual_seed(4)
+        model(tokens[:, :-1], targets=tokens[:, 1:])[0].backward()
+        return [p.grad for p in model.parameters()]
+
+    calls = _count(monkeypatch, LayerStack)
+    stacked = grads(_model(gates="+σ SDU L3"))
+    assert len(calls) == 1
+    _layer_by_layer(monkeypatch)
+    one_by_one = grads(_model(gates="+σ SDU L3"))
+    assert sum(g is None for g in stacked) == 4
+    for a, b in zip(stacked, one_by_one, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
