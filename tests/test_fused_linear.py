@@ -470,7 +470,7 @@ def test_streamed_feed_forward_is_the_sublayer_operation_by_operation(batch: int
             out = ffn.add_norm(x, 0.1, norm)
             results[streamed] = [out, *_grads(out, grad, *params)]
     for a, b in zip(results["1"], results["0"], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -505,7 +505,7 @@ def test_streamed_attention_sublayer_is_the_sublayer_operation_by_operation(batc
             assert out is not None
             results[streamed] = [out, *_grads(out, grad, *params)]
     for a, b in zip(results["1"], results["0"], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("branches", [b for b in _BRANCHES if b])
@@ -543,7 +543,7 @@ def test_streamed_bodies_of_gated_sublayers_are_the_operations_one_by_one(batch:
             assert out is not None
             results[streamed] = [out, *_grads(out, grad, *params)]
     for a, b in zip(results["1"], results["0"], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_the_language_model_streams_its_plain_sublayers(monkeypatch: pytest.MonkeyPatch) -> None:
