@@ -1,4 +1,5 @@
-"""Transformer-XL's layers as one autograd function: the numbers of the layers one by one, where they apply."""
+"""Transformer-XL's layers as one autograd function (the Python :class:`LayerStack`): the numbers of the layers one by
+one, where they apply."""
 
 from __future__ import annotations
 
@@ -8,11 +9,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from gatedformer.backbones import _epilogue_kernel, _relative_attention_kernel, transformer_xl
+from gatedformer.backbones import _epilogue_kernel, _relative_attention_kernel, layer_stack, transformer_xl
 from gatedformer.backbones.blocks import FeedForward
 from gatedformer.backbones.layer_stack import LayerStack
 from gatedformer.backbones.relative_sublayer import RelativeAttentionAddNorm
 from gatedformer.backbones.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM
+
+
+@pytest.fixture(autouse=True)
+def _python_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are of :class:`LayerStack` itself: the compiled whole stack (tests/test_streamed_layer_stack.py)
+    steps aside."""
+    monkeypatch.setattr(layer_stack, "_streams_whole_stack", lambda *args: False)
 
 
 def _native_or_skip() -> None:

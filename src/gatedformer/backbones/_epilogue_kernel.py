@@ -40,7 +40,8 @@ __all__ = ["KERNEL", "attention_body_streamed", "attention_body_streamed_backwar
            "attention_sublayer_streamed_backward", "bias_dropout_add_", "bias_relu_dropout_", "dropout_add_norm",
            "dropout_add_norm_backward", "feed_forward_body_streamed", "feed_forward_body_streamed_backward",
            "feed_forward_streamed", "feed_forward_streamed_backward", "gated_dropout_add_norm_backward",
-           "relative_sublayer_streamed", "relative_sublayer_streamed_backward", "scale_where_positive_with_sums"]
+           "relative_stack_streamed", "relative_stack_streamed_backward", "relative_sublayer_streamed",
+           "relative_sublayer_streamed_backward", "scale_where_positive_with_sums", "stack_blocks"]
 
 _CPP_SOURCE = PHILOX_CPP + r"""
 #if defined(_OPENMP)
@@ -714,6 +715,292 @@ void relative_sublayer_backward(const Blas& blas, RelativeBackwardFn attend_back
     if (grad_weights != nullptr) sum_blocks(weight_partials, threads, weight_floats, grad_weights);
 }
 
+
+// ---- Transformer-XL's plain post-LN layers, all of them in one parallel region ------------------------------------
+// Every layer's attention sublayer then its FFN sublayer (relative_sublayer_forward's and ffn_forward's arithmetic,
+// with the same masks), each thread taking its own blocks of whole sequences through all the layers: every layer's
+// weights are packed once at the start, and after that the threads never wait for one another, where calling the
+// sublayers one by one joins the threads and returns to Python 2 x layers times. The backward pass likewise runs the
+// layers in reverse on each thread's sequences; each thread adds the weights' gradients to shares of its own, summed
+// at the end, and the column sums are taken in fixed blocks of rows, as the sublayers' own.
+//
+// A layer's tensors come as kStackSlots addresses (table), its settings as the two LayerNorms' eps and the three
+// masks' scales (reals), seeds and keep words (the attention's output, the FFN's hidden layer, the FFN's output).
+enum StackSlot {
+    kInput, kMemory, kR, kU, kPb, kWq, kWkv, kWout, kGammaA, kBetaA, kQkv, kMemoryKv, kAttended, kLse, kXhatA, kYA,
+    kRstdA, kKeepA, kW1, kB1, kW2, kB2, kGammaF, kBetaF, kHidden, kPositive, kXhatF, kOutput, kRstdF, kKeepF,
+    kStackSlots
+};
+constexpr int kStackReals = 5, kStackMasks = 3, kStackPacks = 5;
+
+struct StackShape {
+    int64_t layers, batch, length, mem, heads, d, f, block_sequences, ffn_rows;
+    int64_t keys() const { return mem + length; }
+    int64_t head() const { return d / heads; }
+    int64_t rows() const { return batch * length; }
+    int64_t weight_floats() const { return 4 * d * d + 2 * d * f; }  // Wo, [Wq; Wkv], W1, W2
+    int64_t small_floats() const { return keys() * d + 2 * d; }        // r's, u's and the position bias's
+    int64_t sum_floats() const { return 6 * d + f; }                   // attention's and FFN's LayerNorm sums, b1's
+};
+
+struct LayerTable {
+    const int64_t* addresses;
+    float* at(int64_t layer, int slot) const { return reinterpret_cast<float*>(addresses[layer * kStackSlots + slot]); }
+    uint32_t* bits(int64_t layer, int slot) const { return reinterpret_cast<uint32_t*>(at(layer, slot)); }
+};
+
+inline int64_t padded16(int64_t floats) { return (floats + 15) / 16 * 16; }
+
+// Floats in one 64-byte aligned allocation, freed on return.
+struct Scratch {
+    void* raw;
+    float* base;
+    explicit Scratch(int64_t floats) : raw(std::malloc((size_t)(floats > 0 ? floats : 1) * 4 + 64)),
+                                       base(PackedPair::aligned(raw)) {}
+    ~Scratch() { std::free(raw); }
+    Scratch(const Scratch&) = delete;
+    Scratch& operator=(const Scratch&) = delete;
+    bool ok() const { return raw != nullptr; }
+};
+
+// Room for every layer's packed weights, kept by the calling thread from one call to the next and grown when needed.
+// MKL asks for several MB per packed weight, whatever its size, and writes a few pages of it: allocated afresh for
+// each call, that much comes straight from mmap, and whatever the packing touches faults in again on every call
+// (about a tenth of an enwik8-xl12-tiny step on two threads).
+float* kept_pack_room(int64_t floats) {
+    struct Kept {
+        void* raw = nullptr;
+        int64_t floats = 0;
+        ~Kept() { std::free(raw); }
+    };
+    static thread_local Kept kept;
+    if (kept.floats < floats) {
+        std::free(kept.raw);
+        kept.raw = std::malloc((size_t)floats * 4 + 64);
+        kept.floats = kept.raw != nullptr ? floats : 0;
+    }
+    return kept.raw != nullptr ? PackedPair::aligned(kept.raw) : nullptr;
+}
+
+// Where packed weight j (of kStackPacks) of a layer starts in one buffer for all the layers.
+struct PackedLayers {
+    const int64_t* floats;  // kStackPacks sizes
+    float* base;
+    int64_t per_layer() const {
+        int64_t total = 0;
+        for (int j = 0; j < kStackPacks; ++j) total += padded16(floats[j]);
+        return total;
+    }
+    float* at(int64_t layer, int j) const {
+        float* p = base + layer * per_layer();
+        for (int k = 0; k < j; ++k) p += padded16(floats[k]);
+        return p;
+    }
+};
+
+void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, const LayerTable& t, const double* reals,
+                            const uint64_t* seeds, const uint32_t* keeps, const float* zero, const PackedLayers& packed,
+                            const StackShape& z, int64_t threads, int* failed) {
+    const int64_t L = z.length, M = z.mem, d = z.d, f = z.f, bs = z.block_sequences;
+    const int64_t blocks = (z.batch + bs - 1) / bs;
+    const double softmax_scale = 1.0 / std::sqrt((double)z.head());
+    stream_blocks(blas, blocks, threads, [&](int64_t th, int64_t nt, int64_t first, int64_t end) {
+        const int64_t rows_max = bs * (L > M ? L : M);
+        for (int64_t job = th; job < z.layers * kStackPacks; job += nt) {
+            const int64_t i = job / kStackPacks;
+            const int j = (int)(job % kStackPacks);
+            float* dest = packed.at(i, j);
+            if (j == 0) blas.pack(kRowMajor, kBMatrix, kTrans, rows_max, d, d, 1.0f, t.at(i, kWq), d, dest);
+            if (j == 1) blas.pack(kRowMajor, kBMatrix, kTrans, rows_max, 2 * d, d, 1.0f, t.at(i, kWkv), d, dest);
+            if (j == 2) blas.pack(kRowMajor, kBMatrix, kTrans, rows_max, d, d, 1.0f, t.at(i, kWout), d, dest);
+            if (j == 3) blas.pack(kRowMajor, kBMatrix, kTrans, z.ffn_rows, f, d, 1.0f, t.at(i, kW1), d, dest);
+            if (j == 4) blas.pack(kRowMajor, kBMatrix, kTrans, z.ffn_rows, d, f, 1.0f, t.at(i, kW2), f, dest);
+        }
+        stream_barrier();
+        for (int64_t i = 0; i < z.layers; ++i) {
+            const double* real = reals + i * kStackReals;
+            const uint64_t* seed = seeds + i * kStackMasks;
+            const uint32_t* keep = keeps + i * kStackMasks;
+            const float* x = t.at(i, kInput);
+            float* xhat_a = t.at(i, kXhatA);
+            float* y_a = t.at(i, kYA);
+            float* hidden = t.at(i, kHidden);
+            float* xhat_f = t.at(i, kXhatF);
+            for (int64_t b = first; b < end; ++b) {
+                const int64_t s0 = b * bs, s1 = s0 + bs < z.batch ? s0 + bs : z.batch;
+                const int64_t lo = s0 * L, hi = s1 * L;
+                float* q = t.at(i, kQkv) + lo * 3 * d;
+                blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, x + lo * d, d, packed.at(i, 0), d, 0.0f, q,
+                             3 * d);
+                blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, 2 * d, d, x + lo * d, d, packed.at(i, 1), 2 * d,
+                             0.0f, q + d, 3 * d);
+                float* kv_mem = q + d;  // not read without a memory
+                if (M > 0) {
+                    kv_mem = t.at(i, kMemoryKv) + s0 * M * 2 * d;
+                    blas.compute(kRowMajor, kNoTrans, kPacked, (s1 - s0) * M, 2 * d, d, t.at(i, kMemory) + s0 * M * d,
+                                 d, packed.at(i, 1), 2 * d, 0.0f, kv_mem, 2 * d);
+                }
+                if (attend(q, L * 3 * d, 3 * d, kv_mem, M * 2 * d, 2 * d, q + d, L * 3 * d, 3 * d, t.at(i, kR),
+                           t.at(i, kU), t.at(i, kPb), t.at(i, kAttended) + lo * d, t.at(i, kLse) + s0 * z.heads * L,
+                           s1 - s0, L, M, z.heads, z.head(), softmax_scale, 1))
+                    *failed = 1;
+                blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, t.at(i, kAttended) + lo * d, d,
+                             packed.at(i, 2), d, 0.0f, xhat_a + lo * d, d);
+                dropout_add_norm_rows(x, xhat_a, zero, nullptr, xhat_a, t.at(i, kGammaA), t.at(i, kBetaA), y_a,
+                                      t.at(i, kRstdA), t.bits(i, kKeepA), lo, hi, d, (float)real[0], (uint32_t)seed[0],
+                                      (uint32_t)(seed[0] >> 32), keep[0], (float)real[2]);
+                for (int64_t clo = lo; clo < hi; clo += z.ffn_rows) {
+                    const int64_t chi = clo + z.ffn_rows < hi ? clo + z.ffn_rows : hi;
+                    blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, f, d, y_a + clo * d, d, packed.at(i, 3), f,
+                                 0.0f, hidden + clo * f, f);
+                    bias_epilogue_range<true>(nullptr, hidden, t.at(i, kB1), clo * f, chi * f, f, (uint32_t)seed[1],
+                                              (uint32_t)(seed[1] >> 32), keep[1], (float)real[3], t.bits(i, kPositive));
+                    blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, d, f, hidden + clo * f, f, packed.at(i, 4), d,
+                                 0.0f, xhat_f + clo * d, d);
+                    dropout_add_norm_rows(y_a, xhat_f, t.at(i, kB2), nullptr, xhat_f, t.at(i, kGammaF),
+                                          t.at(i, kBetaF), t.at(i, kOutput), t.at(i, kRstdF), t.bits(i, kKeepF), clo,
+                                          chi, d, (float)real[1], (uint32_t)seed[2], (uint32_t)(seed[2] >> 32), keep[2],
+                                          (float)real[4]);
+                }
+            }
+        }
+    });
+}
+
+// Its backward pass from grad (the last layer's output gradient) to grad_input (the first layer's input gradient).
+// weights gets each layer's weight_floats() (Wo's, then [Wq; Wkv]'s, W1's and W2's gradients), small its
+// small_floats() (r's, u's and the position bias's) and sums its sum_floats() (the attention LayerNorm's gamma, beta
+// and the zero bias's, then the FFN LayerNorm's gamma, beta and b2's, then b1's). Memories get no gradient.
+void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, FortranGemmFn gemm, const LayerTable& t,
+                             const double* reals, const float* grad, float* grad_input, const PackedLayers& packed,
+                             float* weights, float* small, float* sums, float* scratch, const StackShape& z,
+                             int64_t threads, int* failed) {
+    const int64_t L = z.length, M = z.mem, d = z.d, f = z.f, bs = z.block_sequences, K = z.keys(), rows = z.rows();
+    const int64_t blocks = (z.batch + bs - 1) / bs, sum_blocks_n = (rows + kSumRows - 1) / kSumRows;
+    const double softmax_scale = 1.0 / std::sqrt((double)z.head());
+    // Scratch: the layer's other gradient buffer, then per row the FFN input's, the two products' outputs', the
+    // attention output projection's, the attention's and the projections' gradients, the memory's keys' and values',
+    // and per sequence r's, u's and the position bias's; then each thread's shares and the blocks' column sums.
+    float* grad_other = scratch;
+    float* grad_a = grad_other + padded16(rows * d);
+    float* grad_outer = grad_a + padded16(rows * d);
+    float* grad_inner = grad_outer + padded16(rows * d);
+    float* grad_projected = grad_inner + padded16(rows * f);
+    float* grad_attended = grad_projected + padded16(rows * d);
+    float* grad_qkv = grad_attended + padded16(rows * d);
+    float* grad_memory_kv = grad_qkv + padded16(rows * 3 * d);
+    float* grad_r = grad_memory_kv + padded16(z.batch * M * 2 * d);
+    float* grad_u = grad_r + padded16(z.batch * K * d);
+    float* grad_pb = grad_u + padded16(z.batch * d);
+    float* weight_shares = grad_pb + padded16(z.batch * d);
+    float* small_shares = weight_shares + threads * z.layers * z.weight_floats();
+    float* partials = small_shares + threads * z.layers * z.small_floats();
+    for (int64_t k = 0; k < z.layers * sum_blocks_n * z.sum_floats(); ++k) partials[k] = 0.0f;
+    stream_blocks(blas, blocks, threads, [&](int64_t th, int64_t nt, int64_t first, int64_t end) {
+        const int64_t rows_max = bs * L;
+        float* my_weights = weight_shares + th * z.layers * z.weight_floats();
+        float* my_small = small_shares + th * z.layers * z.small_floats();
+        for (int64_t k = 0; k < z.layers * z.weight_floats(); ++k) my_weights[k] = 0.0f;
+        for (int64_t k = 0; k < z.layers * z.small_floats(); ++k) my_small[k] = 0.0f;
+        for (int64_t job = th; job < z.layers * kStackPacks; job += nt) {
+            const int64_t i = job / kStackPacks;
+            const int j = (int)(job % kStackPacks);
+            float* dest = packed.at(i, j);
+            if (j == 0) blas.pack(kRowMajor, kBMatrix, kNoTrans, rows_max, d, d, 1.0f, t.at(i, kWq), d, dest);
+            if (j == 1) blas.pack(kRowMajor, kBMatrix, kNoTrans, rows_max, d, 2 * d, 1.0f, t.at(i, kWkv), d, dest);
+            if (j == 2) blas.pack(kRowMajor, kBMatrix, kNoTrans, rows_max, d, d, 1.0f, t.at(i, kWout), d, dest);
+            if (j == 3) blas.pack(kRowMajor, kBMatrix, kNoTrans, z.ffn_rows, d, f, 1.0f, t.at(i, kW1), d, dest);
+            if (j == 4) blas.pack(kRowMajor, kBMatrix, kNoTrans, z.ffn_rows, f, d, 1.0f, t.at(i, kW2), f, dest);
+        }
+        stream_barrier();
+        for (int64_t i = z.layers - 1; i >= 0; --i) {
+            const double* real = reals + i * kStackReals;
+            const float* dy = i == z.layers - 1 ? grad : ((i + 1) % 2 == 0 ? grad_input : grad_other);
+            float* dx = i % 2 == 0 ? grad_input : grad_other;
+            const float* x = t.at(i, kInput);
+            const float* y_a = t.at(i, kYA);
+            const float* hidden = t.at(i, kHidden);
+            float* layer_sums = partials + i * sum_blocks_n * z.sum_floats();
+            float* w_share = my_weights + i * z.weight_floats();
+            float* r_share = my_small + i * z.small_floats();
+            for (int64_t b = first; b < end; ++b) {
+                const int64_t s0 = b * bs, s1 = s0 + bs < z.batch ? s0 + bs : z.batch;
+                const int64_t lo = s0 * L, hi = s1 * L;
+                for (int64_t clo = lo; clo < hi; clo += z.ffn_rows) {
+                    const int64_t chi = clo + z.ffn_rows < hi ? clo + z.ffn_rows : hi;
+                    for (int64_t s = clo; s < chi; s += kSumRows)  // chunks: multiples of kSumRows
+                        dropout_add_norm_backward_rows(dy, t.at(i, kXhatF), t.at(i, kRstdF), t.at(i, kGammaF),
+                                                       t.bits(i, kKeepF), nullptr, nullptr, nullptr, grad_a, grad_outer,
+                                                       nullptr, layer_sums + s / kSumRows * z.sum_floats() + 3 * d, s,
+                                                       s + kSumRows < chi ? s + kSumRows : chi, d, (float)real[4]);
+                    blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, f, d, grad_outer + clo * d, d,
+                                 packed.at(i, 4), f, 0.0f, grad_inner + clo * f, f);
+                    for (int64_t s = clo; s < chi; s += kSumRows)
+                        positive_scale_rows(t.bits(i, kPositive), grad_inner, grad_inner,
+                                            layer_sums + s / kSumRows * z.sum_floats() + 6 * d, s,
+                                            s + kSumRows < chi ? s + kSumRows : chi, f, (float)real[3]);
+                    blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, d, f, grad_inner + clo * f, f,
+                                 packed.at(i, 3), d, 1.0f, grad_a + clo * d, d);
+                }
+                add_at_b(gemm, f, d, hi - lo, grad_inner + lo * f, f, y_a + lo * d, d, w_share + 4 * d * d);
+                add_at_b(gemm, d, f, hi - lo, grad_outer + lo * d, d, hidden + lo * f, f, w_share + 4 * d * d + f * d);
+                for (int64_t s = lo; s < hi; s += kSumRows)  // whole sequences: a multiple of kSumRows
+                    dropout_add_norm_backward_rows(grad_a, t.at(i, kXhatA), t.at(i, kRstdA), t.at(i, kGammaA),
+                                                   t.bits(i, kKeepA), nullptr, nullptr, nullptr, dx, grad_projected,
+                                                   nullptr, layer_sums + s / kSumRows * z.sum_floats(), s,
+                                                   s + kSumRows < hi ? s + kSumRows : hi, d, (float)real[2]);
+                blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, grad_projected + lo * d, d, packed.at(i, 2),
+                             d, 0.0f, grad_attended + lo * d, d);
+                const float* q = t.at(i, kQkv) + lo * 3 * d;
+                float* gq = grad_qkv + lo * 3 * d;
+                const float* kv_mem = M > 0 ? t.at(i, kMemoryKv) + s0 * M * 2 * d : q + d;
+                float* gkv_mem = M > 0 ? grad_memory_kv + s0 * M * 2 * d : gq + d;
+                if (attend_back(q, L * 3 * d, 3 * d, kv_mem, M * 2 * d, 2 * d, q + d, L * 3 * d, 3 * d, t.at(i, kR),
+                                t.at(i, kU), t.at(i, kPb), t.at(i, kAttended) + lo * d, grad_attended + lo * d,
+                                t.at(i, kLse) + s0 * z.heads * L, gq, gkv_mem, gq + d, grad_r + s0 * K * d,
+                                grad_u + s0 * d, grad_pb + s0 * d, s1 - s0, L, M, z.heads, z.head(), softmax_scale, 1))
+                    *failed = 1;
+                blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, gq, 3 * d, packed.at(i, 0), d, 1.0f,
+                             dx + lo * d, d);
+                blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, 2 * d, gq + d, 3 * d, packed.at(i, 1), d, 1.0f,
+                             dx + lo * d, d);
+                add_at_b(gemm, d, d, hi - lo, grad_projected + lo * d, d, t.at(i, kAttended) + lo * d, d, w_share);
+                add_at_b(gemm, 3 * d, d, hi - lo, gq, 3 * d, x + lo * d, d, w_share + d * d);
+                if (M > 0)
+                    add_at_b(gemm, 2 * d, d, (s1 - s0) * M, gkv_mem, 2 * d, t.at(i, kMemory) + s0 * M * d, d,
+                             w_share + 2 * d * d);
+                for (int64_t s = s0; s < s1; ++s) {  // the block's sequences' shares of r, u and the position bias
+                    const float* gr = grad_r + s * K * d;
+                    for (int64_t k = 0; k < K * d; ++k) r_share[k] += gr[k];
+                    for (int64_t k = 0; k < d; ++k) r_share[K * d + k] += grad_u[s * d + k];
+                    for (int64_t k = 0; k < d; ++k) r_share[K * d + d + k] += grad_pb[s * d + k];
+                }
+            }
+        }
+    });
+    for (int64_t i = 0; i < z.layers; ++i) {
+        sum_blocks(partials + i * sum_blocks_n * z.sum_floats(), sum_blocks_n, z.sum_floats(),
+                   sums + i * z.sum_floats());
+        sum_blocks(weight_shares + i * z.weight_floats(), 1, z.weight_floats(), weights + i * z.weight_floats());
+        sum_blocks(small_shares + i * z.small_floats(), 1, z.small_floats(), small + i * z.small_floats());
+        for (int64_t th = 1; th < threads; ++th) {
+            const float* w = weight_shares + (th * z.layers + i) * z.weight_floats();
+            for (int64_t k = 0; k < z.weight_floats(); ++k) weights[i * z.weight_floats() + k] += w[k];
+            const float* s = small_shares + (th * z.layers + i) * z.small_floats();
+            for (int64_t k = 0; k < z.small_floats(); ++k) small[i * z.small_floats() + k] += s[k];
+        }
+    }
+}
+
+// Floats of relative_stack_backward's scratch.
+int64_t stack_scratch_floats(const StackShape& z, int64_t threads) {
+    const int64_t rows = z.rows(), d = z.d;
+    return padded16(rows * d) * 6 + padded16(rows * z.f) + padded16(rows * 3 * d) + padded16(z.batch * z.mem * 2 * d)
+        + padded16(z.batch * z.keys() * d) + 2 * padded16(z.batch * d)
+        + threads * z.layers * (z.weight_floats() + z.small_floats())
+        + z.layers * ((rows + kSumRows - 1) / kSumRows) * z.sum_floats();
+}
+
 }  // namespace
 
 extern "C" {
@@ -851,6 +1138,37 @@ int relative_sublayer_backward_f32(const void* pack, const void* compute, const 
                                (float)scale, block_sequences, threads, &failed);
     return failed ? 2 : 0;
 }
+// Returns 1 where the packed weights or the scratch could not be allocated, 2 where the attention kernel refused its
+// shapes. sizes: layers, batch, length, mem, heads, d, f, block_sequences, ffn_rows.
+int relative_stack_forward_f32(const void* pack, const void* compute, const void* local_threads, const void* attend,
+                               const int64_t* table, const double* reals, const uint64_t* seeds,
+                               const uint32_t* keeps, const float* zero, const int64_t* packed_floats,
+                               const int64_t* sizes, int64_t threads) {
+    const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
+    const StackShape z{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6], sizes[7], sizes[8]};
+    PackedLayers packed{packed_floats, nullptr};
+    packed.base = kept_pack_room(z.layers * packed.per_layer());
+    if (packed.base == nullptr) return 1;
+    int failed = 0;
+    relative_stack_forward(blas, (RelativeForwardFn)attend, LayerTable{table}, reals, seeds, keeps, zero, packed, z,
+                           threads, &failed);
+    return failed ? 2 : 0;
+}
+int relative_stack_backward_f32(const void* pack, const void* compute, const void* local_threads, const void* gemm,
+                                const void* attend_back, const int64_t* table, const double* reals, const float* grad,
+                                float* grad_input, float* weights, float* small, float* sums,
+                                const int64_t* packed_floats, const int64_t* sizes, int64_t threads) {
+    const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
+    const StackShape z{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6], sizes[7], sizes[8]};
+    PackedLayers packed{packed_floats, nullptr};
+    packed.base = kept_pack_room(z.layers * packed.per_layer());
+    Scratch scratch(stack_scratch_floats(z, threads));
+    if (packed.base == nullptr || !scratch.ok()) return 1;
+    int failed = 0;
+    relative_stack_backward(blas, (RelativeBackwardFn)attend_back, (FortranGemmFn)gemm, LayerTable{table}, reals,
+                            grad, grad_input, packed, weights, small, sums, scratch.base, z, threads, &failed);
+    return failed ? 2 : 0;
+}
 }
 """
 
@@ -879,10 +1197,14 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.relative_sublayer_forward_f32.restype = ctypes.c_int
     lib.relative_sublayer_backward_f32.argtypes = [p] * 23 + [i, i, i] + [p] * 9 + [i, i, i, i, i, f, i, i]
     lib.relative_sublayer_backward_f32.restype = ctypes.c_int
+    lib.relative_stack_forward_f32.argtypes = [p] * 11 + [i]
+    lib.relative_stack_forward_f32.restype = ctypes.c_int
+    lib.relative_stack_backward_f32.argtypes = [p] * 14 + [i]
+    lib.relative_stack_backward_f32.restype = ctypes.c_int
 
 
 KERNEL = NativeKernel(
-    "epilogue", _CPP_SOURCE, _bind, abi_version=9, env_var="GATEDFORMER_DROPOUT_BACKEND",
+    "epilogue", _CPP_SOURCE, _bind, abi_version=10, env_var="GATEDFORMER_DROPOUT_BACKEND",
     description="the compiled linear-epilogue kernel", fallback="unfused PyTorch operations",
     extra_cflags=_NO_FMA, avx512=True,
 )
@@ -1339,3 +1661,112 @@ def relative_sublayer_streamed_backward(blas: PackedGemm, attend_back: int, qkv:
     weight_grads = (None, None) if grad_weights is None else (grad_weights[:width], grad_weights[width:])
     return (grad_x, grad_projected, grad_qkv, grad_memory_kv, grad_r.sum(0), grad_u.sum(0), grad_pos_bias.sum(0),
             *norm_grads, *weight_grads)
+
+
+# ---- Transformer-XL's plain layers in one call (see relative_stack_forward in the C++ source) ---------------------
+
+_STACK_SLOTS = 30
+"""Addresses per layer in the stack kernels' table, in the order of ``StackSlot``."""
+
+
+def stack_blocks(batch: int, length: int, width: int, hidden_width: int) -> tuple[int, int, int] | None:
+    """Sequences per block, threads and FFN rows per product for :func:`relative_stack_streamed`, or ``None`` where
+    its blocks would not start FFN rows at a multiple of the mask generator's bulk draws (an odd FFN width)."""
+    block, threads = _relative_blocks(batch, length, 3 * batch * length * width)
+    ffn_rows = _stream_block_rows(hidden_width)
+    if block * length * hidden_width % 128 or ffn_rows * hidden_width % 128:
+        return None
+    return block, threads, ffn_rows
+
+
+def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: list[Tensor | None], r: Tensor,
+                            weights: list[tuple[Tensor, ...]], settings: list[tuple[float, ...]],
+                            masks: list[tuple[tuple[int, int], ...]], batch: int, n_heads: int
+                            ) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """Every layer of a plain post-LN Transformer-XL, ``FFN-sublayer(attention-sublayer(h, memory, r))`` in turn, in
+    one parallel region: what :func:`relative_sublayer_streamed` then :func:`feed_forward_streamed` compute layer by
+    layer, with the same masks. ``x (B·L, d)``: the first layer's input rows; ``memories``: each layer's ``(B·M, d)``
+    rows (the same ``M``) or all ``None``; ``r (layers, M+L, d)``: the projected position encodings; ``weights``: per
+    layer ``(u, pos_bias, w_q, w_kv, w_out, gamma, beta, w1, b1, w2, b2, gamma, beta)``; ``settings``: per layer the two
+    LayerNorms' eps and the three masks' scales; ``masks``: per layer the three masks' ``(seed, keep_below)`` (the
+    attention's output, the FFN's hidden layer, its output).
+
+    Returns every layer's output rows and what :func:`relative_stack_streamed_backward` needs (``"table"`` holds the
+    addresses of all of it)."""
+    n, (rows, width) = len(weights), x.shape
+    length, hidden_width = rows // batch, weights[0][7].shape[0]
+    mem = 0 if memories[0] is None else memories[0].shape[0] // batch
+    block, threads, ffn_rows = stack_blocks(batch, length, width, hidden_width)  # type: ignore[misc]
+    words = -(-width // 32)
+    saved = {
+        "qkv": x.new_empty(n, rows, 3 * width), "attended": x.new_empty(n, rows, width),
+        "lse": x.new_empty(n, batch, n_heads, length), "xhat_a": x.new_empty(n, rows, width),
+        "y_a": x.new_empty(n, rows, width), "rstd_a": x.new_empty(n, rows),
+        "keep_a": torch.empty(n, rows, words, dtype=torch.int32), "hidden": x.new_empty(n, rows, hidden_width),
+        "positive": torch.empty(n, -(-rows * hidden_width // 32), dtype=torch.int32),
+        "xhat_f": x.new_empty(n, rows, width), "rstd_f": x.new_empty(n, rows),
+        "keep_f": torch.empty(n, rows, words, dtype=torch.int32), "zero": x.new_zeros(width),
+    }
+    if mem:
+        saved["memory_kv"] = x.new_empty(n, batch * mem, 2 * width)
+    outputs = [x.new_empty(rows, width) for _ in range(n)]
+
+    def layer(t: Tensor) -> range:  # each layer's address in a stacked buffer
+        return range(t.data_ptr(), t.data_ptr() + n * t.stride(0) * t.element_size(), t.stride(0) * t.element_size())
+
+    stacked = zip(layer(r), layer(saved["qkv"]), layer(saved["memory_kv"]) if mem else [0] * n,
+                  *(layer(saved[name]) for name in ("attended", "lse", "xhat_a", "y_a", "rstd_a", "keep_a", "hidden",
+                                                     "positive", "xhat_f", "rstd_f", "keep_f")), strict=True)
+    table = []
+    for i, ((u, pos_bias, w_q, w_kv, w_out, gamma_a, beta_a, w1, b1, w2, b2, gamma_f, beta_f),
+            (r_i, qkv, memory_kv, attended, lse, xhat_a, y_a, rstd_a, keep_a, hidden, positive, xhat_f, rstd_f,
+             keep_f)) in enumerate(zip(weights, stacked, strict=True)):
+        table += [(x if i == 0 else outputs[i - 1]).data_ptr(), _address(memories[i]) or 0, r_i,
+                  u.data_ptr(), pos_bias.data_ptr(), w_q.data_ptr(), w_kv.data_ptr(), w_out.data_ptr(),
+                  gamma_a.data_ptr(), beta_a.data_ptr(), qkv, memory_kv, attended, lse, xhat_a, y_a, rstd_a, keep_a,
+                  w1.data_ptr(), b1.data_ptr(), w2.data_ptr(), b2.data_ptr(), gamma_f.data_ptr(), beta_f.data_ptr(),
+                  hidden, positive, xhat_f, outputs[i].data_ptr(), rstd_f, keep_f]
+    saved["table"] = torch.tensor(table, dtype=torch.int64)
+    saved["reals"] = torch.tensor(settings, dtype=torch.float64)
+    seeds = np.array([[seed for seed, _ in three] for three in masks], dtype=np.uint64)
+    keeps = np.array([[keep_word(keep) for _, keep in three] for three in masks], dtype=np.uint32)
+    saved["sizes"] = torch.tensor([n, batch, length, mem, n_heads, width, hidden_width, block, ffn_rows],
+                                  dtype=torch.int64)
+    rows_max = block * max(length, mem)
+    packed = torch.tensor([blas.packed_floats(rows_max, width, width), blas.packed_floats(rows_max, 2 * width, width),
+                           blas.packed_floats(rows_max, width, width),
+                           blas.packed_floats(ffn_rows, hidden_width, width),
+                           blas.packed_floats(ffn_rows, width, hidden_width)], dtype=torch.int64)
+    saved["threads"] = torch.tensor(threads)
+    _check_relative(KERNEL.library().relative_stack_forward_f32(
+        blas.pack, blas.compute, blas.local_threads, attend, saved["table"].data_ptr(), saved["reals"].data_ptr(),
+        seeds.ctypes.data, keeps.ctypes.data, saved["zero"].data_ptr(), packed.data_ptr(), saved["sizes"].data_ptr(),
+        threads))
+    return outputs, saved
+
+
+def relative_stack_streamed_backward(blas: PackedGemm, attend_back: int, grad: Tensor, saved: dict[str, Tensor]
+                                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The backward pass of :func:`relative_stack_streamed` from the last layer's output gradient ``(B·L, d)``, with
+    the forward pass's ``saved`` (its inputs, weights and outputs still alive). Returns the first layer's input
+    gradient, then per layer (one row each) the weights' gradients (``w_out``'s, ``[w_q; w_kv]``'s, ``w1``'s, ``w2``'s,
+    flattened), the small ones (``r``'s summed over the batch, ``u``'s, ``pos_bias``'s) and the LayerNorms' and biases'
+    (the attention LayerNorm's gamma and beta, the output projection's absent bias, the FFN LayerNorm's gamma and beta,
+    ``b2``'s, then ``b1``'s)."""
+    n, batch, length, mem, n_heads, width, hidden_width, block, ffn_rows = saved["sizes"].tolist()
+    threads = int(saved["threads"])
+    grad = grad.contiguous()
+    grad_input = torch.empty_like(grad)
+    weights = grad.new_empty(n, 4 * width * width + 2 * width * hidden_width)
+    small = grad.new_empty(n, (mem + length) * width + 2 * width)
+    sums = grad.new_empty(n, 6 * width + hidden_width)
+    rows_max = block * length
+    packed = torch.tensor([blas.packed_floats(rows_max, width, width), blas.packed_floats(rows_max, width, 2 * width),
+                           blas.packed_floats(rows_max, width, width),
+                           blas.packed_floats(ffn_rows, width, hidden_width),
+                           blas.packed_floats(ffn_rows, hidden_width, width)], dtype=torch.int64)
+    _check_relative(KERNEL.library().relative_stack_backward_f32(
+        blas.pack, blas.compute, blas.local_threads, blas.gemm, attend_back, saved["table"].data_ptr(),
+        saved["reals"].data_ptr(), grad.data_ptr(), grad_input.data_ptr(), weights.data_ptr(), small.data_ptr(),
+        sums.data_ptr(), packed.data_ptr(), saved["sizes"].data_ptr(), threads))
+    return grad_input, weights, small, sums

@@ -9,6 +9,13 @@ the other waits. :class:`LayerStack` runs the same two functions' forward and ba
 inside a single autograd function: the arithmetic, the dropout masks (drawn in the same order) and so the results
 are those of the layers one by one.
 
+Where no layer has a gate and PyTorch links MKL, :class:`StreamedLayerStack` goes further: one compiled call runs
+every layer forward and one runs them all backward (``relative_stack_streamed`` in
+:mod:`~gatedformer.backbones._epilogue_kernel`), each thread taking its own sequences through all the layers with no
+return to Python and no wait for the other thread between sublayers. Its outputs and masks are the Python stack's
+bit for bit; its gradients differ only in the order in which the threads' shares of the weights' gradients are
+added. Gated layers stay with :class:`LayerStack`, whose sublayer functions compute their gates.
+
 It applies where every layer's two sublayers would each run as one function (post-LN, the gates those take), no
 hooks are on the layers or their sublayers (nor global module hooks), and the memories and position encodings
 need no gradient; :func:`layer_stack` checks that and otherwise returns ``None`` (the model then calls its layers).
@@ -21,6 +28,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from gatedformer.backbones import _blas, _epilogue_kernel
+from gatedformer.backbones._relative_attention_kernel import kernel_addresses
 from gatedformer.backbones.blocks import FeedForward, Sublayer
 from gatedformer.backbones.fused_linear import (
     _branch_parameters,
@@ -31,12 +40,13 @@ from gatedformer.backbones.fused_linear import (
 )
 from gatedformer.backbones.relative_sublayer import RelativeAttentionAddNorm, relative_fusion_applies
 
-__all__ = ["LayerStack", "layer_stack"]
+__all__ = ["LayerStack", "StreamedLayerStack", "layer_stack"]
 
 # A layer's inputs to the function: the attention's 8 parameters (Wq, Wkv, Wr, Wo, u, v, LayerNorm's 2) and its
 # gates' 10 (a residual gate's 2, a unit's 2, an EAU's 6; None where there is none), then the FFN's 6 and its 10.
 _ATTENTION, _BRANCH, _FFN = 8, 10, 6
 _PER_LAYER = 2 * _BRANCH + _ATTENTION + _FFN
+_INT32_VALUES = 2 ** 32
 
 
 class _InnerContext:
@@ -119,6 +129,84 @@ class LayerStack(torch.autograd.Function):
         return (grad if needed[0] else None, None, None, None, *flat)
 
 
+class StreamedLayerStack(torch.autograd.Function):
+    """:class:`LayerStack` for plain layers (no gates) where MKL's packed products are there: the whole stack in one
+    compiled call forward and one backward (``relative_stack_streamed`` in
+    :mod:`~gatedformer.backbones._epilogue_kernel`), each thread taking its own sequences through every layer without
+    waiting for the other threads or returning to Python between sublayers. Same arguments and results as
+    :class:`LayerStack`; the same arithmetic and masks, so the same outputs, and the same gradients but for the order
+    in which the threads' shares of the weights' gradients are added."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, pos: Tensor, memories: tuple[Tensor | None, ...],  # type: ignore[override]
+                settings: tuple[tuple[object, ...], ...], *parameters: Tensor | None) -> tuple[Tensor, ...]:
+        batch, length, width = x.shape
+        n = len(settings)
+        layers = [parameters[i * _PER_LAYER : (i + 1) * _PER_LAYER] for i in range(n)]
+        memory_rows = [None if m is None else m.reshape(-1, width).contiguous() for m in memories]
+        keys = length + (0 if memories[0] is None else memories[0].shape[1])
+        pos = pos[pos.shape[0] - keys :].contiguous()
+        r = x.new_empty(n, keys, width)
+        for i, layer in enumerate(layers):
+            torch.mm(pos, layer[2].t(), out=r[i])  # as each sublayer projects its position encodings
+        ffn = _ATTENTION + _BRANCH
+        weights = [(layer[4].contiguous(), layer[5].contiguous(), layer[0], layer[1], layer[3], layer[6], layer[7],
+                    *layer[ffn : ffn + _FFN]) for layer in layers]
+        reals = [(eps, ffn_eps, _INT32_VALUES / mask[1], _INT32_VALUES / inner[1], _INT32_VALUES / outer[1])
+                 for eps, _, mask, _, ffn_eps, inner, outer, _ in settings]
+        masks = [(mask, inner, outer) for _, _, mask, _, _, inner, outer, _ in settings]
+        rows = x.reshape(-1, width).contiguous()
+        blas = _blas.packed_gemm()
+        outputs, saved = _epilogue_kernel.relative_stack_streamed(
+            blas, kernel_addresses()[0], rows, memory_rows, r, weights, reals, masks, batch, settings[0][1])
+        ctx.names = tuple(saved)
+        ctx.save_for_backward(rows, pos, r, *(m for m in memory_rows if m is not None),
+                              *(w for layer in weights for w in layer), *outputs[:-1], *saved.values())
+        ctx.shapes = (layers[0][4].shape, layers[0][5].shape)  # u's and the position bias's, as every layer's
+        ctx.set_materialize_grads(False)
+        later = [o.view(batch, length, width) for o in outputs[:-1]]
+        ctx.mark_non_differentiable(*later)
+        return (outputs[-1].view(batch, length, width), *later)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None, *_: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        needed = ctx.needs_input_grad
+        n = (len(needed) - 4) // _PER_LAYER
+        if grad is None:
+            return (None,) * len(needed)
+        tensors = ctx.saved_tensors  # checks that none was changed in place since the forward pass
+        rows, pos, r = tensors[:3]
+        saved = dict(zip(ctx.names, tensors[len(tensors) - len(ctx.names) :], strict=True))
+        batch, length, width = grad.shape
+        grad_input, weights, small, sums = _epilogue_kernel.relative_stack_streamed_backward(
+            _blas.packed_gemm(), kernel_addresses()[1], grad.reshape(-1, width), saved)
+        keys, hidden_width = r.shape[1], (weights.shape[1] - 4 * width * width) // (2 * width)
+        d2, fd, small_start = width * width, hidden_width * width, keys * width
+
+        def per_layer(t: Tensor, start: int, stop: int, *shape: int) -> tuple[Tensor, ...]:
+            return t[:, start:stop].view(n, *(shape or (stop - start,))).unbind(0)
+
+        u_shape, pb_shape = ctx.shapes
+        grad_w_r = small[:, :small_start].view(n, keys, width).transpose(1, 2).matmul(pos)  # each r = pos W_rᵀ
+        columns = zip(
+            per_layer(weights, d2, 2 * d2, width, width), per_layer(weights, 2 * d2, 4 * d2, 2 * width, width),
+            grad_w_r.unbind(0), per_layer(weights, 0, d2, width, width),
+            per_layer(small, small_start, small_start + width, *u_shape),
+            per_layer(small, small_start + width, small_start + 2 * width, *pb_shape),
+            per_layer(sums, 0, width), per_layer(sums, width, 2 * width),
+            per_layer(weights, 4 * d2, 4 * d2 + fd, hidden_width, width), per_layer(sums, 6 * width, sums.shape[1]),
+            per_layer(weights, 4 * d2 + fd, weights.shape[1], width, hidden_width),
+            per_layer(sums, 5 * width, 6 * width), per_layer(sums, 3 * width, 4 * width),
+            per_layer(sums, 4 * width, 5 * width), strict=True)
+        flat: list[Tensor | None] = []
+        nothing = (None,) * _BRANCH
+        for i, grads in enumerate(columns):
+            layer = (*grads[:_ATTENTION], *nothing, *grads[_ATTENTION:], *nothing)
+            wanted = needed[4 + i * _PER_LAYER : 4 + (i + 1) * _PER_LAYER]
+            flat += [g if want else None for g, want in zip(layer, wanted, strict=True)]
+        return (grad_input.view(batch, length, width) if needed[0] else None, None, None, None, *flat)
+
+
 def _gates(sublayer: Sublayer) -> tuple[nn.Module | None, nn.Module | None, nn.Module | None]:
     """The residual gate, the unit and the EAU, as :class:`~gatedformer.backbones.blocks.Sublayer` hands them to its
     body's ``add_norm``."""
@@ -139,6 +227,26 @@ def _global_hooks() -> bool:
     hooks = torch.nn.modules.module
     return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
                 or hooks._global_backward_pre_hooks)
+
+
+def _streams_whole_stack(x: Tensor, memories: list[Tensor | None], settings: list[tuple[object, ...]],
+                         parameters: list[Tensor | None]) -> bool:
+    """Whether :class:`StreamedLayerStack` runs these layers: no gates, MKL's packed products, memories all absent or
+    all of one length, one number of heads and one FFN width, and shapes whose blocks it can split (see
+    ``stack_blocks``)."""
+    if any(p is not None for i in range(len(settings)) for p in (
+            parameters[i * _PER_LAYER + _ATTENTION : i * _PER_LAYER + _ATTENTION + _BRANCH]
+            + parameters[(i + 1) * _PER_LAYER - _BRANCH : (i + 1) * _PER_LAYER])):
+        return False
+    if _blas.packed_gemm() is None or any(not p.is_contiguous() for p in parameters if p is not None):
+        return False
+    lengths = {None if m is None else m.shape[1] for m in memories}
+    heads = {layer_settings[1] for layer_settings in settings}
+    hidden = {parameters[i * _PER_LAYER + _ATTENTION + _BRANCH].shape[0] for i in range(len(settings))}
+    if len(lengths) != 1 or len(heads) != 1 or len(hidden) != 1:
+        return False
+    batch, length, width = x.shape
+    return _epilogue_kernel.stack_blocks(batch, length, width, parameters[_ATTENTION + _BRANCH].shape[0]) is not None
 
 
 def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tensor] | None,
@@ -176,5 +284,6 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
     # The masks, drawn once every layer is known to run here, in the order the layers one by one would draw them.
     masked = tuple((eps, heads, _mask(p_attention), tail, ffn_eps, _mask(p_inner), _mask(p_ffn), ffn_tail)
                    for eps, heads, p_attention, tail, ffn_eps, p_inner, p_ffn, ffn_tail in settings)
-    out, *later_inputs = LayerStack.apply(x, pos, tuple(memories), masked, *parameters)
+    stack = StreamedLayerStack if _streams_whole_stack(x, memories, settings, parameters) else LayerStack
+    out, *later_inputs = stack.apply(x, pos, tuple(memories), masked, *parameters)
     return out, [x, *later_inputs]
