@@ -46,6 +46,7 @@ __all__ = ["LayerStack", "StreamedLayerStack", "layer_stack"]
 # gates' 10 (a residual gate's 2, a unit's 2, an EAU's 6; None where there is none), then the FFN's 6 and its 10.
 _ATTENTION, _BRANCH, _FFN = 8, 10, 6
 _PER_LAYER = 2 * _BRANCH + _ATTENTION + _FFN
+_PLAIN = _ATTENTION + _FFN  # a layer's inputs to StreamedLayerStack: no gates
 _INT32_VALUES = 2 ** 32
 
 
@@ -133,25 +134,25 @@ class StreamedLayerStack(torch.autograd.Function):
     """:class:`LayerStack` for plain layers (no gates) where MKL's packed products are there: the whole stack in one
     compiled call forward and one backward (``relative_stack_streamed`` in
     :mod:`~gatedformer.backbones._epilogue_kernel`), each thread taking its own sequences through every layer without
-    waiting for the other threads or returning to Python between sublayers. Same arguments and results as
-    :class:`LayerStack`; the same arithmetic and masks, so the same outputs, and the same gradients but for the order
-    in which the threads' shares of the weights' gradients are added."""
+    waiting for the other threads or returning to Python between sublayers. The arguments and results of
+    :class:`LayerStack`, but for the gates' parameters, which are left out (14 per layer); the same arithmetic and
+    masks, so the same outputs, and the same gradients but for the order in which the threads' shares of the weights'
+    gradients are added."""
 
     @staticmethod
     def forward(ctx, x: Tensor, pos: Tensor, memories: tuple[Tensor | None, ...],  # type: ignore[override]
                 settings: tuple[tuple[object, ...], ...], *parameters: Tensor | None) -> tuple[Tensor, ...]:
         batch, length, width = x.shape
         n = len(settings)
-        layers = [parameters[i * _PER_LAYER : (i + 1) * _PER_LAYER] for i in range(n)]
+        layers = [parameters[i * _PLAIN : (i + 1) * _PLAIN] for i in range(n)]
         memory_rows = [None if m is None else m.reshape(-1, width).contiguous() for m in memories]
         keys = length + (0 if memories[0] is None else memories[0].shape[1])
         pos = pos[pos.shape[0] - keys :].contiguous()
         r = x.new_empty(n, keys, width)
         for i, layer in enumerate(layers):
             torch.mm(pos, layer[2].t(), out=r[i])  # as each sublayer projects its position encodings
-        ffn = _ATTENTION + _BRANCH
         weights = [(layer[4].contiguous(), layer[5].contiguous(), layer[0], layer[1], layer[3], layer[6], layer[7],
-                    *layer[ffn : ffn + _FFN]) for layer in layers]
+                    *layer[_ATTENTION:]) for layer in layers]
         reals = [(eps, ffn_eps, _INT32_VALUES / mask[1], _INT32_VALUES / inner[1], _INT32_VALUES / outer[1])
                  for eps, _, mask, _, ffn_eps, inner, outer, _ in settings]
         masks = [(mask, inner, outer) for _, _, mask, _, _, inner, outer, _ in settings]
@@ -171,7 +172,7 @@ class StreamedLayerStack(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor | None, *_: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         needed = ctx.needs_input_grad
-        n = (len(needed) - 4) // _PER_LAYER
+        n = (len(needed) - 4) // _PLAIN
         if grad is None:
             return (None,) * len(needed)
         tensors = ctx.saved_tensors  # checks that none was changed in place since the forward pass
@@ -198,12 +199,8 @@ class StreamedLayerStack(torch.autograd.Function):
             per_layer(weights, 4 * d2 + fd, weights.shape[1], width, hidden_width),
             per_layer(sums, 5 * width, 6 * width), per_layer(sums, 3 * width, 4 * width),
             per_layer(sums, 4 * width, 5 * width), strict=True)
-        flat: list[Tensor | None] = []
-        nothing = (None,) * _BRANCH
-        for i, grads in enumerate(columns):
-            layer = (*grads[:_ATTENTION], *nothing, *grads[_ATTENTION:], *nothing)
-            wanted = needed[4 + i * _PER_LAYER : 4 + (i + 1) * _PER_LAYER]
-            flat += [g if want else None for g, want in zip(layer, wanted, strict=True)]
+        flat = [g if want else None for g, want in zip((g for layer in columns for g in layer), needed[4:],
+                                                         strict=True)]
         return (grad_input.view(batch, length, width) if needed[0] else None, None, None, None, *flat)
 
 
@@ -284,6 +281,9 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
     # The masks, drawn once every layer is known to run here, in the order the layers one by one would draw them.
     masked = tuple((eps, heads, _mask(p_attention), tail, ffn_eps, _mask(p_inner), _mask(p_ffn), ffn_tail)
                    for eps, heads, p_attention, tail, ffn_eps, p_inner, p_ffn, ffn_tail in settings)
-    stack = StreamedLayerStack if _streams_whole_stack(x, memories, settings, parameters) else LayerStack
-    out, *later_inputs = stack.apply(x, pos, tuple(memories), masked, *parameters)
+    if _streams_whole_stack(x, memories, settings, parameters):  # no gates: their Nones are left out
+        out, *later_inputs = StreamedLayerStack.apply(x, pos, tuple(memories), masked,
+                                                      *(p for p in parameters if p is not None))
+    else:
+        out, *later_inputs = LayerStack.apply(x, pos, tuple(memories), masked, *parameters)
     return out, [x, *later_inputs]
