@@ -751,18 +751,6 @@ struct LayerTable {
 
 inline int64_t padded16(int64_t floats) { return (floats + 15) / 16 * 16; }
 
-// Floats in one 64-byte aligned allocation, freed on return.
-struct Scratch {
-    void* raw;
-    float* base;
-    explicit Scratch(int64_t floats) : raw(std::malloc((size_t)(floats > 0 ? floats : 1) * 4 + 64)),
-                                       base(PackedPair::aligned(raw)) {}
-    ~Scratch() { std::free(raw); }
-    Scratch(const Scratch&) = delete;
-    Scratch& operator=(const Scratch&) = delete;
-    bool ok() const { return raw != nullptr; }
-};
-
 // Room for every layer's packed weights, kept by the calling thread from one call to the next and grown when needed.
 // MKL asks for several MB per packed weight, whatever its size, and writes a few pages of it: allocated afresh for
 // each call, that much comes straight from mmap, and whatever the packing touches faults in again on every call
@@ -1138,7 +1126,7 @@ int relative_sublayer_backward_f32(const void* pack, const void* compute, const 
                                (float)scale, block_sequences, threads, &failed);
     return failed ? 2 : 0;
 }
-// Returns 1 where the packed weights or the scratch could not be allocated, 2 where the attention kernel refused its
+// Returns 1 where the packed weights could not be allocated, 2 where the attention kernel refused its
 // shapes. sizes: layers, batch, length, mem, heads, d, f, block_sequences, ffn_rows.
 int relative_stack_forward_f32(const void* pack, const void* compute, const void* local_threads, const void* attend,
                                const int64_t* table, const double* reals, const uint64_t* seeds,
@@ -1154,19 +1142,24 @@ int relative_stack_forward_f32(const void* pack, const void* compute, const void
                            threads, &failed);
     return failed ? 2 : 0;
 }
+// The floats of relative_stack_backward_f32's scratch, which the caller allocates (so that it is counted as a tensor).
+int64_t relative_stack_scratch_floats(const int64_t* sizes, int64_t threads) {
+    const StackShape z{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6], sizes[7], sizes[8]};
+    return stack_scratch_floats(z, threads) + 16;  // room to align it to 64 bytes
+}
 int relative_stack_backward_f32(const void* pack, const void* compute, const void* local_threads, const void* gemm,
                                 const void* attend_back, const int64_t* table, const double* reals, const float* grad,
-                                float* grad_input, float* weights, float* small, float* sums,
+                                float* grad_input, float* weights, float* small, float* sums, float* scratch,
                                 const int64_t* packed_floats, const int64_t* sizes, int64_t threads) {
     const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
     const StackShape z{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6], sizes[7], sizes[8]};
     PackedLayers packed{packed_floats, nullptr};
     packed.base = kept_pack_room(z.layers * packed.per_layer());
-    Scratch scratch(stack_scratch_floats(z, threads));
-    if (packed.base == nullptr || !scratch.ok()) return 1;
+    if (packed.base == nullptr) return 1;
     int failed = 0;
     relative_stack_backward(blas, (RelativeBackwardFn)attend_back, (FortranGemmFn)gemm, LayerTable{table}, reals,
-                            grad, grad_input, packed, weights, small, sums, scratch.base, z, threads, &failed);
+                            grad, grad_input, packed, weights, small, sums, PackedPair::aligned(scratch), z, threads,
+                            &failed);
     return failed ? 2 : 0;
 }
 }
@@ -1199,12 +1192,14 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.relative_sublayer_backward_f32.restype = ctypes.c_int
     lib.relative_stack_forward_f32.argtypes = [p] * 11 + [i]
     lib.relative_stack_forward_f32.restype = ctypes.c_int
-    lib.relative_stack_backward_f32.argtypes = [p] * 14 + [i]
+    lib.relative_stack_backward_f32.argtypes = [p] * 15 + [i]
+    lib.relative_stack_scratch_floats.argtypes = [p, i]
+    lib.relative_stack_scratch_floats.restype = ctypes.c_int64
     lib.relative_stack_backward_f32.restype = ctypes.c_int
 
 
 KERNEL = NativeKernel(
-    "epilogue", _CPP_SOURCE, _bind, abi_version=10, env_var="GATEDFORMER_DROPOUT_BACKEND",
+    "epilogue", _CPP_SOURCE, _bind, abi_version=11, env_var="GATEDFORMER_DROPOUT_BACKEND",
     description="the compiled linear-epilogue kernel", fallback="unfused PyTorch operations",
     extra_cflags=_NO_FMA, avx512=True,
 )
@@ -1765,8 +1760,11 @@ def relative_stack_streamed_backward(blas: PackedGemm, attend_back: int, grad: T
                            blas.packed_floats(rows_max, width, width),
                            blas.packed_floats(ffn_rows, width, hidden_width),
                            blas.packed_floats(ffn_rows, hidden_width, width)], dtype=torch.int64)
-    _check_relative(KERNEL.library().relative_stack_backward_f32(
+    library = KERNEL.library()
+    # The kernel's gradient buffers and the threads' shares, as a tensor so that memory accounting sees them.
+    scratch = grad.new_empty(library.relative_stack_scratch_floats(saved["sizes"].data_ptr(), threads))
+    _check_relative(library.relative_stack_backward_f32(
         blas.pack, blas.compute, blas.local_threads, blas.gemm, attend_back, saved["table"].data_ptr(),
         saved["reals"].data_ptr(), grad.data_ptr(), grad_input.data_ptr(), weights.data_ptr(), small.data_ptr(),
-        sums.data_ptr(), packed.data_ptr(), saved["sizes"].data_ptr(), threads))
+        sums.data_ptr(), scratch.data_ptr(), packed.data_ptr(), saved["sizes"].data_ptr(), threads))
     return grad_input, weights, small, sums
