@@ -113,11 +113,14 @@ def _mask_seed(keep_below: int) -> int:
 def _fast_path(x: Tensor, p: float, inplace: bool = False, keep_all: bool = False) -> bool:
     """Whether the kernel takes ``x`` with dropout ``p`` (0 < p < 1; with ``keep_all``, as the fused layers that
     carry a dropout in their epilogue pass, p = 0 too)."""
-    keep_below = _keep_below(p)
-    return (x.device.type == "cpu" and not inplace
-            and 0 < keep_below <= (_INT32_VALUES if keep_all else _INT32_VALUES - 1)
+    return (x.device.type == "cpu" and not inplace and _fast_rate(p, keep_all)
             and x.is_floating_point() and not torch.compiler.is_compiling()
             and KERNEL.pick_backend(x.device) == "native")
+
+
+def _fast_rate(p: float, keep_all: bool = False) -> bool:
+    """The rate's part of :func:`_fast_path`: whether the kernel's masks take dropout ``p``."""
+    return 0 < _keep_below(p) <= (_INT32_VALUES if keep_all else _INT32_VALUES - 1)
 
 
 def dropout(x: Tensor, p: float, training: bool = True, inplace: bool = False) -> Tensor:

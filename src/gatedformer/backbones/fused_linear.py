@@ -90,10 +90,23 @@ def unhooked(module: nn.Module) -> bool:
 
 def fusion_applies(x: Tensor, linear: nn.Module, p: float, training: bool) -> bool:
     """Whether :func:`linear_relu_dropout` / :func:`linear_dropout_add` take the fused path for these inputs."""
+    return linear_fuses(linear, p, training) and inputs_fuse(x)
+
+
+def inputs_fuse(x: Tensor) -> bool:
+    """The input's half of :func:`fusion_applies`: float32 on the CPU, outside autocast and ``torch.compile``, with the
+    dropout and epilogue kernels available. A stack of layers asks it once for all of them."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling() and dropout_ops.KERNEL.pick_backend(x.device) == "native"
+            and KERNEL.pick_backend(x.device) == "native")
+
+
+def linear_fuses(linear: nn.Module, p: float, training: bool) -> bool:
+    """The layer's half of :func:`fusion_applies`: training, a plain float32 CPU :class:`torch.nn.Linear` with a bias
+    and no hooks, and a dropout rate the fused masks take."""
     return (training and type(linear) is nn.Linear and linear.bias is not None and unhooked(linear)
-            and x.dtype == torch.float32 and linear.weight.dtype == torch.float32
-            and linear.weight.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
-            and dropout_ops._fast_path(x, p, keep_all=True) and KERNEL.pick_backend(x.device) == "native")
+            and linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
+            and dropout_ops._fast_rate(p, keep_all=True))
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -628,10 +641,25 @@ def feed_forward_fusion_applies(x: Tensor, inner: nn.Linear, outer: nn.Linear, i
                                 norm: nn.LayerNorm, training: bool = True, gate: nn.Module | None = None,
                                 unit: nn.Module | None = None, eau: nn.Module | None = None) -> bool:
     """Whether :func:`feed_forward_add_norm` computes this sublayer as one function (it returns ``None`` where not)."""
-    return (fusion_applies(x, inner, inner_p, training) and fusion_applies(x, outer, p, training)
-            and outer.in_features == inner.out_features and outer.out_features == x.shape[-1]
-            and _plain_layer_norm(norm, x.shape[-1]) and _gate_fuses(gate, x, p, training)
-            and _unit_fuses(unit, gate, x, p, training) and _eau_fuses(eau, unit, x, p, training))
+    return (inputs_fuse(x) and feed_forward_layers_fuse(x.shape[-1], inner, outer, inner_p, p, norm, training)
+            and branches_fuse(x, p, training, gate, unit, eau))
+
+
+def feed_forward_layers_fuse(width: int, inner: nn.Module, outer: nn.Module, inner_p: float, p: float,
+                             norm: nn.Module, training: bool) -> bool:
+    """The layers' half of :func:`feed_forward_fusion_applies` for inputs ``width`` wide (the input's half is
+    :func:`inputs_fuse`, the gates' :func:`branches_fuse`)."""
+    return (linear_fuses(inner, inner_p, training) and linear_fuses(outer, p, training)
+            and outer.in_features == inner.out_features and outer.out_features == width
+            and _plain_layer_norm(norm, width))
+
+
+def branches_fuse(x: Tensor, p: float, training: bool, gate: nn.Module | None, unit: nn.Module | None,
+                  eau: nn.Module | None) -> bool:
+    """Whether a sublayer's gated residual connection, unit and EAU (each may be ``None``) can be part of its whole
+    function."""
+    return (_gate_fuses(gate, x, p, training) and _unit_fuses(unit, gate, x, p, training)
+            and _eau_fuses(eau, unit, x, p, training))
 
 
 def attention_add_norm(x: Tensor, qkv: nn.Linear, out: nn.Linear, n_heads: int, attention_dropout: float, p: float,
@@ -644,8 +672,7 @@ def attention_add_norm(x: Tensor, qkv: nn.Linear, out: nn.Linear, n_heads: int, 
     if not (x.dim() == 3 and fusion_applies(x, qkv, p, training) and fusion_applies(x, out, p, training)
             and out.out_features == x.shape[-1] and qkv.out_features == 3 * out.in_features
             and _attention_kernel.kernel_takes(qkv.out_features, n_heads, attention_dropout, x.device, x.dtype)
-            and _plain_layer_norm(norm, x.shape[-1]) and _gate_fuses(gate, x, p, training)
-            and _unit_fuses(unit, gate, x, p, training) and _eau_fuses(eau, unit, x, p, training)):
+            and _plain_layer_norm(norm, x.shape[-1]) and branches_fuse(x, p, training, gate, unit, eau)):
         return None
     result = _AttentionAddNorm.apply(_rows(x), qkv.weight, qkv.bias, out.weight, out.bias, norm.weight, norm.bias,
                                      *_branch_parameters(gate, unit, eau), norm.eps, x.shape[0], n_heads, _mask(p))

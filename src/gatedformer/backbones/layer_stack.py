@@ -35,10 +35,15 @@ from gatedformer.backbones.fused_linear import (
     _branch_parameters,
     _FeedForwardAddNorm,
     _mask,
-    feed_forward_fusion_applies,
+    branches_fuse,
+    feed_forward_layers_fuse,
     unhooked,
 )
-from gatedformer.backbones.relative_sublayer import RelativeAttentionAddNorm, relative_fusion_applies
+from gatedformer.backbones.relative_sublayer import (
+    RelativeAttentionAddNorm,
+    relative_inputs_fuse,
+    relative_layers_fuse,
+)
 
 __all__ = ["LayerStack", "StreamedLayerStack", "layer_stack"]
 
@@ -227,23 +232,19 @@ def _global_hooks() -> bool:
 
 
 def _streams_whole_stack(x: Tensor, memories: list[Tensor | None], settings: list[tuple[object, ...]],
-                         parameters: list[Tensor | None]) -> bool:
-    """Whether :class:`StreamedLayerStack` runs these layers: no gates, MKL's packed products, memories all absent or
-    all of one length, one number of heads and one FFN width, and shapes whose blocks it can split (see
-    ``stack_blocks``)."""
-    if any(p is not None for i in range(len(settings)) for p in (
-            parameters[i * _PER_LAYER + _ATTENTION : i * _PER_LAYER + _ATTENTION + _BRANCH]
-            + parameters[(i + 1) * _PER_LAYER - _BRANCH : (i + 1) * _PER_LAYER])):
-        return False
-    if _blas.packed_gemm() is None or any(not p.is_contiguous() for p in parameters if p is not None):
+                         parameters: list[Tensor]) -> bool:
+    """Whether :class:`StreamedLayerStack` runs these plain layers (``parameters``: 14 per layer, no gates): MKL's
+    packed products, memories all absent or all of one length, one number of heads and one FFN width, and shapes
+    whose blocks it can split (see ``stack_blocks``)."""
+    if _blas.packed_gemm() is None or not all(p.is_contiguous() for p in parameters):
         return False
     lengths = {None if m is None else m.shape[1] for m in memories}
     heads = {layer_settings[1] for layer_settings in settings}
-    hidden = {parameters[i * _PER_LAYER + _ATTENTION + _BRANCH].shape[0] for i in range(len(settings))}
+    hidden = {parameters[i * _PLAIN + _ATTENTION].shape[0] for i in range(len(settings))}
     if len(lengths) != 1 or len(heads) != 1 or len(hidden) != 1:
         return False
     batch, length, width = x.shape
-    return _epilogue_kernel.stack_blocks(batch, length, width, parameters[_ATTENTION + _BRANCH].shape[0]) is not None
+    return _epilogue_kernel.stack_blocks(batch, length, width, parameters[_ATTENTION].shape[0]) is not None
 
 
 def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tensor] | None,
@@ -257,8 +258,12 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
     if any(m is not None and m.requires_grad for m in memories):
         return None
     memories = [m if m is not None and m.shape[1] > 0 else None for m in memories]
-    settings, parameters = [], []
-    for layer, memory in zip(layers, memories, strict=True):
+    # Every layer's input has x's shape, dtype and device: what the sublayers ask of their inputs is asked once, of x.
+    if not relative_inputs_fuse(x, memories, pos):
+        return None
+    width = x.shape[-1]
+    settings, parameters, gated = [], [], False
+    for layer in layers:
         if not _whole_sublayers(layer):
             return None
         attn, ffn = layer.attn, layer.ffn
@@ -266,9 +271,11 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
         inner, outer, p_attention, p_inner, p_ffn = feed_forward.inner, feed_forward.outer, attn.dropout.p, \
             feed_forward.dropout.p, ffn.dropout.p
         attention_gates, ffn_gates = _gates(attn), _gates(ffn)
-        # Every layer's input has x's shape, dtype and device: checking with x checks what the layer will see.
-        if not (relative_fusion_applies(attention, x, p_attention, attention_norm, *attention_gates, memory, pos)
-                and feed_forward_fusion_applies(x, inner, outer, p_inner, p_ffn, ffn_norm, ffn.training, *ffn_gates)):
+        gated = gated or any(g is not None for g in (*attention_gates, *ffn_gates))
+        if not (relative_layers_fuse(attention, p_attention, attention_norm, width)
+                and feed_forward_layers_fuse(width, inner, outer, p_inner, p_ffn, ffn_norm, ffn.training)
+                and branches_fuse(x, p_attention, True, *attention_gates)
+                and branches_fuse(x, p_ffn, ffn.training, *ffn_gates)):
             return None
         *attention_branch, attention_tail = _branch_parameters(*attention_gates)
         *ffn_branch, ffn_tail = _branch_parameters(*ffn_gates)
@@ -281,9 +288,9 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
     # The masks, drawn once every layer is known to run here, in the order the layers one by one would draw them.
     masked = tuple((eps, heads, _mask(p_attention), tail, ffn_eps, _mask(p_inner), _mask(p_ffn), ffn_tail)
                    for eps, heads, p_attention, tail, ffn_eps, p_inner, p_ffn, ffn_tail in settings)
-    if _streams_whole_stack(x, memories, settings, parameters):  # no gates: their Nones are left out
-        out, *later_inputs = StreamedLayerStack.apply(x, pos, tuple(memories), masked,
-                                                      *(p for p in parameters if p is not None))
+    plain = None if gated else [p for p in parameters if p is not None]  # the gates' Nones left out
+    if plain is not None and _streams_whole_stack(x, memories, settings, plain):
+        out, *later_inputs = StreamedLayerStack.apply(x, pos, tuple(memories), masked, *plain)
     else:
         out, *later_inputs = LayerStack.apply(x, pos, tuple(memories), masked, *parameters)
     return out, [x, *later_inputs]

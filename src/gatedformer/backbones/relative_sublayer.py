@@ -28,32 +28,35 @@ returns ``None`` (the sublayer then runs its modules).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
 from gatedformer.backbones import _epilogue_kernel
 from gatedformer.backbones import dropout as dropout_ops
+from gatedformer.backbones._relative_attention_kernel import KERNEL as RELATIVE_KERNEL
 from gatedformer.backbones._relative_attention_kernel import (
+    MAX_HEAD_SIZE,
     backward_kernel,
     forward_kernel,
     kernel_addresses,
-    kernel_takes,
 )
 from gatedformer.backbones.fused_linear import (
     _add_branch_grads,
     _branch_parameters,
-    _eau_fuses,
-    _gate_fuses,
     _mask,
     _norm_tail,
     _norm_tail_backward,
     _plain_layer_norm,
     _streams,
-    _unit_fuses,
+    branches_fuse,
+    inputs_fuse,
     unhooked,
 )
 
-__all__ = ["RelativeAttentionAddNorm", "relative_attention_add_norm", "relative_fusion_applies"]
+__all__ = ["RelativeAttentionAddNorm", "relative_attention_add_norm", "relative_fusion_applies", "relative_inputs_fuse",
+           "relative_layers_fuse"]
 
 _INT32_VALUES = 2 ** 32
 
@@ -188,20 +191,33 @@ def relative_fusion_applies(attention: nn.Module, x: Tensor, p: float, norm: nn.
                             unit: nn.Module | None, eau: nn.Module | None, memory: Tensor | None, pos: Tensor) -> bool:
     """Whether :class:`RelativeAttentionAddNorm` computes this sublayer (see the module); ``memory`` is ``None`` or
     has rows."""
+    return (relative_inputs_fuse(x, (memory,), pos) and relative_layers_fuse(attention, p, norm, x.shape[-1])
+            and branches_fuse(x, p, True, gate, unit, eau))
+
+
+def relative_inputs_fuse(x: Tensor, memories: Sequence[Tensor | None], pos: Tensor) -> bool:
+    """The inputs' half of :func:`relative_fusion_applies`, for sublayers that read ``x (B, L, d)``, the position
+    encodings ``pos`` and one of ``memories`` each (``None`` or with rows): float32 CPU tensors, enough position rows,
+    outside autocast and ``torch.compile``, the kernels available. A stack of layers asks it once for all of them."""
+    if x.dim() != 3:
+        return False
+    k_len = x.shape[1] + max((0 if m is None else m.shape[1] for m in memories), default=0)
+    return (pos.shape[0] >= k_len and inputs_fuse(x)
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (pos, *memories) if t is not None)
+            and RELATIVE_KERNEL.pick_backend(x.device) == "native")
+
+
+def relative_layers_fuse(attention: nn.Module, p: float, norm: nn.Module, width: int) -> bool:
+    """The modules' half of :func:`relative_fusion_applies` for inputs ``width`` wide (the gates' half is
+    :func:`~gatedformer.backbones.fused_linear.branches_fuse`): training, no attention dropout, plain bias-free float32
+    CPU linear layers, no hooks, a plain LayerNorm, heads the kernel takes and a dropout rate the fused masks take."""
     if not attention.training:
         return False
-    k_len = x.shape[1] + (0 if memory is None else memory.shape[1])
     layers = (attention.query, attention.key_value, attention.position, attention.out)
-    tensors = [x, pos, attention.u, attention.v, norm.weight, *(layer.weight for layer in layers)]
-    tensors += [] if memory is None else [memory]
-    applies = (x.dim() == 3 and pos.shape[0] >= k_len and attention.dropout.p == 0.0
-               and all(type(layer) is nn.Linear and layer.bias is None for layer in layers)
-               and all(unhooked(module) for module in (attention, *layers))
-               and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
-               and not torch.is_autocast_enabled("cpu") and _plain_layer_norm(norm, x.shape[-1])
-               and dropout_ops._fast_path(x, p, keep_all=True)
-               and _epilogue_kernel.KERNEL.pick_backend(x.device) == "native"
-               and kernel_takes(tensors, attention.n_heads, 0.0)
-               and _gate_fuses(gate, x, p, True) and _unit_fuses(unit, gate, x, p, True)
-               and _eau_fuses(eau, unit, x, p, True))
-    return applies
+    n_heads = attention.n_heads
+    return (attention.dropout.p == 0.0 and dropout_ops._fast_rate(p, keep_all=True)
+            and all(type(layer) is nn.Linear and layer.bias is None and unhooked(layer) for layer in layers)
+            and unhooked(attention)
+            and all(t.dtype == torch.float32 and t.device.type == "cpu"
+                    for t in (attention.u, attention.v, norm.weight, *(layer.weight for layer in layers)))
+            and _plain_layer_norm(norm, width) and width % n_heads == 0 and width // n_heads <= MAX_HEAD_SIZE)

@@ -39,6 +39,9 @@ from gatedformer.backbones.placement import SublayerGates, resolve_placement
 from gatedformer.backbones.relative_sublayer import relative_attention_add_norm
 from gatedformer.backbones.token_embedding import embed_tokens
 
+_DISTANCES_CACHED = 1024
+"""Distances whose encodings are built with the model (a longer span extends the table)."""
+
 __all__ = ["RelativeMultiHeadAttention", "TransformerXLLM", "TransformerXLLayer", "rel_shift",
            "relative_positions"]
 
@@ -247,6 +250,15 @@ class TransformerXLLM(nn.Module):
         self.output = nn.Linear(d_model, vocab_size)
         if tie_embeddings:
             self.output.weight = self.embedding.weight
+        # The distances' encodings, computed once (not saved in checkpoints) and grown on demand: the last k rows of
+        # a longer table are those of k distances.
+        self.register_buffer("distances", relative_positions(_DISTANCES_CACHED, d_model), persistent=False)
+
+    def _relative_positions(self, length: int, dtype: torch.dtype) -> Tensor:
+        if length > self.distances.shape[0]:
+            self.distances = relative_positions(max(length, 2 * self.distances.shape[0]), self.d_model,
+                                                self.distances.device)
+        return self.distances[self.distances.shape[0] - length :].to(dtype)
 
     def _check_state(self, state: object, batch: int) -> list[Tensor] | None:
         if state is None:
@@ -273,7 +285,7 @@ class TransformerXLLM(nn.Module):
         memories = self._check_state(state, batch)
         mem_len_in = memories[0].shape[1] if memories else 0
         x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), dropout=self.emb_dropout)
-        pos = self.emb_dropout(relative_positions(mem_len_in + length, self.d_model, x.device, x.dtype))
+        pos = self.emb_dropout(self._relative_positions(mem_len_in + length, x.dtype))
         # The layers run as one autograd function where they can (the same arithmetic and masks, less overhead).
         stacked = layer_stack(self.layers, x, memories, pos)
         if stacked is not None:
