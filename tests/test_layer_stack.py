@@ -141,6 +141,50 @@ def test_it_steps_aside_where_a_layer_would_not_run_whole(monkeypatch: pytest.Mo
     assert len(calls) == 1
 
 
+def _no_hook(module: torch.nn.Module) -> None:
+    module.register_forward_hook(lambda *args: None)
+
+
+@pytest.mark.parametrize("change", [
+    lambda layer: setattr(layer.attn.body.dropout, "p", 0.1),  # attention dropout: no whole function
+    lambda layer: setattr(layer.attn.dropout, "p", 1.0),  # a rate the fused masks do not take
+    lambda layer: setattr(layer.ffn.body.dropout, "p", 1.0),
+    lambda layer: _no_hook(layer.attn.body.key_value),
+    lambda layer: _no_hook(layer.ffn.body.outer),
+    lambda layer: _no_hook(layer.ffn.norm),
+    lambda layer: layer.attn.body.eval(),
+    lambda layer: setattr(layer.ffn.body, "inner", torch.nn.Linear(48, 96, bias=False)),
+    lambda layer: setattr(layer.attn, "norm", torch.nn.RMSNorm(48)),
+    lambda layer: layer.ffn.body.outer.double(),
+])
+def test_the_stack_checks_every_layers_own_modules(change: object) -> None:
+    """The stack asks what the sublayers need of their input once, and of each layer's modules in every layer: a
+    change to the last layer alone leaves the layers to themselves."""
+    _native_or_skip()
+    model = _model()
+    x = torch.randn(2, 8, 48, requires_grad=True)
+    pos = transformer_xl.relative_positions(8, 48)
+    assert layer_stack.layer_stack(model.layers, x, None, pos) is not None
+    change(model.layers[-1])  # type: ignore[operator]
+    assert layer_stack.layer_stack(model.layers, x, None, pos) is None
+
+
+def test_the_stack_checks_its_inputs_once_for_every_layer() -> None:
+    """What the sublayers ask of their inputs: float32 CPU tensors outside autocast, enough position rows, and
+    memories like the input."""
+    _native_or_skip()
+    model = _model()
+    x = torch.randn(2, 8, 48, requires_grad=True)
+    pos = transformer_xl.relative_positions(12, 48)
+    memories = [torch.zeros(2, 4, 48) for _ in model.layers]
+    assert layer_stack.layer_stack(model.layers, x, memories, pos) is not None
+    assert layer_stack.layer_stack(model.layers, x, memories, pos[:11]) is None  # 12 keys, 11 positions
+    assert layer_stack.layer_stack(model.layers, x, [*memories[:-1], memories[-1].double()], pos) is None
+    assert layer_stack.layer_stack(model.layers, x.double(), memories, pos.double()) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer_stack.layer_stack(model.layers, x, memories, pos) is None
+
+
 def test_a_retained_graph_gives_its_gradients_again_and_a_freed_one_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
     """The activations are saved as any function's: kept with ``retain_graph``, freed after the backward pass."""
     _native_or_skip()
