@@ -25,7 +25,8 @@ def _language_model_recipes() -> list[str]:
     return [name for name in recipe_names() if name.endswith("-tiny") and not name.startswith("multi30k")]
 
 
-def _size(name: str, data_dir: str | None) -> tuple[str, BenchSize]:
+def recipe_size(name: str, data_dir: str | None) -> tuple[str, BenchSize]:
+    """The recipe's backbone and its baseline model's size, the vocabulary read from its corpus."""
     config = build_config(load_recipe(name), [])
     model, data = config.model, config.data
     vocab = len(load_corpus(data.corpus, data_dir).vocab)
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'recipe':32} {'backbone':15} {'vocab':>6} {'train ms':>9} {'tok/s':>8} {'MFU':>6}")
     for name in args.recipes or _language_model_recipes():
         try:
-            backbone, size = _size(name, args.data_dir)
+            backbone, size = recipe_size(name, args.data_dir)
         except DataError as err:
             print(f"{name:32} skipped: {err}")
             rows.append({"recipe": name, "status": f"skipped: {err}"})

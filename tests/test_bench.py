@@ -273,14 +273,14 @@ def test_the_recipes_script_benches_each_recipes_baseline_at_its_size(tmp_path, 
         return _Corpus()
 
     monkeypatch.setattr(script, "load_corpus", fake_corpus)
-    backbone, size = script._size("ptb-char-rtransformer-tiny", None)
+    backbone, size = script.recipe_size("ptb-char-rtransformer-tiny", None)
     assert backbone == "rtransformer"
     assert (size.d_model, size.n_layers, size.seq_len, size.batch, size.vocab, size.rnn_window) == (128, 3, 64, 16,
                                                                                                       37, 7)
     assert size.rnn_type == "gru" and size.model_config("rtransformer").rnn_type == "gru"
     with monkeypatch.context() as patch:  # the LocalRNN's cell comes from the recipe too
         patch.setattr(script, "load_corpus", lambda name, data_dir: _Corpus())
-        word = script._size("ptb-word-rtransformer-tiny", None)[1]
+        word = script.recipe_size("ptb-word-rtransformer-tiny", None)[1]
     assert (word.rnn_type, word.rnn_window, word.model_config("rtransformer").rnn_type) == ("lstm", 9, "lstm")
     run_bench = script.run_bench  # the recipe's model, on a smaller window, to keep the test short
     monkeypatch.setattr(script, "run_bench", lambda size, *args, **kwargs: run_bench(
@@ -292,3 +292,37 @@ def test_the_recipes_script_benches_each_recipes_baseline_at_its_size(tmp_path, 
     assert rows[0]["recipe"] == "ptb-char-rtransformer-tiny" and 0 < rows[0]["train_mfu"] < 1.5
     assert rows[0]["size"]["vocab"] == 37
     assert rows[1]["status"].startswith("skipped: corpus 'ptb' not found")
+
+
+def test_the_xl_step_script_splits_the_step_around_the_compiled_stack(tmp_path, monkeypatch) -> None:
+    """benchmarks/xl_step.py: the step, the compiled stack's two calls, the rest with them skipped, and the step side
+    by side with the Python stack; a recipe of another backbone is refused. The stack's kernels are put back after."""
+    import importlib.util
+    from pathlib import Path
+
+    from gatedformer.backbones import _blas, _epilogue_kernel, _relative_attention_kernel, layer_stack
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "xl_step.py"
+    spec = importlib.util.spec_from_file_location("xl_step", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    tiny = BenchSize(d_model=32, n_layers=2, n_heads=2, d_ffn=64, seq_len=16, batch=4, vocab=29, dropout=0.1,
+                     mem_len=16)
+    monkeypatch.setattr(script, "recipe_size", lambda name, data_dir: ("transformer-xl", tiny))
+    streams, library = layer_stack._streams_whole_stack, _epilogue_kernel.KERNEL.library
+    out = tmp_path / "xl.json"
+    status = script.main(["--steps", "2", "--repeats", "2", "--threads", "1", "--json", str(out)])
+    assert layer_stack._streams_whole_stack is streams and _epilogue_kernel.KERNEL.library == library
+    native = all(kernel.pick_backend(torch.device("cpu")) == "native"
+                 for kernel in (_epilogue_kernel.KERNEL, _relative_attention_kernel.KERNEL))
+    if not native or _blas.packed_gemm() is None:
+        assert status == 1 and not out.exists()
+        return
+    assert status == 0
+    figures = json.loads(out.read_text())
+    assert figures["forward_call_ms"] > 0 and figures["backward_call_ms"] > 0
+    assert 0 < figures["around_calls_ms"] < figures["step_ms"]
+    assert 0 < figures["rest_alone_ms"] < figures["step_ms"]
+    assert figures["python_stack_speedup"] > 0
+    monkeypatch.setattr(script, "recipe_size", lambda name, data_dir: ("transformer", tiny))
+    assert script.main(["--steps", "1"]) == 2

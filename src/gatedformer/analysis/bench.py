@@ -92,6 +92,7 @@ __all__ = [
     "measure_memory",
     "run_bench",
     "time_round_robin",
+    "training_step",
 ]
 
 GATE_VARIANTS: dict[str, str] = {
@@ -661,6 +662,17 @@ class _LMRunner:
             self.model.eval()
         with torch.no_grad(), self._autocast():
             self._logits_loss(self.forward)
+
+
+def training_step(size: BenchSize, backbone: str, options: BenchOptions, gates: str = "") -> Callable[[], None]:
+    """One training step of the models table's model for ``backbone`` (with ``gates``) at ``size``, built, seeded,
+    initialised and stepped as that table does (Transformer-XL with its memory full): for scripts that look inside
+    the step (``benchmarks/xl_step.py``)."""
+    device = resolve_device(options.device)
+    torch.manual_seed(options.seed)
+    model = _initialise(build_model(size.model_config(backbone, gates), size.vocab), options.init)
+    runner = _LMRunner(model, size, device, options, memory_len=size.memory if backbone == "transformer-xl" else 0)
+    return runner.train_step
 
 
 def count_parameters(model: nn.Module) -> int:
