@@ -251,3 +251,13 @@ def test_kernel_isa_cap_picks_the_build_and_rejects_unknown_names(monkeypatch: p
     broken = fresh()
     with pytest.raises(ValueError, match="GATEDFORMER_KERNEL_ISA must be one of"):
         broken.library()
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 37])
+def test_seeds_drawn_in_one_call_are_those_drawn_one_by_one(count: int) -> None:
+    torch.manual_seed(5)
+    one_by_one, next_draw = [dropout_module._draw_seed() for _ in range(count)], torch.rand(())
+    torch.manual_seed(5)
+    at_once = dropout_module._draw_seeds(count)
+    assert at_once == one_by_one
+    assert torch.equal(torch.rand(()), next_draw)  # and the generator is left where the calls one by one leave it

@@ -28,6 +28,7 @@ from gatedformer.backbones.fused_linear import (
     fusion_applies,
     linear_dropout_add,
     linear_relu_dropout,
+    registered,
 )
 from gatedformer.backbones.transformer import TransformerLM
 from gatedformer.config import ModelConfig
@@ -645,3 +646,14 @@ def test_a_keep_below_of_two_to_the_32_keeps_every_element(isa: str, kernel_buil
     torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5)
     assert torch.equal(bits[:, 0], torch.full((64,), -1, dtype=torch.int32))  # columns 0-31 kept
     assert torch.equal(bits[:, 1], torch.full((64,), 0xFF, dtype=torch.int32))  # and 32-39
+
+
+def test_registered_reads_what_getattr_reads_for_submodules_and_parameters() -> None:
+    block = FeedForward(8, 16, 0.1)
+    block.inner.bias = None
+    assert registered(block, "inner") is block.inner
+    assert registered(block.inner, "weight") is block.inner.weight
+    assert registered(block.inner, "bias") is None  # registered as absent
+    assert registered(block.outer, "bias") is block.outer.bias
+    assert registered(block, "no_such_part") is None
+    assert registered(block, "training") is None  # a plain attribute is not a registered part

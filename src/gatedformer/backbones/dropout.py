@@ -43,6 +43,12 @@ def _draw_seed() -> int:
     return int(torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64))
 
 
+def _draw_seeds(count: int) -> list[int]:
+    """``count`` seeds in one call: those that ``count`` calls of ``_draw_seed`` would give, leaving torch's generator
+    where they would (it draws a tensor's elements one after the other)."""
+    return torch.randint(0, 2 ** 63 - 1, (count,), dtype=torch.int64).tolist() if count else []
+
+
 def _keep_below(p: float) -> int:
     """The number of the ``2**32`` uniform words that keep an element: ``1 - p`` rounded to ``2**-32``."""
     return round((1.0 - p) * _INT32_VALUES)

@@ -29,14 +29,15 @@ import torch
 from torch import Tensor, nn
 
 from gatedformer.backbones import _blas, _epilogue_kernel
+from gatedformer.backbones import dropout as dropout_ops
 from gatedformer.backbones._relative_attention_kernel import kernel_addresses
 from gatedformer.backbones.blocks import FeedForward, Sublayer
 from gatedformer.backbones.fused_linear import (
     _branch_parameters,
     _FeedForwardAddNorm,
-    _mask,
     branches_fuse,
     feed_forward_layers_fuse,
+    registered,
     unhooked,
 )
 from gatedformer.backbones.relative_sublayer import (
@@ -52,6 +53,7 @@ __all__ = ["LayerStack", "StreamedLayerStack", "layer_stack"]
 _ATTENTION, _BRANCH, _FFN = 8, 10, 6
 _PER_LAYER = 2 * _BRANCH + _ATTENTION + _FFN
 _PLAIN = _ATTENTION + _FFN  # a layer's inputs to StreamedLayerStack: no gates
+_PROJECTIONS = ("query", "key_value", "position", "out")
 _INT32_VALUES = 2 ** 32
 
 
@@ -212,17 +214,32 @@ class StreamedLayerStack(torch.autograd.Function):
 def _gates(sublayer: Sublayer) -> tuple[nn.Module | None, nn.Module | None, nn.Module | None]:
     """The residual gate, the unit and the EAU, as :class:`~gatedformer.backbones.blocks.Sublayer` hands them to its
     body's ``add_norm``."""
-    unit = next((u for u in (sublayer.sdu, sublayer.highway, sublayer.gated_mix) if u is not None), None)
-    return sublayer.residual_gate, unit, sublayer.eau
+    unit = next((u for u in (registered(sublayer, name) for name in ("sdu", "highway", "gated_mix")) if u is not None),
+                None)
+    return registered(sublayer, "residual_gate"), unit, registered(sublayer, "eau")
 
 
-def _whole_sublayers(layer: nn.Module) -> bool:
-    """Whether a layer is two post-LN sublayers, without hooks, whose bodies each compute the whole sublayer."""
-    attn, ffn = getattr(layer, "attn", None), getattr(layer, "ffn", None)
-    if not (isinstance(attn, Sublayer) and isinstance(ffn, Sublayer) and type(ffn.body) is FeedForward):
-        return False
-    return (attn.fuse_sublayer and ffn.fuse_sublayer and not attn.pre_norm and not ffn.pre_norm
-            and all(unhooked(module) for module in (layer, attn, ffn, attn.body, ffn.body)))
+def _whole_sublayers(layer: nn.Module) -> tuple[Sublayer, Sublayer] | None:
+    """A layer's two sublayers where they are post-LN, without hooks, and their bodies each compute the whole
+    sublayer; else ``None``."""
+    attn, ffn = registered(layer, "attn"), registered(layer, "ffn")
+    if not (isinstance(attn, Sublayer) and isinstance(ffn, Sublayer)
+            and type(registered(ffn, "body")) is FeedForward):
+        return None
+    whole = (attn.fuse_sublayer and ffn.fuse_sublayer and not attn.pre_norm and not ffn.pre_norm
+             and all(unhooked(module) for module in (layer, attn, ffn, registered(attn, "body"),
+                                                      registered(ffn, "body"))))
+    return (attn, ffn) if whole else None
+
+
+def _with_masks(settings: list[tuple[object, ...]]) -> tuple[tuple[object, ...], ...]:
+    """The layers' settings with each dropout rate replaced by its mask's ``(seed, keep_below)``: drawn once every
+    layer is known to run here, in the order the layers one by one would draw them, in one call."""
+    keeps = [dropout_ops._keep_below(p) for layer in settings for p in (layer[2], layer[5], layer[6])]
+    seeds = iter(dropout_ops._draw_seeds(sum(keep < _INT32_VALUES for keep in keeps)))
+    masks = [(next(seeds) if keep < _INT32_VALUES else 0, keep) for keep in keeps]
+    return tuple((eps, heads, masks[3 * i], tail, ffn_eps, masks[3 * i + 1], masks[3 * i + 2], ffn_tail)
+                 for i, (eps, heads, _, tail, ffn_eps, _, _, ffn_tail) in enumerate(settings))
 
 
 def _global_hooks() -> bool:
@@ -264,12 +281,15 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
     width = x.shape[-1]
     settings, parameters, gated = [], [], False
     for layer in layers:
-        if not _whole_sublayers(layer):
+        sublayers = _whole_sublayers(layer)
+        if sublayers is None:
             return None
-        attn, ffn = layer.attn, layer.ffn
-        attention, feed_forward, attention_norm, ffn_norm = attn.body, ffn.body, attn.norm, ffn.norm
-        inner, outer, p_attention, p_inner, p_ffn = feed_forward.inner, feed_forward.outer, attn.dropout.p, \
-            feed_forward.dropout.p, ffn.dropout.p
+        attn, ffn = sublayers
+        # Read from the modules' tables (see registered): a few hundred reads a step.
+        attention, feed_forward = registered(attn, "body"), registered(ffn, "body")
+        attention_norm, ffn_norm = registered(attn, "norm"), registered(ffn, "norm")
+        inner, outer = registered(feed_forward, "inner"), registered(feed_forward, "outer")
+        p_attention, p_inner, p_ffn = (registered(module, "dropout").p for module in (attn, feed_forward, ffn))
         attention_gates, ffn_gates = _gates(attn), _gates(ffn)
         gated = gated or any(g is not None for g in (*attention_gates, *ffn_gates))
         if not (relative_layers_fuse(attention, p_attention, attention_norm, width)
@@ -281,13 +301,12 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
         *ffn_branch, ffn_tail = _branch_parameters(*ffn_gates)
         settings.append((attention_norm.eps, attention.n_heads, p_attention, attention_tail, ffn_norm.eps, p_inner,
                          p_ffn, ffn_tail))
-        parameters += [attention.query.weight, attention.key_value.weight, attention.position.weight,
-                       attention.out.weight, attention.u, attention.v, attention_norm.weight, attention_norm.bias,
-                       *attention_branch, inner.weight, inner.bias, outer.weight, outer.bias, ffn_norm.weight,
-                       ffn_norm.bias, *ffn_branch]
-    # The masks, drawn once every layer is known to run here, in the order the layers one by one would draw them.
-    masked = tuple((eps, heads, _mask(p_attention), tail, ffn_eps, _mask(p_inner), _mask(p_ffn), ffn_tail)
-                   for eps, heads, p_attention, tail, ffn_eps, p_inner, p_ffn, ffn_tail in settings)
+        parameters += [*(registered(registered(attention, name), "weight") for name in _PROJECTIONS),
+                       registered(attention, "u"), registered(attention, "v"), registered(attention_norm, "weight"),
+                       registered(attention_norm, "bias"), *attention_branch, registered(inner, "weight"),
+                       registered(inner, "bias"), registered(outer, "weight"), registered(outer, "bias"),
+                       registered(ffn_norm, "weight"), registered(ffn_norm, "bias"), *ffn_branch]
+    masked = _with_masks(settings)
     plain = None if gated else [p for p in parameters if p is not None]  # the gates' Nones left out
     if plain is not None and _streams_whole_stack(x, memories, settings, plain):
         out, *later_inputs = StreamedLayerStack.apply(x, pos, tuple(memories), masked, *plain)

@@ -52,6 +52,7 @@ from gatedformer.backbones.fused_linear import (
     _streams,
     branches_fuse,
     inputs_fuse,
+    registered,
     unhooked,
 )
 
@@ -211,13 +212,14 @@ def relative_layers_fuse(attention: nn.Module, p: float, norm: nn.Module, width:
     """The modules' half of :func:`relative_fusion_applies` for inputs ``width`` wide (the gates' half is
     :func:`~gatedformer.backbones.fused_linear.branches_fuse`): training, no attention dropout, plain bias-free float32
     CPU linear layers, no hooks, a plain LayerNorm, heads the kernel takes and a dropout rate the fused masks take."""
-    if not attention.training:
+    if not (attention.training and unhooked(attention) and _plain_layer_norm(norm, width)):
         return False
-    layers = (attention.query, attention.key_value, attention.position, attention.out)
+    layers = [registered(attention, name) for name in ("query", "key_value", "position", "out")]
+    if not all(type(layer) is nn.Linear and registered(layer, "bias") is None and unhooked(layer) for layer in layers):
+        return False
     n_heads = attention.n_heads
-    return (attention.dropout.p == 0.0 and dropout_ops._fast_rate(p, keep_all=True)
-            and all(type(layer) is nn.Linear and layer.bias is None and unhooked(layer) for layer in layers)
-            and unhooked(attention)
+    return (registered(attention, "dropout").p == 0.0 and dropout_ops._fast_rate(p, keep_all=True)
             and all(t.dtype == torch.float32 and t.device.type == "cpu"
-                    for t in (attention.u, attention.v, norm.weight, *(layer.weight for layer in layers)))
-            and _plain_layer_norm(norm, width) and width % n_heads == 0 and width // n_heads <= MAX_HEAD_SIZE)
+                    for t in (registered(attention, "u"), registered(attention, "v"), registered(norm, "weight"),
+                              *(registered(layer, "weight") for layer in layers)))
+            and width % n_heads == 0 and width // n_heads <= MAX_HEAD_SIZE)
