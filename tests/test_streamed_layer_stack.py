@@ -95,6 +95,26 @@ def test_the_streamed_stack_gives_the_python_stacks_numbers(threads: int, dropou
         torch.set_num_threads(saved_threads)
 
 
+def test_two_threads_each_take_half_the_batch_and_give_the_python_stacks_numbers() -> None:
+    """A batch big enough for the kernel to split it between two threads: their shares of the weights' gradients and
+    of the column sums are added up, and the column sums' rows are zeroed by the thread that fills them."""
+    _streams_or_skip()
+    batch, length, width, ffn = 16, 32, 48, 96
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert _epilogue_kernel.stack_blocks(batch, length, width, ffn)[:2] == (8, 2)  # 8 sequences a thread
+        def make() -> TransformerXLLM:
+            return _model(n_layers=2, width=width, ffn=ffn, mem_len=length)
+
+        streamed, streams, _ = _run(make, True, batch=batch, length=length)
+        python, *_ = _run(make, False, batch=batch, length=length)
+    finally:
+        torch.set_num_threads(saved_threads)
+    assert streams == 2
+    _assert_same(streamed, python, 1 + 2)
+
+
 @settings(max_examples=12, deadline=None)
 @given(batch=st.integers(1, 5), length=st.integers(1, 9), n_layers=st.integers(1, 3), mem_len=st.integers(0, 12),
        ffn=st.sampled_from([32, 64, 40, 33]), threads=st.sampled_from([1, 2]))

@@ -859,6 +859,22 @@ void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, const La
 // weights gets each layer's weight_floats() (Wo's, then [Wq; Wkv]'s, W1's and W2's gradients), small its
 // small_floats() (r's, u's and the position bias's) and sums its sum_floats() (the attention LayerNorm's gamma, beta
 // and the zero bias's, then the FFN LayerNorm's gamma, beta and b2's, then b1's). Memories get no gradient.
+// Where thread th's slice of `width` columns starts (of nt slices, whole 64-byte lines each, so that no two threads
+// write one line).
+inline int64_t column_slice(int64_t width, int64_t th, int64_t nt) {
+    const int64_t lines = (width + 15) / 16;
+    const int64_t at = th * lines / nt * 16;
+    return at < width ? at : width;
+}
+
+// out = 0 + shares[0] + shares[1] + ... (each `width` floats, `count` of them) over thread th's slice of the columns.
+void add_shares(const float* shares, int64_t count, int64_t width, float* out, int64_t th, int64_t nt) {
+    const int64_t lo = column_slice(width, th, nt), hi = column_slice(width, th + 1, nt);
+    for (int64_t k = lo; k < hi; ++k) out[k] = 0.0f + shares[k];
+    for (int64_t j = 1; j < count; ++j)
+        for (int64_t k = lo; k < hi; ++k) out[k] += shares[j * width + k];
+}
+
 void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, FortranGemmFn gemm, const LayerTable& t,
                              const double* reals, const float* grad, float* grad_input, const PackedLayers& packed,
                              float* weights, float* small, float* sums, float* scratch, const StackShape& z,
@@ -883,13 +899,20 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, F
     float* weight_shares = grad_pb + padded16(z.batch * d);
     float* small_shares = weight_shares + threads * z.layers * z.weight_floats();
     float* partials = small_shares + threads * z.layers * z.small_floats();
-    for (int64_t k = 0; k < z.layers * sum_blocks_n * z.sum_floats(); ++k) partials[k] = 0.0f;
     stream_blocks(blas, blocks, threads, [&](int64_t th, int64_t nt, int64_t first, int64_t end) {
         const int64_t rows_max = bs * L;
         float* my_weights = weight_shares + th * z.layers * z.weight_floats();
         float* my_small = small_shares + th * z.layers * z.small_floats();
         for (int64_t k = 0; k < z.layers * z.weight_floats(); ++k) my_weights[k] = 0.0f;
         for (int64_t k = 0; k < z.layers * z.small_floats(); ++k) my_small[k] = 0.0f;
+        // Each thread zeroes the column sums' rows of its own blocks (whole 64-row blocks): zeroed by one thread for
+        // all, every other thread's first addition to a line would fetch it from that thread's cache.
+        const int64_t my_sums_lo = first * bs * L / kSumRows;
+        const int64_t my_sums_hi = ((end * bs < z.batch ? end * bs : z.batch) * L + kSumRows - 1) / kSumRows;
+        for (int64_t i = 0; i < z.layers && my_sums_lo < my_sums_hi; ++i)
+            for (int64_t k = (i * sum_blocks_n + my_sums_lo) * z.sum_floats();
+                 k < (i * sum_blocks_n + my_sums_hi) * z.sum_floats(); ++k)
+                partials[k] = 0.0f;
         for (int64_t job = th; job < z.layers * kStackPacks; job += nt) {
             const int64_t i = job / kStackPacks;
             const int j = (int)(job % kStackPacks);
@@ -965,19 +988,21 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, F
                 }
             }
         }
-    });
-    for (int64_t i = 0; i < z.layers; ++i) {
-        sum_blocks(partials + i * sum_blocks_n * z.sum_floats(), sum_blocks_n, z.sum_floats(),
-                   sums + i * z.sum_floats());
-        sum_blocks(weight_shares + i * z.weight_floats(), 1, z.weight_floats(), weights + i * z.weight_floats());
-        sum_blocks(small_shares + i * z.small_floats(), 1, z.small_floats(), small + i * z.small_floats());
-        for (int64_t th = 1; th < threads; ++th) {
-            const float* w = weight_shares + (th * z.layers + i) * z.weight_floats();
-            for (int64_t k = 0; k < z.weight_floats(); ++k) weights[i * z.weight_floats() + k] += w[k];
-            const float* s = small_shares + (th * z.layers + i) * z.small_floats();
-            for (int64_t k = 0; k < z.small_floats(); ++k) small[i * z.small_floats() + k] += s[k];
+        stream_barrier();  // every thread's shares and column sums are in
+        // Added up with each thread taking a slice of the columns (one thread alone took about a fiftieth of the
+        // two-thread call), every column in the order one thread would add it: the same sums whatever the threads.
+        add_shares(weight_shares, nt, z.layers * z.weight_floats(), weights, th, nt);
+        add_shares(small_shares, nt, z.layers * z.small_floats(), small, th, nt);
+        const int64_t sf = z.sum_floats();
+        for (int64_t i = 0; i < z.layers; ++i) {
+            const int64_t lo = column_slice(sf, th, nt), hi = column_slice(sf, th + 1, nt);
+            for (int64_t c = lo; c < hi; ++c) {
+                float total = 0.0f;
+                for (int64_t b = 0; b < sum_blocks_n; ++b) total += partials[(i * sum_blocks_n + b) * sf + c];
+                sums[i * sf + c] = total;
+            }
         }
-    }
+    });
 }
 
 // Floats of relative_stack_backward's scratch.
