@@ -48,7 +48,9 @@ def _compare(fused, plain, params: list[Tensor], x: Tensor, s: Tensor) -> None: 
     for g, w in zip(got, want, strict=True):
         assert (g is None) == (w is None)
         if g is not None:
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+            # A weight's gradient sums a product over every row, in the kernel's order or PyTorch's: an element that
+            # nearly cancels keeps the rounding of the largest ones (seen: 1.3e-5 off where the largest was 64.5).
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=max(1e-5, 2e-6 * w.abs().max().item()))
 
 
 @settings(max_examples=10, deadline=None)
