@@ -207,7 +207,9 @@ def test_local_rnn_recompute_gives_the_same_values_and_gradients_and_keeps_only_
     saved: list[Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = recomputed(x)
-    assert len(saved) == 1 and saved[0] is x  # the forward pass keeps the input alone
+    # The forward pass keeps the input alone (some torch versions also save an empty placeholder).
+    kept_tensors = [t for t in saved if t.numel()]
+    assert len(kept_tensors) == 1 and kept_tensors[0] is x
     assert torch.equal(out, kept(x))
     params = [x, *kept.parameters()]
     expected = torch.autograd.grad(kept(x).square().sum(), params)

@@ -72,9 +72,10 @@ def train_losses(run_dir: Path) -> list[float]:
 
 
 def test_two_processes_train_like_one_and_resume_exactly(text_corpus: str, tmp_path: Path) -> None:
-    equal = tiny_overrides(text_corpus, steps=8) + ["model.dropout=0"]
+    # On the CPU (gloo) even where a GPU is present: one GPU could not hold two ranks.
+    equal = tiny_overrides(text_corpus, steps=8) + ["model.dropout=0", "train.device=cpu"]
     dropout = tiny_overrides(text_corpus, steps=8) + ["model.dropout=0.1", "model.backbone=transformer-xl",
-                                                     "model.mem_len=8"]
+                                                     "model.mem_len=8", "train.device=cpu"]
     spec = {"equal": str(tmp_path / "ddp"), "equal_args": sets(equal), "dropout_overrides": dropout,
             "whole": str(tmp_path / "whole"), "split": str(tmp_path / "split")}
     script = tmp_path / "worker.py"
@@ -155,6 +156,15 @@ def test_batch_must_split_across_processes(text_corpus: str, tmp_path: Path, mon
     with pytest.raises(ConfigError, match="launch with torchrun"):
         monkeypatch.setenv("RANK", "2")
         distributed.env_ranks()
+
+
+def test_more_processes_than_gpus_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK=1 but this node has 1 CUDA device\(s\); use --nproc_per_node 1"):
+        distributed.setup(4, torch.device("cuda"))
 
 
 def test_single_process_helpers_are_plain() -> None:

@@ -112,6 +112,12 @@ def setup(batch_size: int, device: torch.device, seed: int = 0) -> DistContext:
     if not dist.is_available():
         raise ConfigError("this torch build has no torch.distributed; run a single process instead of torchrun")
     if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if local >= visible:
+            raise ConfigError(
+                f"torchrun started a process with LOCAL_RANK={local} but this node has {visible} CUDA device(s); "
+                f"use --nproc_per_node {visible} or fewer (one process per GPU), or train.device=cpu"
+            )
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
