@@ -501,3 +501,62 @@ def test_backend_choice_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         kernel_backend()
     with pytest.raises(ValueError, match="backend must be"):
         sru_recurrence(*_recurrence_inputs(4, 1), backend="cuda")
+
+
+# The GPU kernels (Triton), checked on any machine by Triton's interpreter.
+
+def _interpreted_triton_kernels(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():  # the compiled kernels themselves are tested there, in test_cuda.py
+        pytest.skip("a GPU is present: the Triton kernels are tested compiled, not interpreted")
+    from gatedformer.backbones import _sru_triton
+
+    kernels = _sru_triton.load_kernels(interpreted=True)
+    monkeypatch.setattr(_sru_triton, "_kernels", lambda: kernels)
+    return kernels
+
+
+@pytest.mark.parametrize(("length", "directions", "streams", "with_grad_c"),
+                         [(7, 2, 4, True), (7, 1, 3, False), (5, 2, 3, True), (1, 2, 4, False), (2, 1, 4, True)])
+def test_triton_kernels_match_the_reference(monkeypatch: pytest.MonkeyPatch, length: int, directions: int,
+                                            streams: int, with_grad_c: bool) -> None:
+    from gatedformer.backbones._sru_kernel import _SRURecurrence
+
+    _interpreted_triton_kernels(monkeypatch)
+    torch.manual_seed(length)
+    B, H = 3, 5
+    f64 = torch.float64
+    inputs = [torch.randn(length, B, directions, streams, H, dtype=f64),
+              torch.randn(length, B, directions, H, dtype=f64) if streams == 3 else None,
+              torch.rand(directions, H, dtype=f64) - 0.5, torch.rand(directions, H, dtype=f64) - 0.5,
+              torch.randn(directions, H, dtype=f64), torch.randn(directions, H, dtype=f64),
+              torch.randn(B, directions, H, dtype=f64)]
+    ours = [None if t is None else t.clone().requires_grad_() for t in inputs]
+    theirs = [None if t is None else t.clone().requires_grad_() for t in inputs]
+    h, c = _SRURecurrence.apply(*ours, 1.7, "triton")
+    h_ref, c_ref = sru_recurrence_reference(*theirs, alpha=1.7)
+    torch.testing.assert_close(h, h_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(c, c_ref, rtol=1e-12, atol=1e-12)
+    weight_h, weight_c = torch.randn_like(h), torch.randn_like(c) if with_grad_c else torch.zeros_like(c)
+    ((h * weight_h).sum() + ((c * weight_c).sum() if with_grad_c else 0)).backward()
+    ((h_ref * weight_h).sum() + (c_ref * weight_c).sum()).backward()
+    for mine, reference in zip(ours, theirs, strict=True):
+        if mine is not None:
+            torch.testing.assert_close(mine.grad, reference.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_triton_is_chosen_for_cuda_tensors_and_torch_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gatedformer.backbones import _sru_kernel, _sru_triton
+
+    monkeypatch.setattr(_sru_triton, "available", lambda: True)
+    assert _sru_kernel._pick_backend(torch.device("cuda")) == "triton"
+    monkeypatch.setenv("GATEDFORMER_SRU_BACKEND", "torch")
+    assert _sru_kernel._pick_backend(torch.device("cuda")) == "torch"
+    monkeypatch.setattr(_sru_triton, "available", lambda: False)
+    monkeypatch.setenv("GATEDFORMER_SRU_BACKEND", "native")
+    with pytest.raises(RuntimeError, match="needs Triton"):
+        _sru_kernel._pick_backend(torch.device("cuda"))
+    monkeypatch.setenv("GATEDFORMER_SRU_BACKEND", "auto")
+    monkeypatch.setattr(_sru_kernel, "_warned_no_triton", False)
+    with pytest.warns(UserWarning, match="Triton is not installed"):
+        assert _sru_kernel._pick_backend(torch.device("cuda")) == "torch"

@@ -23,7 +23,9 @@ threads. If no compiler is found or the build fails, a warning is given once and
 backward run as vectorised PyTorch loops over time (slower, same results). The environment variable
 ``GATEDFORMER_SRU_BACKEND`` picks ``native``, ``torch`` or ``auto`` (the default).
 
-Tensors not on the CPU always use the PyTorch loops. Half-precision inputs are computed in float32
+On a CUDA GPU the same recurrence runs as two Triton kernels (:mod:`gatedformer.backbones._sru_triton`),
+one launch for the forward pass and one for the backward; without Triton, and on other devices, it
+runs as the PyTorch loops. Half-precision inputs are computed in float32
 and cast back; float64 inputs are computed in float64 (for ``gradcheck``).
 
 :func:`sru_recurrence_reference` is a plain PyTorch implementation differentiated by autograd; it is
@@ -33,11 +35,13 @@ the oracle the tests check the fast path against.
 from __future__ import annotations
 
 import ctypes
+import warnings
 
 import torch
 from torch import Tensor
 
-from gatedformer.backbones._native import NativeKernel, kernel_threads
+from gatedformer.backbones import _sru_triton
+from gatedformer.backbones._native import BACKENDS, NativeKernel, kernel_threads
 from gatedformer.backbones._simd import SIMD_HELPERS
 
 __all__ = ["kernel_backend", "sru_recurrence", "sru_recurrence_reference"]
@@ -299,11 +303,36 @@ def _native_library() -> ctypes.CDLL | None:
 
 
 def kernel_backend(device: torch.device | str = "cpu") -> str:
-    """Which implementation :func:`sru_recurrence` uses on ``device``: ``"native"`` or ``"torch"``.
+    """Which implementation :func:`sru_recurrence` uses on ``device``: ``"native"`` (the C++ kernel, on
+    the CPU), ``"triton"`` (the Triton kernels, on a GPU) or ``"torch"``.
 
     Building the native kernel, if that has not happened yet, happens here.
     """
-    return KERNEL.pick_backend(torch.device(device))
+    return _pick_backend(torch.device(device))
+
+
+_warned_no_triton = False
+
+
+def _pick_backend(device: torch.device, backend: str | None = None) -> str:
+    if device.type == "cpu":
+        return KERNEL.pick_backend(device, backend)
+    requested = backend or KERNEL.requested_backend()
+    if requested not in BACKENDS:
+        raise ValueError(f"backend must be auto, native or torch, got {requested!r}")
+    if requested == "torch" or device.type != "cuda":
+        return "torch"
+    if _sru_triton.available():
+        return "triton"
+    if requested == "native":
+        raise RuntimeError("the SRU recurrence on a GPU needs Triton (pip install triton); "
+                           "or set GATEDFORMER_SRU_BACKEND=torch")
+    global _warned_no_triton
+    if not _warned_no_triton:
+        _warned_no_triton = True
+        warnings.warn("Triton is not installed, so the SRU recurrence runs on the GPU as PyTorch loops over time, "
+                      "which are many times slower; pip install triton", stacklevel=3)
+    return "torch"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -453,13 +482,24 @@ def _last_cell(c_all: Tensor) -> Tensor:
     return torch.stack((c_all[-1, :, 0], c_all[0, :, 1]), dim=1)
 
 
+def _triton_forward(*args):  # noqa: ANN002, ANN202
+    return _sru_triton.triton_forward(*args)
+
+
+def _triton_backward(*args):  # noqa: ANN002, ANN202
+    return _sru_triton.triton_backward(*args)
+
+
+_FORWARD = {"native": _native_forward, "torch": _torch_forward, "triton": _triton_forward}
+_BACKWARD = {"native": _native_backward, "torch": _torch_backward, "triton": _triton_backward}
+
+
 class _SRURecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, U, skip, v_f, v_r, b_f, b_r, c0, alpha, backend):  # type: ignore[override]
         dtype = _compute_dtype(U, skip, v_f, v_r, b_f, b_r, c0)
         args = [None if t is None else t.to(dtype).contiguous() for t in (U, skip, v_f, v_r, b_f, b_r, c0)]
-        run = _native_forward if backend == "native" else _torch_forward
-        h, c_all = run(*args, alpha)
+        h, c_all = _FORWARD[backend](*args, alpha)
         ctx.save_for_backward(*args, c_all)
         ctx.alpha, ctx.backend = alpha, backend
         ctx.dtypes = [None if t is None else t.dtype for t in (U, skip, v_f, v_r, b_f, b_r, c0)]
@@ -472,8 +512,7 @@ class _SRURecurrence(torch.autograd.Function):
         dtype = c_all.dtype
         grad_h = torch.zeros_like(c_all) if grad_h is None else grad_h.to(dtype).contiguous()
         grad_c_last = None if grad_c_last is None else grad_c_last.to(dtype).contiguous()
-        run = _native_backward if ctx.backend == "native" else _torch_backward
-        grads = run(U, skip, v_f, v_r, b_f, b_r, c0, ctx.alpha, c_all, grad_h, grad_c_last)
+        grads = _BACKWARD[ctx.backend](U, skip, v_f, v_r, b_f, b_r, c0, ctx.alpha, c_all, grad_h, grad_c_last)
         out = [
             None if g is None or not need else g.to(dt)
             for g, need, dt in zip(grads, ctx.needs_input_grad[:7], ctx.dtypes, strict=True)
@@ -525,7 +564,7 @@ def sru_recurrence(
     both in the dtype of ``U``. Differentiable in every tensor argument.
     """
     c0 = _check_shapes(U, skip, v_f, v_r, b_f, b_r, c0)
-    chosen = KERNEL.pick_backend(U.device, backend)
+    chosen = _pick_backend(U.device, backend)
     return _SRURecurrence.apply(U, skip, v_f, v_r, b_f, b_r, c0, float(alpha), chosen)
 
 

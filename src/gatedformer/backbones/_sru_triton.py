@@ -1,0 +1,118 @@
+"""The element-wise SRU recurrence on a GPU: two Triton kernels, one launch for the forward pass, one for the backward.
+
+The same recurrence as the C++ kernel in :mod:`gatedformer.backbones._sru_kernel` (see the equations
+there). Every (batch, direction, unit) column is an independent scalar recurrence, so one Triton
+program takes ``BLOCK`` columns and walks them through all time steps in registers: the forward pass
+is one launch, and the backward pass (back-propagation through time) another, where a loop of
+PyTorch operations would launch about ten kernels per step.
+
+Triton compiles the kernels for the device on first use and caches them on disk; nothing is compiled
+at import, and this module imports Triton only when a kernel is first needed. With
+``TRITON_INTERPRET=1`` Triton runs the same kernels on CPU tensors, which is how the tests check them
+on machines without a GPU.
+
+Layouts (all contiguous, as :class:`~gatedformer.backbones._sru_kernel._SRURecurrence` passes them):
+``U (L, B, D, K, H)``, the skip stream ``(L, B, D, H)`` or ``U[:, :, :, 3]``, ``v_f, v_r, b_f, b_r (D, H)``,
+``c0 (B, D, H)``; outputs ``h`` and every step's cell ``(L, B, D, H)``. Direction 1 runs from the last
+step to the first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+__all__ = ["available", "load_kernels", "triton_backward", "triton_forward"]
+
+_KERNELS_MODULE = "gatedformer.backbones._sru_triton_kernels"
+
+# Columns and warps per program, and the depth of the loop's software pipeline. The loop over time is bound
+# by the latency of its loads: many small programs beat a few large ones (on an H100, 32 columns and one
+# warp were 1.5x as fast as 128 and four), and loads four steps ahead another 2x (benchmarks/README.md).
+_BLOCK = 32
+_WARPS = 1
+_STAGES = 4
+
+
+def available() -> bool:
+    """Whether Triton is installed (it comes with PyTorch's CUDA builds on Linux)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def load_kernels(interpreted: bool = False) -> ModuleType:
+    """The module of the two kernels, imported on first use. ``interpreted=True`` loads a private copy
+    under ``TRITON_INTERPRET=1`` (Triton reads it when the kernels are defined), which runs on CPU
+    tensors: the tests use it on machines without a GPU."""
+    if not interpreted:
+        return importlib.import_module(_KERNELS_MODULE)
+    spec = importlib.util.find_spec(_KERNELS_MODULE)
+    assert spec is not None and spec.origin is not None
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        copy_spec = importlib.util.spec_from_file_location(f"{_KERNELS_MODULE}_interpreted", spec.origin)
+        assert copy_spec is not None and copy_spec.loader is not None
+        module = importlib.util.module_from_spec(copy_spec)
+        copy_spec.loader.exec_module(module)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    return module
+
+
+def _kernels() -> ModuleType:
+    return load_kernels()
+
+
+def _grid(columns: int) -> tuple[int]:
+    return ((columns + _BLOCK - 1) // _BLOCK,)
+
+
+def _skip_stream(U: Tensor, skip: Tensor | None) -> Tensor:
+    return U[:, :, :, 3] if skip is None else skip
+
+
+def triton_forward(U: Tensor, skip: Tensor | None, v_f: Tensor, v_r: Tensor, b_f: Tensor, b_r: Tensor, c0: Tensor,
+                   alpha: float, kernels: ModuleType | None = None) -> tuple[Tensor, Tensor]:
+    """``h`` and every step's cell ``c``, both ``(L, B, D, H)``."""
+    kernels = kernels or _kernels()
+    L, B, D, _, H = U.shape
+    xs = _skip_stream(U, skip)
+    h = torch.empty((L, B, D, H), dtype=U.dtype, device=U.device)
+    c_all = torch.empty_like(h)
+    if h.numel():
+        kernels.sru_forward_kernel[_grid(B * D * H)](
+            U, xs, v_f, v_r, b_f, b_r, c0, h, c_all, U.stride(0), U.stride(1), U.stride(2), U.stride(3),
+            xs.stride(0), xs.stride(1), xs.stride(2), float(alpha), L, B, D, H,
+            BLOCK=_BLOCK, STAGES=_STAGES, num_warps=_WARPS)
+    return h, c_all
+
+
+def triton_backward(
+    U: Tensor, skip: Tensor | None, v_f: Tensor, v_r: Tensor, b_f: Tensor, b_r: Tensor, c0: Tensor,
+    alpha: float, c_all: Tensor, grad_h: Tensor, grad_c_last: Tensor | None, kernels: ModuleType | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """Gradients of ``U``, ``skip``, ``v_f``, ``v_r``, ``b_f``, ``b_r`` and ``c0``."""
+    kernels = kernels or _kernels()
+    L, B, D, _, H = U.shape
+    xs = _skip_stream(U, skip)
+    grad_U = torch.empty_like(U)
+    grad_skip = None if skip is None else torch.empty_like(skip)
+    gxs = _skip_stream(grad_U, grad_skip)
+    partial = torch.empty((4, B, D, H), dtype=U.dtype, device=U.device)
+    grad_c0 = torch.empty((B, D, H), dtype=U.dtype, device=U.device)
+    if grad_c0.numel():
+        kernels.sru_backward_kernel[_grid(B * D * H)](
+            U, xs, v_f, v_r, b_f, b_r, c0, c_all, grad_h, grad_c0 if grad_c_last is None else grad_c_last,
+            grad_U, gxs, partial, grad_c0, U.stride(0), U.stride(1), U.stride(2), U.stride(3),
+            xs.stride(0), xs.stride(1), xs.stride(2), gxs.stride(0), gxs.stride(1), gxs.stride(2), float(alpha),
+            L, B, D, H, HAS_GRAD_C=grad_c_last is not None, BLOCK=_BLOCK, STAGES=_STAGES, num_warps=_WARPS)
+    g_vf, g_vr, g_bf, g_br = partial.sum(dim=1).unbind(0)
+    return grad_U, grad_skip, g_vf, g_vr, g_bf, g_br, grad_c0
