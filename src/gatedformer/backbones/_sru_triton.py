@@ -7,9 +7,7 @@ is one launch, and the backward pass (back-propagation through time) another, wh
 PyTorch operations would launch about ten kernels per step.
 
 Triton compiles the kernels for the device on first use and caches them on disk; nothing is compiled
-at import, and this module imports Triton only when a kernel is first needed. With
-``TRITON_INTERPRET=1`` Triton runs the same kernels on CPU tensors, which is how the tests check them
-on machines without a GPU.
+at import, and Triton itself is imported only when a kernel is first needed (:mod:`._triton`).
 
 Layouts (all contiguous, as :class:`~gatedformer.backbones._sru_kernel._SRURecurrence` passes them):
 ``U (L, B, D, K, H)``, the skip stream ``(L, B, D, H)`` or ``U[:, :, :, 3]``, ``v_f, v_r, b_f, b_r (D, H)``,
@@ -19,13 +17,13 @@ step to the first.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
 from types import ModuleType
 
 import torch
 from torch import Tensor
+
+from gatedformer.backbones import _triton
+from gatedformer.backbones._triton import available
 
 __all__ = ["available", "load_kernels", "triton_backward", "triton_forward"]
 
@@ -39,32 +37,9 @@ _WARPS = 1
 _STAGES = 4
 
 
-def available() -> bool:
-    """Whether Triton is installed (it comes with PyTorch's CUDA builds on Linux)."""
-    return importlib.util.find_spec("triton") is not None
-
-
 def load_kernels(interpreted: bool = False) -> ModuleType:
-    """The module of the two kernels, imported on first use. ``interpreted=True`` loads a private copy
-    under ``TRITON_INTERPRET=1`` (Triton reads it when the kernels are defined), which runs on CPU
-    tensors: the tests use it on machines without a GPU."""
-    if not interpreted:
-        return importlib.import_module(_KERNELS_MODULE)
-    spec = importlib.util.find_spec(_KERNELS_MODULE)
-    assert spec is not None and spec.origin is not None
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        copy_spec = importlib.util.spec_from_file_location(f"{_KERNELS_MODULE}_interpreted", spec.origin)
-        assert copy_spec is not None and copy_spec.loader is not None
-        module = importlib.util.module_from_spec(copy_spec)
-        copy_spec.loader.exec_module(module)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    return module
+    """The module of the two kernels (see :func:`gatedformer.backbones._triton.load_kernels`)."""
+    return _triton.load_kernels(_KERNELS_MODULE, interpreted)
 
 
 def _kernels() -> ModuleType:

@@ -54,7 +54,7 @@ def sru_backward_kernel(u_ptr, xs_ptr, vf_ptr, vr_ptr, bf_ptr, br_ptr, c0_ptr, c
     bf = tl.load(bf_ptr + dh, mask=mask, other=0.0)
     br = tl.load(br_ptr + dh, mask=mask, other=0.0)
     c0 = tl.load(c0_ptr + n, mask=mask, other=0.0)
-    if HAS_GRAD_C:  # noqa: SIM108 (resolved when the kernel is compiled)
+    if HAS_GRAD_C:
         gc = tl.load(gcl_ptr + n, mask=mask, other=0.0)
     else:
         gc = tl.full([BLOCK], 0.0, c0.dtype)
