@@ -1,5 +1,5 @@
-"""Transformer-XL's plain layers in one compiled call each way (:class:`StreamedLayerStack`): the numbers of the Python
-stack, where it applies, and the Python stack where it does not."""
+"""Transformer-XL's plain and SDU-gated layers in one compiled call each way (:class:`StreamedLayerStack`): the
+numbers of the Python stack, where it applies, and the Python stack where it does not."""
 
 from __future__ import annotations
 
@@ -95,7 +95,8 @@ def test_the_streamed_stack_gives_the_python_stacks_numbers(threads: int, dropou
         torch.set_num_threads(saved_threads)
 
 
-def test_two_threads_each_take_half_the_batch_and_give_the_python_stacks_numbers() -> None:
+@pytest.mark.parametrize("gates", ["", "+tanh SDU"])
+def test_two_threads_each_take_half_the_batch_and_give_the_python_stacks_numbers(gates: str) -> None:
     """A batch big enough for the kernel to split it between two threads: their shares of the weights' gradients and
     of the column sums are added up, and the column sums' rows are zeroed by the thread that fills them."""
     _streams_or_skip()
@@ -105,14 +106,18 @@ def test_two_threads_each_take_half_the_batch_and_give_the_python_stacks_numbers
     try:
         assert _epilogue_kernel.stack_blocks(batch, length, width, ffn)[:2] == (8, 2)  # 8 sequences a thread
         def make() -> TransformerXLLM:
-            return _model(n_layers=2, width=width, ffn=ffn, mem_len=length)
+            return _model(n_layers=2, width=width, ffn=ffn, mem_len=length, gates=gates)
 
         streamed, streams, _ = _run(make, True, batch=batch, length=length)
         python, *_ = _run(make, False, batch=batch, length=length)
     finally:
         torch.set_num_threads(saved_threads)
     assert streams == 2
-    _assert_same(streamed, python, 1 + 2)
+    if gates:
+        for a, b in zip(streamed, python, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    else:
+        _assert_same(streamed, python, 1 + 2)
 
 
 @settings(max_examples=12, deadline=None)
@@ -138,19 +143,48 @@ def test_any_batch_window_depth_memory_and_ffn_give_the_python_stacks_numbers(
     _assert_same(streamed, python, 1 + (n_layers if mem_len else 0))
 
 
-def test_gates_or_no_mkl_leave_the_layers_to_the_python_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("gates", "threads", "dropout", "mem_len"), [
+    ("+σ SDU", 1, 0.1, 16), ("+tanh SDU", 2, 0.1, 16), ("+σ SDU L2", 2, 0.0, 16), ("+tanh L1-2\\FFN", 2, 0.1, 0),
+    ("+σ SDU L1,3", 1, 0.1, 5)])
+def test_sdu_branches_stream_and_give_the_python_stacks_numbers(gates: str, threads: int, dropout: float,
+                                                                  mem_len: int) -> None:
+    """SDU branches on any layers and sublayers run inside the streamed stack: the Python stack's losses, memories and
+    gradients to float rounding (the branch joins the body's output before its bias, not after)."""
+    _streams_or_skip()
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        def make() -> TransformerXLLM:
+            return _model(dropout=dropout, mem_len=mem_len, gates=gates)
+
+        streamed, streams, stacks = _run(make, True)
+        assert (streams, stacks) == (2, 0)
+        python, streams, stacks = _run(make, False)
+        assert (streams, stacks) == (0, 2)
+    finally:
+        torch.set_num_threads(saved_threads)
+    names = [name for name, _ in make().named_parameters()]
+    assert any(".sdu." in name for name in names)
+    for a, b in zip(streamed, python, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # every SDU parameter got a gradient of its own, not zeros
+    grads = dict(zip(names, streamed[len(streamed) - len(names) :], strict=True))
+    assert all(grads[name].abs().sum() > 0 for name in names if ".sdu." in name)
+
+
+def test_other_gates_or_no_mkl_leave_the_layers_to_the_python_stack(monkeypatch: pytest.MonkeyPatch) -> None:
     _streams_or_skip()
     tokens = torch.randint(0, 50, (2, 8))
     streams, stacks = _count(monkeypatch, StreamedLayerStack), _count(monkeypatch, LayerStack)
-    for gates in ("+σ SDU L2", "+GRC", "+EAU", "+highway gate"):
+    for gates in ("+GRC", "+EAU", "+highway gate", "+gated MHDPA", "+σ SDU+GRC"):
         _model(gates=gates)(tokens, targets=tokens)[0].backward()
-    assert (len(streams), len(stacks)) == (0, 4)
+    assert (len(streams), len(stacks)) == (0, 5)
     monkeypatch.setenv("GATEDFORMER_PACKED_GEMM", "0")
     _model()(tokens, targets=tokens)[0].backward()
-    assert (len(streams), len(stacks)) == (0, 5)
+    assert (len(streams), len(stacks)) == (0, 6)
     monkeypatch.delenv("GATEDFORMER_PACKED_GEMM")
     _model()(tokens, targets=tokens)[0].backward()
-    assert (len(streams), len(stacks)) == (1, 5)
+    assert (len(streams), len(stacks)) == (1, 6)
 
 
 def test_a_retained_graph_gives_its_gradients_again_and_a_freed_one_refuses() -> None:

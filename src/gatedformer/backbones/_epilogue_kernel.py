@@ -729,19 +729,46 @@ void relative_sublayer_backward(const Blas& blas, RelativeBackwardFn attend_back
 enum StackSlot {
     kInput, kMemory, kR, kU, kPb, kWq, kWkv, kWout, kGammaA, kBetaA, kQkv, kMemoryKv, kAttended, kLse, kXhatA, kYA,
     kRstdA, kKeepA, kW1, kB1, kW2, kB2, kGammaF, kBetaF, kHidden, kPositive, kXhatF, kOutput, kRstdF, kKeepF,
-    kStackSlots
+    kSduWA, kSduBA, kSduA, kSduWF, kSduBF, kSduF, kStackSlots
 };
-constexpr int kStackReals = 5, kStackMasks = 3, kStackPacks = 5;
+// A layer's SDU branches (Highway Transformer: norm(x + dropout(F(x) + Ψ(x W1 + b1) ⊙ (x W2 + b2)))), where it has
+// them: each sublayer's Linear(d, 2d) weight and bias and its biased product, kept for the backward pass; reals
+// 5 and 6 give their tails (the gate kernel's code, sigmoid 0 or tanh 1; -1 without an SDU there).
+constexpr int kStackReals = 7, kStackMasks = 3, kStackPacks = 7;
+
+typedef int (*TailForwardFn)(int tail, const float* c, const float* a, int64_t a_row, const float* b, int64_t b_row,
+                             float* out, int64_t rows, int64_t cols, int64_t threads);
+typedef int (*TailBackwardFn)(int tail, const float* dout, const float* c, const float* a, int64_t a_row,
+                              const float* b, int64_t b_row, float* dc, float* da, int64_t da_row, float* db,
+                              int64_t db_row, int64_t rows, int64_t cols, int64_t threads);
 
 struct StackShape {
-    int64_t layers, batch, length, mem, heads, d, f, block_sequences, ffn_rows;
+    int64_t layers, batch, length, mem, heads, d, f, block_sequences, ffn_rows, gated;
     int64_t keys() const { return mem + length; }
     int64_t head() const { return d / heads; }
     int64_t rows() const { return batch * length; }
-    int64_t weight_floats() const { return 4 * d * d + 2 * d * f; }  // Wo, [Wq; Wkv], W1, W2
-    int64_t small_floats() const { return keys() * d + 2 * d; }        // r's, u's and the position bias's
-    int64_t sum_floats() const { return 6 * d + f; }                   // attention's and FFN's LayerNorm sums, b1's
+    // Wo, [Wq; Wkv], W1, W2, and with SDUs the two sublayers' [W1; W2]
+    int64_t weight_floats() const { return 4 * d * d + 2 * d * f + (gated ? 4 * d * d : 0); }
+    int64_t small_floats() const { return keys() * d + 2 * d; }  // r's, u's and the position bias's
+    // attention's and FFN's LayerNorm sums, b1's, and with SDUs the two sublayers' [b1; b2]
+    int64_t sum_floats() const { return 6 * d + f + (gated ? 4 * d : 0); }
 };
+
+// Adds a row of `cols` biases to each of `rows` rows.
+inline void add_bias_rows(float* __restrict x, const float* __restrict bias, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) x[r * cols + c] += bias[c];
+}
+
+// Adds the column sums of rows [lo, hi) of g (cols wide) to the partial sums of their blocks of kSumRows rows.
+inline void add_block_column_sums(const float* __restrict g, int64_t lo, int64_t hi, int64_t cols,
+                                  float* __restrict partials, int64_t stride) {
+    for (int64_t r = lo; r < hi; ++r) {
+        float* __restrict part = partials + r / kSumRows * stride;
+        const float* __restrict row = g + r * cols;
+        for (int64_t c = 0; c < cols; ++c) part[c] += row[c];
+    }
+}
 
 struct LayerTable {
     const int64_t* addresses;
@@ -786,9 +813,10 @@ struct PackedLayers {
     }
 };
 
-void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, const LayerTable& t, const double* reals,
-                            const uint64_t* seeds, const uint32_t* keeps, const float* zero, const PackedLayers& packed,
-                            const StackShape& z, int64_t threads, int* failed) {
+void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, TailForwardFn tail_forward,
+                            const LayerTable& t, const double* reals, const uint64_t* seeds, const uint32_t* keeps,
+                            const float* zero, const PackedLayers& packed, const StackShape& z, int64_t threads,
+                            int* failed) {
     const int64_t L = z.length, M = z.mem, d = z.d, f = z.f, bs = z.block_sequences;
     const int64_t blocks = (z.batch + bs - 1) / bs;
     const double softmax_scale = 1.0 / std::sqrt((double)z.head());
@@ -803,10 +831,15 @@ void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, const La
             if (j == 2) blas.pack(kRowMajor, kBMatrix, kTrans, rows_max, d, d, 1.0f, t.at(i, kWout), d, dest);
             if (j == 3) blas.pack(kRowMajor, kBMatrix, kTrans, z.ffn_rows, f, d, 1.0f, t.at(i, kW1), d, dest);
             if (j == 4) blas.pack(kRowMajor, kBMatrix, kTrans, z.ffn_rows, d, f, 1.0f, t.at(i, kW2), f, dest);
+            if (j == 5 && t.at(i, kSduWA) != nullptr)
+                blas.pack(kRowMajor, kBMatrix, kTrans, rows_max, 2 * d, d, 1.0f, t.at(i, kSduWA), d, dest);
+            if (j == 6 && t.at(i, kSduWF) != nullptr)
+                blas.pack(kRowMajor, kBMatrix, kTrans, z.ffn_rows, 2 * d, d, 1.0f, t.at(i, kSduWF), d, dest);
         }
         stream_barrier();
         for (int64_t i = 0; i < z.layers; ++i) {
             const double* real = reals + i * kStackReals;
+            const int sdu_a = (int)real[5], sdu_f = (int)real[6];
             const uint64_t* seed = seeds + i * kStackMasks;
             const uint32_t* keep = keeps + i * kStackMasks;
             const float* x = t.at(i, kInput);
@@ -834,7 +867,17 @@ void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, const La
                     *failed = 1;
                 blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, t.at(i, kAttended) + lo * d, d,
                              packed.at(i, 2), d, 0.0f, xhat_a + lo * d, d);
-                dropout_add_norm_rows(x, xhat_a, zero, nullptr, xhat_a, t.at(i, kGammaA), t.at(i, kBetaA), y_a,
+                const float* summed_a = xhat_a;  // what the dropout takes: the body's output, plus the SDU's
+                if (sdu_a >= 0) {  // into y_a's rows, which the LayerNorm pass reads before it writes them
+                    float* p = t.at(i, kSduA) + lo * 2 * d;
+                    blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, 2 * d, d, x + lo * d, d, packed.at(i, 5),
+                                 2 * d, 0.0f, p, 2 * d);
+                    add_bias_rows(p, t.at(i, kSduBA), hi - lo, 2 * d);
+                    if (tail_forward(sdu_a, xhat_a + lo * d, p, 2 * d, p + d, 2 * d, y_a + lo * d, hi - lo, d, 1))
+                        *failed = 1;
+                    summed_a = y_a;
+                }
+                dropout_add_norm_rows(x, summed_a, zero, nullptr, xhat_a, t.at(i, kGammaA), t.at(i, kBetaA), y_a,
                                       t.at(i, kRstdA), t.bits(i, kKeepA), lo, hi, d, (float)real[0], (uint32_t)seed[0],
                                       (uint32_t)(seed[0] >> 32), keep[0], (float)real[2]);
                 for (int64_t clo = lo; clo < hi; clo += z.ffn_rows) {
@@ -845,7 +888,18 @@ void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, const La
                                               (uint32_t)(seed[1] >> 32), keep[1], (float)real[3], t.bits(i, kPositive));
                     blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, d, f, hidden + clo * f, f, packed.at(i, 4), d,
                                  0.0f, xhat_f + clo * d, d);
-                    dropout_add_norm_rows(y_a, xhat_f, t.at(i, kB2), nullptr, xhat_f, t.at(i, kGammaF),
+                    const float* summed_f = xhat_f;
+                    if (sdu_f >= 0) {  // into the output's rows, as above
+                        float* p = t.at(i, kSduF) + clo * 2 * d;
+                        blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, 2 * d, d, y_a + clo * d, d,
+                                     packed.at(i, 6), 2 * d, 0.0f, p, 2 * d);
+                        add_bias_rows(p, t.at(i, kSduBF), chi - clo, 2 * d);
+                        if (tail_forward(sdu_f, xhat_f + clo * d, p, 2 * d, p + d, 2 * d, t.at(i, kOutput) + clo * d,
+                                         chi - clo, d, 1))
+                            *failed = 1;
+                        summed_f = t.at(i, kOutput);
+                    }
+                    dropout_add_norm_rows(y_a, summed_f, t.at(i, kB2), nullptr, xhat_f, t.at(i, kGammaF),
                                           t.at(i, kBetaF), t.at(i, kOutput), t.at(i, kRstdF), t.bits(i, kKeepF), clo,
                                           chi, d, (float)real[1], (uint32_t)seed[2], (uint32_t)(seed[2] >> 32), keep[2],
                                           (float)real[4]);
@@ -875,7 +929,8 @@ void add_shares(const float* shares, int64_t count, int64_t width, float* out, i
         for (int64_t k = lo; k < hi; ++k) out[k] += shares[j * width + k];
 }
 
-void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, FortranGemmFn gemm, const LayerTable& t,
+void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, TailBackwardFn tail_backward,
+                             FortranGemmFn gemm, const LayerTable& t,
                              const double* reals, const float* grad, float* grad_input, const PackedLayers& packed,
                              float* weights, float* small, float* sums, float* scratch, const StackShape& z,
                              int64_t threads, int* failed) {
@@ -896,7 +951,8 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, F
     float* grad_r = grad_memory_kv + padded16(z.batch * M * 2 * d);
     float* grad_u = grad_r + padded16(z.batch * K * d);
     float* grad_pb = grad_u + padded16(z.batch * d);
-    float* weight_shares = grad_pb + padded16(z.batch * d);
+    float* grad_sdu = grad_pb + padded16(z.batch * d);  // per row, an SDU's [a; b] gradients (with SDUs)
+    float* weight_shares = grad_sdu + (z.gated ? padded16(rows * 2 * d) : 0);
     float* small_shares = weight_shares + threads * z.layers * z.weight_floats();
     float* partials = small_shares + threads * z.layers * z.small_floats();
     stream_blocks(blas, blocks, threads, [&](int64_t th, int64_t nt, int64_t first, int64_t end) {
@@ -922,10 +978,16 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, F
             if (j == 2) blas.pack(kRowMajor, kBMatrix, kNoTrans, rows_max, d, d, 1.0f, t.at(i, kWout), d, dest);
             if (j == 3) blas.pack(kRowMajor, kBMatrix, kNoTrans, z.ffn_rows, d, f, 1.0f, t.at(i, kW1), d, dest);
             if (j == 4) blas.pack(kRowMajor, kBMatrix, kNoTrans, z.ffn_rows, f, d, 1.0f, t.at(i, kW2), f, dest);
+            if (j == 5 && t.at(i, kSduWA) != nullptr)
+                blas.pack(kRowMajor, kBMatrix, kNoTrans, rows_max, d, 2 * d, 1.0f, t.at(i, kSduWA), d, dest);
+            if (j == 6 && t.at(i, kSduWF) != nullptr)
+                blas.pack(kRowMajor, kBMatrix, kNoTrans, z.ffn_rows, d, 2 * d, 1.0f, t.at(i, kSduWF), d, dest);
         }
         stream_barrier();
+        const int64_t sdu_weights = 4 * d * d + 2 * d * f, sdu_sums = 6 * d + f;  // where the SDUs' gradients go
         for (int64_t i = z.layers - 1; i >= 0; --i) {
             const double* real = reals + i * kStackReals;
+            const int sdu_a = (int)real[5], sdu_f = (int)real[6];
             const float* dy = i == z.layers - 1 ? grad : ((i + 1) % 2 == 0 ? grad_input : grad_other);
             float* dx = i % 2 == 0 ? grad_input : grad_other;
             const float* x = t.at(i, kInput);
@@ -952,14 +1014,39 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, F
                                             s + kSumRows < chi ? s + kSumRows : chi, f, (float)real[3]);
                     blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, d, f, grad_inner + clo * f, f,
                                  packed.at(i, 3), d, 1.0f, grad_a + clo * d, d);
+                    if (sdu_f >= 0) {  // the SDU on the FFN's input: its [a; b] gradients, then into y_a's
+                        const float* pf = t.at(i, kSduF) + clo * 2 * d;
+                        float* g = grad_sdu + clo * 2 * d;
+                        if (tail_backward(sdu_f, grad_outer + clo * d, nullptr, pf, 2 * d, pf + d, 2 * d, nullptr, g,
+                                          2 * d, g + d, 2 * d, chi - clo, d, 1))
+                            *failed = 1;
+                        blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, d, 2 * d, g, 2 * d, packed.at(i, 6), d,
+                                     1.0f, grad_a + clo * d, d);
+                        add_block_column_sums(grad_sdu, clo, chi, 2 * d, layer_sums + sdu_sums + 2 * d,
+                                              z.sum_floats());
+                    }
                 }
                 add_at_b(gemm, f, d, hi - lo, grad_inner + lo * f, f, y_a + lo * d, d, w_share + 4 * d * d);
                 add_at_b(gemm, d, f, hi - lo, grad_outer + lo * d, d, hidden + lo * f, f, w_share + 4 * d * d + f * d);
+                if (sdu_f >= 0)
+                    add_at_b(gemm, 2 * d, d, hi - lo, grad_sdu + lo * 2 * d, 2 * d, y_a + lo * d, d,
+                             w_share + sdu_weights + 2 * d * d);
                 for (int64_t s = lo; s < hi; s += kSumRows)  // whole sequences: a multiple of kSumRows
                     dropout_add_norm_backward_rows(grad_a, t.at(i, kXhatA), t.at(i, kRstdA), t.at(i, kGammaA),
                                                    t.bits(i, kKeepA), nullptr, nullptr, nullptr, dx, grad_projected,
                                                    nullptr, layer_sums + s / kSumRows * z.sum_floats(), s,
                                                    s + kSumRows < hi ? s + kSumRows : hi, d, (float)real[2]);
+                if (sdu_a >= 0) {  // the SDU on the attention's input: its [a; b] gradients, then into x's
+                    const float* pa = t.at(i, kSduA) + lo * 2 * d;
+                    float* g = grad_sdu + lo * 2 * d;
+                    if (tail_backward(sdu_a, grad_projected + lo * d, nullptr, pa, 2 * d, pa + d, 2 * d, nullptr, g,
+                                      2 * d, g + d, 2 * d, hi - lo, d, 1))
+                        *failed = 1;
+                    blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, 2 * d, g, 2 * d, packed.at(i, 5), d, 1.0f,
+                                 dx + lo * d, d);
+                    add_block_column_sums(grad_sdu, lo, hi, 2 * d, layer_sums + sdu_sums, z.sum_floats());
+                    add_at_b(gemm, 2 * d, d, hi - lo, g, 2 * d, x + lo * d, d, w_share + sdu_weights);
+                }
                 blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, grad_projected + lo * d, d, packed.at(i, 2),
                              d, 0.0f, grad_attended + lo * d, d);
                 const float* q = t.at(i, kQkv) + lo * 3 * d;
@@ -1009,7 +1096,7 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, F
 int64_t stack_scratch_floats(const StackShape& z, int64_t threads) {
     const int64_t rows = z.rows(), d = z.d;
     return padded16(rows * d) * 6 + padded16(rows * z.f) + padded16(rows * 3 * d) + padded16(z.batch * z.mem * 2 * d)
-        + padded16(z.batch * z.keys() * d) + 2 * padded16(z.batch * d)
+        + padded16(z.batch * z.keys() * d) + 2 * padded16(z.batch * d) + (z.gated ? padded16(rows * 2 * d) : 0)
         + threads * z.layers * (z.weight_floats() + z.small_floats())
         + z.layers * ((rows + kSumRows - 1) / kSumRows) * z.sum_floats();
 }
@@ -1152,37 +1239,42 @@ int relative_sublayer_backward_f32(const void* pack, const void* compute, const 
     return failed ? 2 : 0;
 }
 // Returns 1 where the packed weights could not be allocated, 2 where the attention kernel refused its
-// shapes. sizes: layers, batch, length, mem, heads, d, f, block_sequences, ffn_rows.
+// shapes. sizes: layers, batch, length, mem, heads, d, f, block_sequences, ffn_rows, gated (whether any SDU).
 int relative_stack_forward_f32(const void* pack, const void* compute, const void* local_threads, const void* attend,
-                               const int64_t* table, const double* reals, const uint64_t* seeds,
-                               const uint32_t* keeps, const float* zero, const int64_t* packed_floats,
-                               const int64_t* sizes, int64_t threads) {
+                               const void* tail_forward, const int64_t* table, const double* reals,
+                               const uint64_t* seeds, const uint32_t* keeps, const float* zero,
+                               const int64_t* packed_floats, const int64_t* sizes, int64_t threads) {
     const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
-    const StackShape z{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6], sizes[7], sizes[8]};
+    const StackShape z{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6], sizes[7], sizes[8],
+                       sizes[9]};
     PackedLayers packed{packed_floats, nullptr};
     packed.base = kept_pack_room(z.layers * packed.per_layer());
     if (packed.base == nullptr) return 1;
     int failed = 0;
-    relative_stack_forward(blas, (RelativeForwardFn)attend, LayerTable{table}, reals, seeds, keeps, zero, packed, z,
-                           threads, &failed);
+    relative_stack_forward(blas, (RelativeForwardFn)attend, (TailForwardFn)tail_forward, LayerTable{table}, reals,
+                           seeds, keeps, zero, packed, z, threads, &failed);
     return failed ? 2 : 0;
 }
 // The floats of relative_stack_backward_f32's scratch, which the caller allocates (so that it is counted as a tensor).
 int64_t relative_stack_scratch_floats(const int64_t* sizes, int64_t threads) {
-    const StackShape z{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6], sizes[7], sizes[8]};
+    const StackShape z{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6], sizes[7], sizes[8],
+                       sizes[9]};
     return stack_scratch_floats(z, threads) + 16;  // room to align it to 64 bytes
 }
 int relative_stack_backward_f32(const void* pack, const void* compute, const void* local_threads, const void* gemm,
-                                const void* attend_back, const int64_t* table, const double* reals, const float* grad,
-                                float* grad_input, float* weights, float* small, float* sums, float* scratch,
-                                const int64_t* packed_floats, const int64_t* sizes, int64_t threads) {
+                                const void* attend_back, const void* tail_backward, const int64_t* table,
+                                const double* reals, const float* grad, float* grad_input, float* weights,
+                                float* small, float* sums, float* scratch, const int64_t* packed_floats,
+                                const int64_t* sizes, int64_t threads) {
     const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
-    const StackShape z{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6], sizes[7], sizes[8]};
+    const StackShape z{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6], sizes[7], sizes[8],
+                       sizes[9]};
     PackedLayers packed{packed_floats, nullptr};
     packed.base = kept_pack_room(z.layers * packed.per_layer());
     if (packed.base == nullptr) return 1;
     int failed = 0;
-    relative_stack_backward(blas, (RelativeBackwardFn)attend_back, (FortranGemmFn)gemm, LayerTable{table}, reals,
+    relative_stack_backward(blas, (RelativeBackwardFn)attend_back, (TailBackwardFn)tail_backward, (FortranGemmFn)gemm,
+                            LayerTable{table}, reals,
                             grad, grad_input, packed, weights, small, sums, PackedPair::aligned(scratch), z, threads,
                             &failed);
     return failed ? 2 : 0;
@@ -1215,16 +1307,16 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.relative_sublayer_forward_f32.restype = ctypes.c_int
     lib.relative_sublayer_backward_f32.argtypes = [p] * 23 + [i, i, i] + [p] * 9 + [i, i, i, i, i, f, i, i]
     lib.relative_sublayer_backward_f32.restype = ctypes.c_int
-    lib.relative_stack_forward_f32.argtypes = [p] * 11 + [i]
+    lib.relative_stack_forward_f32.argtypes = [p] * 12 + [i]
     lib.relative_stack_forward_f32.restype = ctypes.c_int
-    lib.relative_stack_backward_f32.argtypes = [p] * 15 + [i]
+    lib.relative_stack_backward_f32.argtypes = [p] * 16 + [i]
     lib.relative_stack_scratch_floats.argtypes = [p, i]
     lib.relative_stack_scratch_floats.restype = ctypes.c_int64
     lib.relative_stack_backward_f32.restype = ctypes.c_int
 
 
 KERNEL = NativeKernel(
-    "epilogue", _CPP_SOURCE, _bind, abi_version=11, env_var="GATEDFORMER_DROPOUT_BACKEND",
+    "epilogue", _CPP_SOURCE, _bind, abi_version=12, env_var="GATEDFORMER_DROPOUT_BACKEND",
     description="the compiled linear-epilogue kernel", fallback="unfused PyTorch operations",
     extra_cflags=_NO_FMA, avx512=True,
 )
@@ -1685,7 +1777,7 @@ def relative_sublayer_streamed_backward(blas: PackedGemm, attend_back: int, qkv:
 
 # ---- Transformer-XL's plain layers in one call (see relative_stack_forward in the C++ source) ---------------------
 
-_STACK_SLOTS = 30
+_STACK_SLOTS = 36
 """Addresses per layer in the stack kernels' table, in the order of ``StackSlot``."""
 
 
@@ -1700,21 +1792,27 @@ def stack_blocks(batch: int, length: int, width: int, hidden_width: int) -> tupl
 
 
 def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: list[Tensor | None], r: Tensor,
-                            weights: list[tuple[Tensor, ...]], settings: list[tuple[float, ...]],
-                            masks: list[tuple[tuple[int, int], ...]], batch: int, n_heads: int
-                            ) -> tuple[list[Tensor], dict[str, Tensor]]:
+                            weights: list[tuple[Tensor | None, ...]], settings: list[tuple[float, ...]],
+                            masks: list[tuple[tuple[int, int], ...]], batch: int, n_heads: int,
+                            tails: tuple[int, int] = (0, 0)) -> tuple[list[Tensor], dict[str, Tensor]]:
     """Every layer of a plain post-LN Transformer-XL, ``FFN-sublayer(attention-sublayer(h, memory, r))`` in turn, in
     one parallel region: what :func:`relative_sublayer_streamed` then :func:`feed_forward_streamed` compute layer by
     layer, with the same masks. ``x (B·L, d)``: the first layer's input rows; ``memories``: each layer's ``(B·M, d)``
     rows (the same ``M``) or all ``None``; ``r (layers, M+L, d)``: the projected position encodings; ``weights``: per
-    layer ``(u, pos_bias, w_q, w_kv, w_out, gamma, beta, w1, b1, w2, b2, gamma, beta)``; ``settings``: per layer the two
-    LayerNorms' eps and the three masks' scales; ``masks``: per layer the three masks' ``(seed, keep_below)`` (the
-    attention's output, the FFN's hidden layer, its output).
+    layer ``(u, pos_bias, w_q, w_kv, w_out, gamma, beta, w1, b1, w2, b2, gamma, beta)`` and, with SDU branches, the
+    attention sublayer's and the FFN sublayer's SDU ``Linear(d, 2d)`` weight and bias (``None`` where that sublayer
+    has none); ``settings``: per layer the two LayerNorms' eps, the three masks' scales and, with SDUs, the two
+    sublayers' tail codes (:data:`~gatedformer.backbones._gate_kernel.TAILS`, -1 for none); ``masks``: per layer the
+    three masks' ``(seed, keep_below)`` (the attention's output, the FFN's hidden layer, its output); ``tails``: the
+    gate kernel's forward and backward tail functions, by address (with SDUs).
 
     Returns every layer's output rows and what :func:`relative_stack_streamed_backward` needs (``"table"`` holds the
     addresses of all of it)."""
     n, (rows, width) = len(weights), x.shape
     length, hidden_width = rows // batch, weights[0][7].shape[0]
+    gated = any(w is not None for layer in weights for w in layer[13:])
+    weights = [tuple(layer[:13]) + (tuple(layer[13:]) if len(layer) > 13 else (None,) * 4) for layer in weights]
+    settings = [tuple(real[:5]) + (tuple(real[5:]) if len(real) > 5 else (-1.0, -1.0)) for real in settings]
     mem = 0 if memories[0] is None else memories[0].shape[0] // batch
     block, threads, ffn_rows = stack_blocks(batch, length, width, hidden_width)  # type: ignore[misc]
     words = -(-width // 32)
@@ -1729,6 +1827,8 @@ def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: 
     }
     if mem:
         saved["memory_kv"] = x.new_empty(n, batch * mem, 2 * width)
+    if gated:  # each SDU's biased product, [a; b] per row
+        saved["sdu_a"], saved["sdu_f"] = x.new_empty(n, rows, 2 * width), x.new_empty(n, rows, 2 * width)
     outputs = [x.new_empty(rows, width) for _ in range(n)]
 
     def layer(t: Tensor) -> range:  # each layer's address in a stacked buffer
@@ -1737,29 +1837,36 @@ def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: 
     stacked = zip(layer(r), layer(saved["qkv"]), layer(saved["memory_kv"]) if mem else [0] * n,
                   *(layer(saved[name]) for name in ("attended", "lse", "xhat_a", "y_a", "rstd_a", "keep_a", "hidden",
                                                      "positive", "xhat_f", "rstd_f", "keep_f")), strict=True)
+    sdu_rows = zip(layer(saved["sdu_a"]), layer(saved["sdu_f"]), strict=True) if gated else [(0, 0)] * n
     table = []
-    for i, ((u, pos_bias, w_q, w_kv, w_out, gamma_a, beta_a, w1, b1, w2, b2, gamma_f, beta_f),
-            (r_i, qkv, memory_kv, attended, lse, xhat_a, y_a, rstd_a, keep_a, hidden, positive, xhat_f, rstd_f,
-             keep_f)) in enumerate(zip(weights, stacked, strict=True)):
+    for i, ((u, pos_bias, w_q, w_kv, w_out, gamma_a, beta_a, w1, b1, w2, b2, gamma_f, beta_f, sdu_w_a, sdu_b_a, sdu_w_f,
+             sdu_b_f), (r_i, qkv, memory_kv, attended, lse, xhat_a, y_a, rstd_a, keep_a, hidden, positive, xhat_f,
+                        rstd_f, keep_f), (sdu_a, sdu_f)) in enumerate(zip(weights, stacked, sdu_rows, strict=True)):
         table += [(x if i == 0 else outputs[i - 1]).data_ptr(), _address(memories[i]) or 0, r_i,
                   u.data_ptr(), pos_bias.data_ptr(), w_q.data_ptr(), w_kv.data_ptr(), w_out.data_ptr(),
                   gamma_a.data_ptr(), beta_a.data_ptr(), qkv, memory_kv, attended, lse, xhat_a, y_a, rstd_a, keep_a,
                   w1.data_ptr(), b1.data_ptr(), w2.data_ptr(), b2.data_ptr(), gamma_f.data_ptr(), beta_f.data_ptr(),
-                  hidden, positive, xhat_f, outputs[i].data_ptr(), rstd_f, keep_f]
+                  hidden, positive, xhat_f, outputs[i].data_ptr(), rstd_f, keep_f,
+                  _address(sdu_w_a) or 0, _address(sdu_b_a) or 0, sdu_a if sdu_w_a is not None else 0,
+                  _address(sdu_w_f) or 0, _address(sdu_b_f) or 0, sdu_f if sdu_w_f is not None else 0]
     saved["table"] = torch.tensor(table, dtype=torch.int64)
     saved["reals"] = torch.tensor(settings, dtype=torch.float64)
     seeds = np.array([[seed for seed, _ in three] for three in masks], dtype=np.uint64)
     keeps = np.array([[keep_word(keep) for _, keep in three] for three in masks], dtype=np.uint32)
-    saved["sizes"] = torch.tensor([n, batch, length, mem, n_heads, width, hidden_width, block, ffn_rows],
+    saved["sizes"] = torch.tensor([n, batch, length, mem, n_heads, width, hidden_width, block, ffn_rows, int(gated)],
                                   dtype=torch.int64)
     rows_max = block * max(length, mem)
+    sdu_packs = [blas.packed_floats(rows_max, 2 * width, width), blas.packed_floats(ffn_rows, 2 * width, width)]
     packed = torch.tensor([blas.packed_floats(rows_max, width, width), blas.packed_floats(rows_max, 2 * width, width),
                            blas.packed_floats(rows_max, width, width),
                            blas.packed_floats(ffn_rows, hidden_width, width),
-                           blas.packed_floats(ffn_rows, width, hidden_width)], dtype=torch.int64)
+                           blas.packed_floats(ffn_rows, width, hidden_width), *(sdu_packs if gated else [0, 0])],
+                          dtype=torch.int64)
     saved["threads"] = torch.tensor(threads)
+    saved["tails"] = torch.tensor(tails, dtype=torch.int64)
     _check_relative(KERNEL.library().relative_stack_forward_f32(
-        blas.pack, blas.compute, blas.local_threads, attend, saved["table"].data_ptr(), saved["reals"].data_ptr(),
+        blas.pack, blas.compute, blas.local_threads, attend, tails[0], saved["table"].data_ptr(),
+        saved["reals"].data_ptr(),
         seeds.ctypes.data, keeps.ctypes.data, saved["zero"].data_ptr(), packed.data_ptr(), saved["sizes"].data_ptr(),
         threads))
     return outputs, saved
@@ -1770,26 +1877,30 @@ def relative_stack_streamed_backward(blas: PackedGemm, attend_back: int, grad: T
     """The backward pass of :func:`relative_stack_streamed` from the last layer's output gradient ``(B·L, d)``, with
     the forward pass's ``saved`` (its inputs, weights and outputs still alive). Returns the first layer's input
     gradient, then per layer (one row each) the weights' gradients (``w_out``'s, ``[w_q; w_kv]``'s, ``w1``'s, ``w2``'s,
-    flattened), the small ones (``r``'s summed over the batch, ``u``'s, ``pos_bias``'s) and the LayerNorms' and biases'
-    (the attention LayerNorm's gamma and beta, the output projection's absent bias, the FFN LayerNorm's gamma and beta,
-    ``b2``'s, then ``b1``'s)."""
-    n, batch, length, mem, n_heads, width, hidden_width, block, ffn_rows = saved["sizes"].tolist()
+    then with SDUs the attention's and the FFN's SDU weights', flattened), the small ones (``r``'s summed over the
+    batch, ``u``'s, ``pos_bias``'s) and the LayerNorms' and biases' (the attention LayerNorm's gamma and beta, the
+    output projection's absent bias, the FFN LayerNorm's gamma and beta, ``b2``'s, ``b1``'s, then with SDUs the two
+    SDU biases')."""
+    n, batch, length, mem, n_heads, width, hidden_width, block, ffn_rows, gated = saved["sizes"].tolist()
     threads = int(saved["threads"])
     grad = grad.contiguous()
     grad_input = torch.empty_like(grad)
-    weights = grad.new_empty(n, 4 * width * width + 2 * width * hidden_width)
+    weights = grad.new_empty(n, 4 * width * width + 2 * width * hidden_width + (4 * width * width if gated else 0))
     small = grad.new_empty(n, (mem + length) * width + 2 * width)
-    sums = grad.new_empty(n, 6 * width + hidden_width)
+    sums = grad.new_empty(n, 6 * width + hidden_width + (4 * width if gated else 0))
     rows_max = block * length
+    sdu_packs = [blas.packed_floats(rows_max, width, 2 * width), blas.packed_floats(ffn_rows, width, 2 * width)]
     packed = torch.tensor([blas.packed_floats(rows_max, width, width), blas.packed_floats(rows_max, width, 2 * width),
                            blas.packed_floats(rows_max, width, width),
                            blas.packed_floats(ffn_rows, width, hidden_width),
-                           blas.packed_floats(ffn_rows, hidden_width, width)], dtype=torch.int64)
+                           blas.packed_floats(ffn_rows, hidden_width, width), *(sdu_packs if gated else [0, 0])],
+                          dtype=torch.int64)
     library = KERNEL.library()
     # The kernel's gradient buffers and the threads' shares, as a tensor so that memory accounting sees them.
     scratch = grad.new_empty(library.relative_stack_scratch_floats(saved["sizes"].data_ptr(), threads))
     _check_relative(library.relative_stack_backward_f32(
-        blas.pack, blas.compute, blas.local_threads, blas.gemm, attend_back, saved["table"].data_ptr(),
+        blas.pack, blas.compute, blas.local_threads, blas.gemm, attend_back, int(saved["tails"][1]),
+        saved["table"].data_ptr(),
         saved["reals"].data_ptr(), grad.data_ptr(), grad_input.data_ptr(), weights.data_ptr(), small.data_ptr(),
         sums.data_ptr(), scratch.data_ptr(), packed.data_ptr(), saved["sizes"].data_ptr(), threads))
     return grad_input, weights, small, sums

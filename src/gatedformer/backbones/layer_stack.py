@@ -23,13 +23,15 @@ need no gradient; :func:`layer_stack` checks that and otherwise returns ``None``
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from gatedformer.backbones import _blas, _epilogue_kernel
+from gatedformer.backbones import _blas, _epilogue_kernel, _gate_kernel
 from gatedformer.backbones import dropout as dropout_ops
+from gatedformer.backbones._gate_kernel import TAILS
 from gatedformer.backbones._relative_attention_kernel import kernel_addresses
 from gatedformer.backbones.blocks import FeedForward, Sublayer
 from gatedformer.backbones.fused_linear import (
@@ -45,6 +47,7 @@ from gatedformer.backbones.relative_sublayer import (
     relative_inputs_fuse,
     relative_layers_fuse,
 )
+from gatedformer.gates import SDU
 
 __all__ = ["LayerStack", "StreamedLayerStack", "layer_stack"]
 
@@ -52,7 +55,10 @@ __all__ = ["LayerStack", "StreamedLayerStack", "layer_stack"]
 # gates' 10 (a residual gate's 2, a unit's 2, an EAU's 6; None where there is none), then the FFN's 6 and its 10.
 _ATTENTION, _BRANCH, _FFN = 8, 10, 6
 _PER_LAYER = 2 * _BRANCH + _ATTENTION + _FFN
-_PLAIN = _ATTENTION + _FFN  # a layer's inputs to StreamedLayerStack: no gates
+_PLAIN = _ATTENTION + _FFN  # a layer's inputs to StreamedLayerStack, then its two SDUs' weights and biases (or Nones)
+_SDU = 4
+_STREAMED = _PLAIN + _SDU
+_SDU_TAILS = ("sdu-sigmoid", "sdu-tanh")
 _PROJECTIONS = ("query", "key_value", "position", "out")
 _INT32_VALUES = 2 ** 32
 
@@ -138,20 +144,21 @@ class LayerStack(torch.autograd.Function):
 
 
 class StreamedLayerStack(torch.autograd.Function):
-    """:class:`LayerStack` for plain layers (no gates) where MKL's packed products are there: the whole stack in one
-    compiled call forward and one backward (``relative_stack_streamed`` in
+    """:class:`LayerStack` for layers whose only gates are SDU branches (or none), where MKL's packed products are
+    there: the whole stack in one compiled call forward and one backward (``relative_stack_streamed`` in
     :mod:`~gatedformer.backbones._epilogue_kernel`), each thread taking its own sequences through every layer without
     waiting for the other threads or returning to Python between sublayers. The arguments and results of
-    :class:`LayerStack`, but for the gates' parameters, which are left out (14 per layer); the same arithmetic and
-    masks, so the same outputs, and the same gradients but for the order in which the threads' shares of the weights'
-    gradients are added."""
+    :class:`LayerStack`, but per layer the 14 plain parameters and then the attention's and the FFN's SDU weight and
+    bias (``None`` where there is none), 18 in all; the same masks. Plain layers give the same outputs, and the same
+    gradients but for the order in which the threads' shares of the weights' gradients are added; SDU branches the
+    same to float rounding (the branch is added to the body's output before the bias, not after)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, pos: Tensor, memories: tuple[Tensor | None, ...],  # type: ignore[override]
                 settings: tuple[tuple[object, ...], ...], *parameters: Tensor | None) -> tuple[Tensor, ...]:
         batch, length, width = x.shape
         n = len(settings)
-        layers = [parameters[i * _PLAIN : (i + 1) * _PLAIN] for i in range(n)]
+        layers = [parameters[i * _STREAMED : (i + 1) * _STREAMED] for i in range(n)]
         memory_rows = [None if m is None else m.reshape(-1, width).contiguous() for m in memories]
         keys = length + (0 if memories[0] is None else memories[0].shape[1])
         pos = pos[pos.shape[0] - keys :].contiguous()
@@ -160,16 +167,19 @@ class StreamedLayerStack(torch.autograd.Function):
             torch.mm(pos, layer[2].t(), out=r[i])  # as each sublayer projects its position encodings
         weights = [(layer[4].contiguous(), layer[5].contiguous(), layer[0], layer[1], layer[3], layer[6], layer[7],
                     *layer[_ATTENTION:]) for layer in layers]
-        reals = [(eps, ffn_eps, _INT32_VALUES / mask[1], _INT32_VALUES / inner[1], _INT32_VALUES / outer[1])
-                 for eps, _, mask, _, ffn_eps, inner, outer, _ in settings]
+        reals = [(eps, ffn_eps, _INT32_VALUES / mask[1], _INT32_VALUES / inner[1], _INT32_VALUES / outer[1],
+                  _tail_code(tail), _tail_code(ffn_tail))
+                 for eps, _, mask, tail, ffn_eps, inner, outer, ffn_tail in settings]
+        gated = any(code >= 0 for real in reals for code in real[5:])
         masks = [(mask, inner, outer) for _, _, mask, _, _, inner, outer, _ in settings]
         rows = x.reshape(-1, width).contiguous()
         blas = _blas.packed_gemm()
         outputs, saved = _epilogue_kernel.relative_stack_streamed(
-            blas, kernel_addresses()[0], rows, memory_rows, r, weights, reals, masks, batch, settings[0][1])
+            blas, kernel_addresses()[0], rows, memory_rows, r, weights, reals, masks, batch, settings[0][1],
+            tail_addresses() if gated else (0, 0))
         ctx.names = tuple(saved)
         ctx.save_for_backward(rows, pos, r, *(m for m in memory_rows if m is not None),
-                              *(w for layer in weights for w in layer), *outputs[:-1], *saved.values())
+                              *(w for layer in weights for w in layer if w is not None), *outputs[:-1], *saved.values())
         ctx.shapes = (layers[0][4].shape, layers[0][5].shape)  # u's and the position bias's, as every layer's
         ctx.set_materialize_grads(False)
         later = [o.view(batch, length, width) for o in outputs[:-1]]
@@ -179,7 +189,7 @@ class StreamedLayerStack(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor | None, *_: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         needed = ctx.needs_input_grad
-        n = (len(needed) - 4) // _PLAIN
+        n = (len(needed) - 4) // _STREAMED
         if grad is None:
             return (None,) * len(needed)
         tensors = ctx.saved_tensors  # checks that none was changed in place since the forward pass
@@ -188,8 +198,9 @@ class StreamedLayerStack(torch.autograd.Function):
         batch, length, width = grad.shape
         grad_input, weights, small, sums = _epilogue_kernel.relative_stack_streamed_backward(
             _blas.packed_gemm(), kernel_addresses()[1], grad.reshape(-1, width), saved)
-        keys, hidden_width = r.shape[1], (weights.shape[1] - 4 * width * width) // (2 * width)
+        keys, hidden_width = r.shape[1], int(saved["sizes"][6])
         d2, fd, small_start = width * width, hidden_width * width, keys * width
+        sdu_weights, sdu_sums = 4 * d2 + 2 * fd, 6 * width + hidden_width
 
         def per_layer(t: Tensor, start: int, stop: int, *shape: int) -> tuple[Tensor, ...]:
             return t[:, start:stop].view(n, *(shape or (stop - start,))).unbind(0)
@@ -202,13 +213,31 @@ class StreamedLayerStack(torch.autograd.Function):
             per_layer(small, small_start, small_start + width, *u_shape),
             per_layer(small, small_start + width, small_start + 2 * width, *pb_shape),
             per_layer(sums, 0, width), per_layer(sums, width, 2 * width),
-            per_layer(weights, 4 * d2, 4 * d2 + fd, hidden_width, width), per_layer(sums, 6 * width, sums.shape[1]),
-            per_layer(weights, 4 * d2 + fd, weights.shape[1], width, hidden_width),
+            per_layer(weights, 4 * d2, 4 * d2 + fd, hidden_width, width),
+            per_layer(sums, 6 * width, 6 * width + hidden_width),
+            per_layer(weights, 4 * d2 + fd, 4 * d2 + 2 * fd, width, hidden_width),
             per_layer(sums, 5 * width, 6 * width), per_layer(sums, 3 * width, 4 * width),
-            per_layer(sums, 4 * width, 5 * width), strict=True)
+            per_layer(sums, 4 * width, 5 * width), *(
+                (per_layer(weights, sdu_weights, sdu_weights + 2 * d2, 2 * width, width),
+                 per_layer(sums, sdu_sums, sdu_sums + 2 * width),
+                 per_layer(weights, sdu_weights + 2 * d2, sdu_weights + 4 * d2, 2 * width, width),
+                 per_layer(sums, sdu_sums + 2 * width, sdu_sums + 4 * width))
+                if weights.shape[1] > sdu_weights else ((None,) * n,) * _SDU), strict=True)
         flat = [g if want else None for g, want in zip((g for layer in columns for g in layer), needed[4:],
                                                          strict=True)]
         return (grad_input.view(batch, length, width) if needed[0] else None, None, None, None, *flat)
+
+
+def _tail_code(tail: str | None) -> float:
+    """An SDU tail's code for the stack kernels (the gate kernel's), -1 for no SDU."""
+    return -1.0 if tail is None else float(TAILS[tail])
+
+
+def tail_addresses() -> tuple[int, int]:
+    """The gate kernel's forward and backward tail functions, by address (the stack kernels call them)."""
+    library = _gate_kernel.KERNEL.library()
+    return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (library.gate_tail_forward,  # type: ignore[return-value]
+                                                                 library.gate_tail_backward))
 
 
 def _gates(sublayer: Sublayer) -> tuple[nn.Module | None, nn.Module | None, nn.Module | None]:
@@ -250,14 +279,17 @@ def _global_hooks() -> bool:
 
 def _streams_whole_stack(x: Tensor, memories: list[Tensor | None], settings: list[tuple[object, ...]],
                          parameters: list[Tensor]) -> bool:
-    """Whether :class:`StreamedLayerStack` runs these plain layers (``parameters``: 14 per layer, no gates): MKL's
-    packed products, memories all absent or all of one length, one number of heads and one FFN width, and shapes
-    whose blocks it can split (see ``stack_blocks``)."""
-    if _blas.packed_gemm() is None or not all(p.is_contiguous() for p in parameters):
+    """Whether :class:`StreamedLayerStack` runs these layers (``parameters``: 18 per layer, the SDUs' ``None`` where
+    there is none): MKL's packed products, memories all absent or all of one length, one number of heads and one FFN
+    width, shapes whose blocks it can split (see ``stack_blocks``) and, with SDUs, the gate kernel."""
+    if _blas.packed_gemm() is None or not all(p is None or p.is_contiguous() for p in parameters):
+        return False
+    sdus = (p for i in range(len(settings)) for p in parameters[i * _STREAMED + _PLAIN : (i + 1) * _STREAMED])
+    if any(p is not None for p in sdus) and _gate_kernel.KERNEL.pick_backend(x.device) != "native":
         return False
     lengths = {None if m is None else m.shape[1] for m in memories}
     heads = {layer_settings[1] for layer_settings in settings}
-    hidden = {parameters[i * _PLAIN + _ATTENTION].shape[0] for i in range(len(settings))}
+    hidden = {parameters[i * _STREAMED + _ATTENTION].shape[0] for i in range(len(settings))}
     if len(lengths) != 1 or len(heads) != 1 or len(hidden) != 1:
         return False
     batch, length, width = x.shape
@@ -279,7 +311,8 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
     if not relative_inputs_fuse(x, memories, pos):
         return None
     width = x.shape[-1]
-    settings, parameters, gated = [], [], False
+    settings, parameters, streamed = [], [], []
+    sdu_only = True  # whether the only gates are SDU branches (StreamedLayerStack takes those)
     for layer in layers:
         sublayers = _whole_sublayers(layer)
         if sublayers is None:
@@ -291,7 +324,8 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
         inner, outer = registered(feed_forward, "inner"), registered(feed_forward, "outer")
         p_attention, p_inner, p_ffn = (registered(module, "dropout").p for module in (attn, feed_forward, ffn))
         attention_gates, ffn_gates = _gates(attn), _gates(ffn)
-        gated = gated or any(g is not None for g in (*attention_gates, *ffn_gates))
+        sdu_only = sdu_only and all(gate is None and eau is None and (unit is None or isinstance(unit, SDU))
+                                    for gate, unit, eau in (attention_gates, ffn_gates))
         if not (relative_layers_fuse(attention, p_attention, attention_norm, width)
                 and feed_forward_layers_fuse(width, inner, outer, p_inner, p_ffn, ffn_norm, ffn.training)
                 and branches_fuse(x, p_attention, True, *attention_gates)
@@ -301,15 +335,17 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
         *ffn_branch, ffn_tail = _branch_parameters(*ffn_gates)
         settings.append((attention_norm.eps, attention.n_heads, p_attention, attention_tail, ffn_norm.eps, p_inner,
                          p_ffn, ffn_tail))
-        parameters += [*(registered(registered(attention, name), "weight") for name in _PROJECTIONS),
-                       registered(attention, "u"), registered(attention, "v"), registered(attention_norm, "weight"),
-                       registered(attention_norm, "bias"), *attention_branch, registered(inner, "weight"),
-                       registered(inner, "bias"), registered(outer, "weight"), registered(outer, "bias"),
-                       registered(ffn_norm, "weight"), registered(ffn_norm, "bias"), *ffn_branch]
+        attention_plain = [*(registered(registered(attention, name), "weight") for name in _PROJECTIONS),
+                           registered(attention, "u"), registered(attention, "v"), registered(attention_norm, "weight"),
+                           registered(attention_norm, "bias")]
+        ffn_plain = [registered(inner, "weight"), registered(inner, "bias"), registered(outer, "weight"),
+                     registered(outer, "bias"), registered(ffn_norm, "weight"), registered(ffn_norm, "bias")]
+        parameters += [*attention_plain, *attention_branch, *ffn_plain, *ffn_branch]
+        # The branches' third and fourth are the unit's weight and bias: an SDU's, where sdu_only holds.
+        streamed += [*attention_plain, *ffn_plain, *attention_branch[2:4], *ffn_branch[2:4]]
     masked = _with_masks(settings)
-    plain = None if gated else [p for p in parameters if p is not None]  # the gates' Nones left out
-    if plain is not None and _streams_whole_stack(x, memories, settings, plain):
-        out, *later_inputs = StreamedLayerStack.apply(x, pos, tuple(memories), masked, *plain)
+    if sdu_only and _streams_whole_stack(x, memories, settings, streamed):
+        out, *later_inputs = StreamedLayerStack.apply(x, pos, tuple(memories), masked, *streamed)
     else:
         out, *later_inputs = LayerStack.apply(x, pos, tuple(memories), masked, *parameters)
     return out, [x, *later_inputs]
