@@ -9,12 +9,13 @@ the other waits. :class:`LayerStack` runs the same two functions' forward and ba
 inside a single autograd function: the arithmetic, the dropout masks (drawn in the same order) and so the results
 are those of the layers one by one.
 
-Where no layer has a gate and PyTorch links MKL, :class:`StreamedLayerStack` goes further: one compiled call runs
-every layer forward and one runs them all backward (``relative_stack_streamed`` in
+Where no layer has a gate other than SDU branches and PyTorch links MKL, :class:`StreamedLayerStack` goes further:
+one compiled call runs every layer forward and one runs them all backward (``relative_stack_streamed`` in
 :mod:`~gatedformer.backbones._epilogue_kernel`), each thread taking its own sequences through all the layers with no
-return to Python and no wait for the other thread between sublayers. Its outputs and masks are the Python stack's
-bit for bit; its gradients differ only in the order in which the threads' shares of the weights' gradients are
-added. Gated layers stay with :class:`LayerStack`, whose sublayer functions compute their gates.
+return to Python and no wait for the other thread between sublayers. For plain layers its outputs and masks are the
+Python stack's bit for bit and its gradients differ only in the order in which the threads' shares of the weights'
+gradients are added; with SDUs they agree to float rounding. Layers with other gates stay with :class:`LayerStack`,
+whose sublayer functions compute their gates.
 
 It applies where every layer's two sublayers would each run as one function (post-LN, the gates those take), no
 hooks are on the layers or their sublayers (nor global module hooks), and the memories and position encodings
