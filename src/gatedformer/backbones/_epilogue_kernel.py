@@ -731,10 +731,12 @@ enum StackSlot {
     kRstdA, kKeepA, kW1, kB1, kW2, kB2, kGammaF, kBetaF, kHidden, kPositive, kXhatF, kOutput, kRstdF, kKeepF,
     kSduWA, kSduBA, kSduA, kSduWF, kSduBF, kSduF, kStackSlots
 };
-// A layer's SDU branches (Highway Transformer: norm(x + dropout(F(x) + Ψ(x W1 + b1) ⊙ (x W2 + b2)))), where it has
-// them: each sublayer's Linear(d, 2d) weight and bias and its biased product, kept for the backward pass; reals
-// 5 and 6 give their tails (the gate kernel's code, sigmoid 0 or tanh 1; -1 without an SDU there).
-constexpr int kStackReals = 7, kStackMasks = 3, kStackPacks = 7;
+// A layer's gate units, where it has them: an SDU branch (Highway Transformer: norm(x + dropout(F(x) + Ψ(x W1 + b1)
+// ⊙ (x W2 + b2)))) or a highway gate (norm((1 - T) ⊙ x + T ⊙ f(x) + dropout(F(x))), T = σ(x W1 + b1),
+// f(x) = x W2 + b2): each sublayer's Linear(d, 2d) weight and bias and its biased product, kept for the backward
+// pass; reals 5 and 6 give their tails (the gate kernel's codes: SDU with sigmoid 0, with tanh 1, the highway gate's
+// lerp 2; -1 for none).
+constexpr int kStackReals = 7, kStackMasks = 3, kStackPacks = 7, kLerp = 2;
 
 typedef int (*TailForwardFn)(int tail, const float* c, const float* a, int64_t a_row, const float* b, int64_t b_row,
                              float* out, int64_t rows, int64_t cols, int64_t threads);
@@ -867,17 +869,21 @@ void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, TailForw
                     *failed = 1;
                 blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, t.at(i, kAttended) + lo * d, d,
                              packed.at(i, 2), d, 0.0f, xhat_a + lo * d, d);
-                const float* summed_a = xhat_a;  // what the dropout takes: the body's output, plus the SDU's
-                if (sdu_a >= 0) {  // into y_a's rows, which the LayerNorm pass reads before it writes them
+                // What the dropout takes (the body's output, plus an SDU's) and the residual stream it is added to
+                // (x, or a highway gate's mix): written into y_a's rows, which the LayerNorm pass reads before it
+                // writes them.
+                const float* summed_a = xhat_a;
+                const float* base_a = x;
+                if (sdu_a >= 0) {
                     float* p = t.at(i, kSduA) + lo * 2 * d;
                     blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, 2 * d, d, x + lo * d, d, packed.at(i, 5),
                                  2 * d, 0.0f, p, 2 * d);
                     add_bias_rows(p, t.at(i, kSduBA), hi - lo, 2 * d);
-                    if (tail_forward(sdu_a, xhat_a + lo * d, p, 2 * d, p + d, 2 * d, y_a + lo * d, hi - lo, d, 1))
-                        *failed = 1;
-                    summed_a = y_a;
+                    const float* c = sdu_a == kLerp ? x + lo * d : xhat_a + lo * d;
+                    if (tail_forward(sdu_a, c, p, 2 * d, p + d, 2 * d, y_a + lo * d, hi - lo, d, 1)) *failed = 1;
+                    (sdu_a == kLerp ? base_a : summed_a) = y_a;
                 }
-                dropout_add_norm_rows(x, summed_a, zero, nullptr, xhat_a, t.at(i, kGammaA), t.at(i, kBetaA), y_a,
+                dropout_add_norm_rows(base_a, summed_a, zero, nullptr, xhat_a, t.at(i, kGammaA), t.at(i, kBetaA), y_a,
                                       t.at(i, kRstdA), t.bits(i, kKeepA), lo, hi, d, (float)real[0], (uint32_t)seed[0],
                                       (uint32_t)(seed[0] >> 32), keep[0], (float)real[2]);
                 for (int64_t clo = lo; clo < hi; clo += z.ffn_rows) {
@@ -889,17 +895,19 @@ void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, TailForw
                     blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, d, f, hidden + clo * f, f, packed.at(i, 4), d,
                                  0.0f, xhat_f + clo * d, d);
                     const float* summed_f = xhat_f;
+                    const float* base_f = y_a;
                     if (sdu_f >= 0) {  // into the output's rows, as above
                         float* p = t.at(i, kSduF) + clo * 2 * d;
                         blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, 2 * d, d, y_a + clo * d, d,
                                      packed.at(i, 6), 2 * d, 0.0f, p, 2 * d);
                         add_bias_rows(p, t.at(i, kSduBF), chi - clo, 2 * d);
-                        if (tail_forward(sdu_f, xhat_f + clo * d, p, 2 * d, p + d, 2 * d, t.at(i, kOutput) + clo * d,
-                                         chi - clo, d, 1))
+                        const float* c = sdu_f == kLerp ? y_a + clo * d : xhat_f + clo * d;
+                        if (tail_forward(sdu_f, c, p, 2 * d, p + d, 2 * d, t.at(i, kOutput) + clo * d, chi - clo, d,
+                                         1))
                             *failed = 1;
-                        summed_f = t.at(i, kOutput);
+                        (sdu_f == kLerp ? base_f : summed_f) = t.at(i, kOutput);
                     }
-                    dropout_add_norm_rows(y_a, summed_f, t.at(i, kB2), nullptr, xhat_f, t.at(i, kGammaF),
+                    dropout_add_norm_rows(base_f, summed_f, t.at(i, kB2), nullptr, xhat_f, t.at(i, kGammaF),
                                           t.at(i, kBetaF), t.at(i, kOutput), t.at(i, kRstdF), t.bits(i, kKeepF), clo,
                                           chi, d, (float)real[1], (uint32_t)seed[2], (uint32_t)(seed[2] >> 32), keep[2],
                                           (float)real[4]);
@@ -951,8 +959,10 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
     float* grad_r = grad_memory_kv + padded16(z.batch * M * 2 * d);
     float* grad_u = grad_r + padded16(z.batch * K * d);
     float* grad_pb = grad_u + padded16(z.batch * d);
-    float* grad_sdu = grad_pb + padded16(z.batch * d);  // per row, an SDU's [a; b] gradients (with SDUs)
-    float* weight_shares = grad_sdu + (z.gated ? padded16(rows * 2 * d) : 0);
+    // With gate units: per row, a unit's [a; b] gradients, and a highway gate's mix's
+    float* grad_sdu = grad_pb + padded16(z.batch * d);
+    float* grad_carry = grad_sdu + (z.gated ? padded16(rows * 2 * d) : 0);
+    float* weight_shares = grad_carry + (z.gated ? padded16(rows * d) : 0);
     float* small_shares = weight_shares + threads * z.layers * z.weight_floats();
     float* partials = small_shares + threads * z.layers * z.small_floats();
     stream_blocks(blas, blocks, threads, [&](int64_t th, int64_t nt, int64_t first, int64_t end) {
@@ -999,13 +1009,23 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
             for (int64_t b = first; b < end; ++b) {
                 const int64_t s0 = b * bs, s1 = s0 + bs < z.batch ? s0 + bs : z.batch;
                 const int64_t lo = s0 * L, hi = s1 * L;
+                // The residual stream's gradient: y_a's, or with a highway gate its mix's (then through the mix)
+                float* carry_f = sdu_f == kLerp ? grad_carry : grad_a;
                 for (int64_t clo = lo; clo < hi; clo += z.ffn_rows) {
                     const int64_t chi = clo + z.ffn_rows < hi ? clo + z.ffn_rows : hi;
                     for (int64_t s = clo; s < chi; s += kSumRows)  // chunks: multiples of kSumRows
                         dropout_add_norm_backward_rows(dy, t.at(i, kXhatF), t.at(i, kRstdF), t.at(i, kGammaF),
-                                                       t.bits(i, kKeepF), nullptr, nullptr, nullptr, grad_a, grad_outer,
-                                                       nullptr, layer_sums + s / kSumRows * z.sum_floats() + 3 * d, s,
+                                                       t.bits(i, kKeepF), nullptr, nullptr, nullptr, carry_f,
+                                                       grad_outer, nullptr,
+                                                       layer_sums + s / kSumRows * z.sum_floats() + 3 * d, s,
                                                        s + kSumRows < chi ? s + kSumRows : chi, d, (float)real[4]);
+                    if (sdu_f == kLerp) {
+                        const float* pf = t.at(i, kSduF) + clo * 2 * d;
+                        float* g = grad_sdu + clo * 2 * d;
+                        if (tail_backward(kLerp, grad_carry + clo * d, y_a + clo * d, pf, 2 * d, pf + d, 2 * d,
+                                          grad_a + clo * d, g, 2 * d, g + d, 2 * d, chi - clo, d, 1))
+                            *failed = 1;
+                    }
                     blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, f, d, grad_outer + clo * d, d,
                                  packed.at(i, 4), f, 0.0f, grad_inner + clo * f, f);
                     for (int64_t s = clo; s < chi; s += kSumRows)
@@ -1014,11 +1034,11 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
                                             s + kSumRows < chi ? s + kSumRows : chi, f, (float)real[3]);
                     blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, d, f, grad_inner + clo * f, f,
                                  packed.at(i, 3), d, 1.0f, grad_a + clo * d, d);
-                    if (sdu_f >= 0) {  // the SDU on the FFN's input: its [a; b] gradients, then into y_a's
+                    if (sdu_f >= 0) {  // the unit on the FFN's input: its [a; b] gradients, then into y_a's
                         const float* pf = t.at(i, kSduF) + clo * 2 * d;
                         float* g = grad_sdu + clo * 2 * d;
-                        if (tail_backward(sdu_f, grad_outer + clo * d, nullptr, pf, 2 * d, pf + d, 2 * d, nullptr, g,
-                                          2 * d, g + d, 2 * d, chi - clo, d, 1))
+                        if (sdu_f != kLerp && tail_backward(sdu_f, grad_outer + clo * d, nullptr, pf, 2 * d, pf + d,
+                                                            2 * d, nullptr, g, 2 * d, g + d, 2 * d, chi - clo, d, 1))
                             *failed = 1;
                         blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, d, 2 * d, g, 2 * d, packed.at(i, 6), d,
                                      1.0f, grad_a + clo * d, d);
@@ -1031,17 +1051,22 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
                 if (sdu_f >= 0)
                     add_at_b(gemm, 2 * d, d, hi - lo, grad_sdu + lo * 2 * d, 2 * d, y_a + lo * d, d,
                              w_share + sdu_weights + 2 * d * d);
+                float* carry_a = sdu_a == kLerp ? grad_carry : dx;
                 for (int64_t s = lo; s < hi; s += kSumRows)  // whole sequences: a multiple of kSumRows
                     dropout_add_norm_backward_rows(grad_a, t.at(i, kXhatA), t.at(i, kRstdA), t.at(i, kGammaA),
-                                                   t.bits(i, kKeepA), nullptr, nullptr, nullptr, dx, grad_projected,
-                                                   nullptr, layer_sums + s / kSumRows * z.sum_floats(), s,
+                                                   t.bits(i, kKeepA), nullptr, nullptr, nullptr, carry_a,
+                                                   grad_projected, nullptr,
+                                                   layer_sums + s / kSumRows * z.sum_floats(), s,
                                                    s + kSumRows < hi ? s + kSumRows : hi, d, (float)real[2]);
-                if (sdu_a >= 0) {  // the SDU on the attention's input: its [a; b] gradients, then into x's
+                if (sdu_a >= 0) {  // the unit on the attention's input: its [a; b] gradients, then into x's
                     const float* pa = t.at(i, kSduA) + lo * 2 * d;
                     float* g = grad_sdu + lo * 2 * d;
-                    if (tail_backward(sdu_a, grad_projected + lo * d, nullptr, pa, 2 * d, pa + d, 2 * d, nullptr, g,
-                                      2 * d, g + d, 2 * d, hi - lo, d, 1))
-                        *failed = 1;
+                    const int failed_tail = sdu_a == kLerp
+                        ? tail_backward(kLerp, grad_carry + lo * d, x + lo * d, pa, 2 * d, pa + d, 2 * d, dx + lo * d,
+                                        g, 2 * d, g + d, 2 * d, hi - lo, d, 1)
+                        : tail_backward(sdu_a, grad_projected + lo * d, nullptr, pa, 2 * d, pa + d, 2 * d, nullptr, g,
+                                        2 * d, g + d, 2 * d, hi - lo, d, 1);
+                    if (failed_tail) *failed = 1;
                     blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, 2 * d, g, 2 * d, packed.at(i, 5), d, 1.0f,
                                  dx + lo * d, d);
                     add_block_column_sums(grad_sdu, lo, hi, 2 * d, layer_sums + sdu_sums, z.sum_floats());
@@ -1096,7 +1121,8 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
 int64_t stack_scratch_floats(const StackShape& z, int64_t threads) {
     const int64_t rows = z.rows(), d = z.d;
     return padded16(rows * d) * 6 + padded16(rows * z.f) + padded16(rows * 3 * d) + padded16(z.batch * z.mem * 2 * d)
-        + padded16(z.batch * z.keys() * d) + 2 * padded16(z.batch * d) + (z.gated ? padded16(rows * 2 * d) : 0)
+        + padded16(z.batch * z.keys() * d) + 2 * padded16(z.batch * d)
+        + (z.gated ? padded16(rows * 2 * d) + padded16(rows * d) : 0)
         + threads * z.layers * (z.weight_floats() + z.small_floats())
         + z.layers * ((rows + kSumRows - 1) / kSumRows) * z.sum_floats();
 }

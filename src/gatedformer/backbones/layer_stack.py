@@ -48,7 +48,7 @@ from gatedformer.backbones.relative_sublayer import (
     relative_inputs_fuse,
     relative_layers_fuse,
 )
-from gatedformer.gates import SDU
+from gatedformer.gates import SDU, HighwayGate
 
 __all__ = ["LayerStack", "StreamedLayerStack", "layer_stack"]
 
@@ -59,7 +59,6 @@ _PER_LAYER = 2 * _BRANCH + _ATTENTION + _FFN
 _PLAIN = _ATTENTION + _FFN  # a layer's inputs to StreamedLayerStack, then its two SDUs' weights and biases (or Nones)
 _SDU = 4
 _STREAMED = _PLAIN + _SDU
-_SDU_TAILS = ("sdu-sigmoid", "sdu-tanh")
 _PROJECTIONS = ("query", "key_value", "position", "out")
 _INT32_VALUES = 2 ** 32
 
@@ -325,7 +324,7 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
         inner, outer = registered(feed_forward, "inner"), registered(feed_forward, "outer")
         p_attention, p_inner, p_ffn = (registered(module, "dropout").p for module in (attn, feed_forward, ffn))
         attention_gates, ffn_gates = _gates(attn), _gates(ffn)
-        sdu_only = sdu_only and all(gate is None and eau is None and (unit is None or isinstance(unit, SDU))
+        sdu_only = sdu_only and all(gate is None and eau is None and isinstance(unit, SDU | HighwayGate | None)
                                     for gate, unit, eau in (attention_gates, ffn_gates))
         if not (relative_layers_fuse(attention, p_attention, attention_norm, width)
                 and feed_forward_layers_fuse(width, inner, outer, p_inner, p_ffn, ffn_norm, ffn.training)
