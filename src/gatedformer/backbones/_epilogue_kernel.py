@@ -729,14 +729,15 @@ void relative_sublayer_backward(const Blas& blas, RelativeBackwardFn attend_back
 enum StackSlot {
     kInput, kMemory, kR, kU, kPb, kWq, kWkv, kWout, kGammaA, kBetaA, kQkv, kMemoryKv, kAttended, kLse, kXhatA, kYA,
     kRstdA, kKeepA, kW1, kB1, kW2, kB2, kGammaF, kBetaF, kHidden, kPositive, kXhatF, kOutput, kRstdF, kKeepF,
-    kSduWA, kSduBA, kSduA, kSduWF, kSduBF, kSduF, kStackSlots
+    kSduWA, kSduBA, kSduA, kSduWF, kSduBF, kSduF, kCarryA, kCarryF, kStackSlots
 };
 // A layer's gate units, where it has them: an SDU branch (Highway Transformer: norm(x + dropout(F(x) + Ψ(x W1 + b1)
 // ⊙ (x W2 + b2)))) or a highway gate (norm((1 - T) ⊙ x + T ⊙ f(x) + dropout(F(x))), T = σ(x W1 + b1),
-// f(x) = x W2 + b2): each sublayer's Linear(d, 2d) weight and bias and its biased product, kept for the backward
+// f(x) = x W2 + b2) or a gated MHDPA (norm(x + dropout((1 - T) ⊙ F(x) + T ⊙ f(x))), the body's output then kept in
+// the carry's slot): each sublayer's Linear(d, 2d) weight and bias and its biased product, kept for the backward
 // pass; reals 5 and 6 give their tails (the gate kernel's codes: SDU with sigmoid 0, with tanh 1, the highway gate's
-// lerp 2; -1 for none).
-constexpr int kStackReals = 7, kStackMasks = 3, kStackPacks = 7, kLerp = 2;
+// lerp 2; the gated MHDPA kMix, the lerp tail on the body's output; -1 for none).
+constexpr int kStackReals = 7, kStackMasks = 3, kStackPacks = 7, kLerp = 2, kMix = 5;
 
 typedef int (*TailForwardFn)(int tail, const float* c, const float* a, int64_t a_row, const float* b, int64_t b_row,
                              float* out, int64_t rows, int64_t cols, int64_t threads);
@@ -762,13 +763,14 @@ inline void add_bias_rows(float* __restrict x, const float* __restrict bias, int
         for (int64_t c = 0; c < cols; ++c) x[r * cols + c] += bias[c];
 }
 
-// Adds the column sums of rows [lo, hi) of g (cols wide) to the partial sums of their blocks of kSumRows rows.
-inline void add_block_column_sums(const float* __restrict g, int64_t lo, int64_t hi, int64_t cols,
-                                  float* __restrict partials, int64_t stride) {
+// Adds (or with sign -1 subtracts) the column sums of rows [lo, hi) of g (cols wide, rows row_floats apart) to the
+// partial sums of their blocks of kSumRows rows.
+inline void add_block_column_sums(const float* __restrict g, int64_t lo, int64_t hi, int64_t cols, int64_t row_floats,
+                                  float* __restrict partials, int64_t stride, float sign = 1.0f) {
     for (int64_t r = lo; r < hi; ++r) {
         float* __restrict part = partials + r / kSumRows * stride;
-        const float* __restrict row = g + r * cols;
-        for (int64_t c = 0; c < cols; ++c) part[c] += row[c];
+        const float* __restrict row = g + r * row_floats;
+        for (int64_t c = 0; c < cols; ++c) part[c] += sign * row[c];
     }
 }
 
@@ -867,20 +869,23 @@ void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, TailForw
                            t.at(i, kU), t.at(i, kPb), t.at(i, kAttended) + lo * d, t.at(i, kLse) + s0 * z.heads * L,
                            s1 - s0, L, M, z.heads, z.head(), softmax_scale, 1))
                     *failed = 1;
+                float* body_a = sdu_a == kMix ? t.at(i, kCarryA) : xhat_a;  // kept for a gated MHDPA's backward
                 blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, t.at(i, kAttended) + lo * d, d,
-                             packed.at(i, 2), d, 0.0f, xhat_a + lo * d, d);
-                // What the dropout takes (the body's output, plus an SDU's) and the residual stream it is added to
-                // (x, or a highway gate's mix): written into y_a's rows, which the LayerNorm pass reads before it
-                // writes them.
-                const float* summed_a = xhat_a;
+                             packed.at(i, 2), d, 0.0f, body_a + lo * d, d);
+                // What the dropout takes (the body's output, plus an SDU's, or mixed by a gated MHDPA) and the
+                // residual stream it is added to (x, or a highway gate's mix): written into y_a's rows, which the
+                // LayerNorm pass reads before it writes them.
+                const float* summed_a = body_a;
                 const float* base_a = x;
                 if (sdu_a >= 0) {
                     float* p = t.at(i, kSduA) + lo * 2 * d;
                     blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, 2 * d, d, x + lo * d, d, packed.at(i, 5),
                                  2 * d, 0.0f, p, 2 * d);
                     add_bias_rows(p, t.at(i, kSduBA), hi - lo, 2 * d);
-                    const float* c = sdu_a == kLerp ? x + lo * d : xhat_a + lo * d;
-                    if (tail_forward(sdu_a, c, p, 2 * d, p + d, 2 * d, y_a + lo * d, hi - lo, d, 1)) *failed = 1;
+                    const float* c = sdu_a == kLerp ? x + lo * d : body_a + lo * d;
+                    if (tail_forward(sdu_a == kMix ? kLerp : sdu_a, c, p, 2 * d, p + d, 2 * d, y_a + lo * d, hi - lo,
+                                     d, 1))
+                        *failed = 1;
                     (sdu_a == kLerp ? base_a : summed_a) = y_a;
                 }
                 dropout_add_norm_rows(base_a, summed_a, zero, nullptr, xhat_a, t.at(i, kGammaA), t.at(i, kBetaA), y_a,
@@ -892,18 +897,22 @@ void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, TailForw
                                  0.0f, hidden + clo * f, f);
                     bias_epilogue_range<true>(nullptr, hidden, t.at(i, kB1), clo * f, chi * f, f, (uint32_t)seed[1],
                                               (uint32_t)(seed[1] >> 32), keep[1], (float)real[3], t.bits(i, kPositive));
+                    float* body_f = sdu_f == kMix ? t.at(i, kCarryF) : xhat_f;
                     blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, d, f, hidden + clo * f, f, packed.at(i, 4), d,
-                                 0.0f, xhat_f + clo * d, d);
-                    const float* summed_f = xhat_f;
+                                 0.0f, body_f + clo * d, d);
+                    const float* summed_f = body_f;
                     const float* base_f = y_a;
                     if (sdu_f >= 0) {  // into the output's rows, as above
                         float* p = t.at(i, kSduF) + clo * 2 * d;
                         blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, 2 * d, d, y_a + clo * d, d,
                                      packed.at(i, 6), 2 * d, 0.0f, p, 2 * d);
                         add_bias_rows(p, t.at(i, kSduBF), chi - clo, 2 * d);
-                        const float* c = sdu_f == kLerp ? y_a + clo * d : xhat_f + clo * d;
-                        if (tail_forward(sdu_f, c, p, 2 * d, p + d, 2 * d, t.at(i, kOutput) + clo * d, chi - clo, d,
-                                         1))
+                        if (sdu_f == kMix)  // (1 - T) ⊙ (F + b2) + T ⊙ f = lerp(F, f - b2, T) + b2: the pass adds b2
+                            for (int64_t r = 0; r < chi - clo; ++r)
+                                for (int64_t c = 0; c < d; ++c) p[r * 2 * d + d + c] -= t.at(i, kB2)[c];
+                        const float* c = sdu_f == kLerp ? y_a + clo * d : body_f + clo * d;
+                        if (tail_forward(sdu_f == kMix ? kLerp : sdu_f, c, p, 2 * d, p + d, 2 * d,
+                                         t.at(i, kOutput) + clo * d, chi - clo, d, 1))
                             *failed = 1;
                         (sdu_f == kLerp ? base_f : summed_f) = t.at(i, kOutput);
                     }
@@ -1009,8 +1018,10 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
             for (int64_t b = first; b < end; ++b) {
                 const int64_t s0 = b * bs, s1 = s0 + bs < z.batch ? s0 + bs : z.batch;
                 const int64_t lo = s0 * L, hi = s1 * L;
-                // The residual stream's gradient: y_a's, or with a highway gate its mix's (then through the mix)
+                // The residual stream's gradient: y_a's, or with a highway gate its mix's (then through the mix);
+                // and the body's output's: the pass's, or with a gated MHDPA the share that goes through its mix.
                 float* carry_f = sdu_f == kLerp ? grad_carry : grad_a;
+                const float* grad_body_f = sdu_f == kMix ? grad_carry : grad_outer;
                 for (int64_t clo = lo; clo < hi; clo += z.ffn_rows) {
                     const int64_t chi = clo + z.ffn_rows < hi ? clo + z.ffn_rows : hi;
                     for (int64_t s = clo; s < chi; s += kSumRows)  // chunks: multiples of kSumRows
@@ -1019,14 +1030,20 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
                                                        grad_outer, nullptr,
                                                        layer_sums + s / kSumRows * z.sum_floats() + 3 * d, s,
                                                        s + kSumRows < chi ? s + kSumRows : chi, d, (float)real[4]);
-                    if (sdu_f == kLerp) {
+                    if (sdu_f == kLerp || sdu_f == kMix) {  // through the mix: the carry's share, and the unit's
                         const float* pf = t.at(i, kSduF) + clo * 2 * d;
                         float* g = grad_sdu + clo * 2 * d;
-                        if (tail_backward(kLerp, grad_carry + clo * d, y_a + clo * d, pf, 2 * d, pf + d, 2 * d,
-                                          grad_a + clo * d, g, 2 * d, g + d, 2 * d, chi - clo, d, 1))
+                        const bool lerp = sdu_f == kLerp;
+                        if (tail_backward(kLerp, (lerp ? grad_carry : grad_outer) + clo * d,
+                                          (lerp ? y_a : t.at(i, kCarryF)) + clo * d, pf, 2 * d, pf + d, 2 * d,
+                                          (lerp ? grad_a : grad_carry) + clo * d, g, 2 * d, g + d, 2 * d, chi - clo,
+                                          d, 1))
                             *failed = 1;
+                        if (!lerp)  // b2 was taken out of f's bias: its gradient loses f's share
+                            add_block_column_sums(grad_sdu + d, clo, chi, d, 2 * d, layer_sums + 5 * d, z.sum_floats(),
+                                                  -1.0f);
                     }
-                    blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, f, d, grad_outer + clo * d, d,
+                    blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, f, d, grad_body_f + clo * d, d,
                                  packed.at(i, 4), f, 0.0f, grad_inner + clo * f, f);
                     for (int64_t s = clo; s < chi; s += kSumRows)
                         positive_scale_rows(t.bits(i, kPositive), grad_inner, grad_inner,
@@ -1037,17 +1054,19 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
                     if (sdu_f >= 0) {  // the unit on the FFN's input: its [a; b] gradients, then into y_a's
                         const float* pf = t.at(i, kSduF) + clo * 2 * d;
                         float* g = grad_sdu + clo * 2 * d;
-                        if (sdu_f != kLerp && tail_backward(sdu_f, grad_outer + clo * d, nullptr, pf, 2 * d, pf + d,
-                                                            2 * d, nullptr, g, 2 * d, g + d, 2 * d, chi - clo, d, 1))
+                        if (sdu_f != kLerp && sdu_f != kMix
+                            && tail_backward(sdu_f, grad_outer + clo * d, nullptr, pf, 2 * d, pf + d, 2 * d, nullptr, g,
+                                             2 * d, g + d, 2 * d, chi - clo, d, 1))
                             *failed = 1;
                         blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, d, 2 * d, g, 2 * d, packed.at(i, 6), d,
                                      1.0f, grad_a + clo * d, d);
-                        add_block_column_sums(grad_sdu, clo, chi, 2 * d, layer_sums + sdu_sums + 2 * d,
+                        add_block_column_sums(grad_sdu, clo, chi, 2 * d, 2 * d, layer_sums + sdu_sums + 2 * d,
                                               z.sum_floats());
                     }
                 }
                 add_at_b(gemm, f, d, hi - lo, grad_inner + lo * f, f, y_a + lo * d, d, w_share + 4 * d * d);
-                add_at_b(gemm, d, f, hi - lo, grad_outer + lo * d, d, hidden + lo * f, f, w_share + 4 * d * d + f * d);
+                add_at_b(gemm, d, f, hi - lo, grad_body_f + lo * d, d, hidden + lo * f, f,
+                         w_share + 4 * d * d + f * d);
                 if (sdu_f >= 0)
                     add_at_b(gemm, 2 * d, d, hi - lo, grad_sdu + lo * 2 * d, 2 * d, y_a + lo * d, d,
                              w_share + sdu_weights + 2 * d * d);
@@ -1064,16 +1083,20 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
                     const int failed_tail = sdu_a == kLerp
                         ? tail_backward(kLerp, grad_carry + lo * d, x + lo * d, pa, 2 * d, pa + d, 2 * d, dx + lo * d,
                                         g, 2 * d, g + d, 2 * d, hi - lo, d, 1)
+                        : sdu_a == kMix
+                        ? tail_backward(kLerp, grad_projected + lo * d, t.at(i, kCarryA) + lo * d, pa, 2 * d, pa + d,
+                                        2 * d, grad_carry + lo * d, g, 2 * d, g + d, 2 * d, hi - lo, d, 1)
                         : tail_backward(sdu_a, grad_projected + lo * d, nullptr, pa, 2 * d, pa + d, 2 * d, nullptr, g,
                                         2 * d, g + d, 2 * d, hi - lo, d, 1);
                     if (failed_tail) *failed = 1;
                     blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, 2 * d, g, 2 * d, packed.at(i, 5), d, 1.0f,
                                  dx + lo * d, d);
-                    add_block_column_sums(grad_sdu, lo, hi, 2 * d, layer_sums + sdu_sums, z.sum_floats());
+                    add_block_column_sums(grad_sdu, lo, hi, 2 * d, 2 * d, layer_sums + sdu_sums, z.sum_floats());
                     add_at_b(gemm, 2 * d, d, hi - lo, g, 2 * d, x + lo * d, d, w_share + sdu_weights);
                 }
-                blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, grad_projected + lo * d, d, packed.at(i, 2),
-                             d, 0.0f, grad_attended + lo * d, d);
+                const float* grad_body_a = sdu_a == kMix ? grad_carry : grad_projected;
+                blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, grad_body_a + lo * d, d, packed.at(i, 2), d,
+                             0.0f, grad_attended + lo * d, d);
                 const float* q = t.at(i, kQkv) + lo * 3 * d;
                 float* gq = grad_qkv + lo * 3 * d;
                 const float* kv_mem = M > 0 ? t.at(i, kMemoryKv) + s0 * M * 2 * d : q + d;
@@ -1087,7 +1110,7 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
                              dx + lo * d, d);
                 blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, 2 * d, gq + d, 3 * d, packed.at(i, 1), d, 1.0f,
                              dx + lo * d, d);
-                add_at_b(gemm, d, d, hi - lo, grad_projected + lo * d, d, t.at(i, kAttended) + lo * d, d, w_share);
+                add_at_b(gemm, d, d, hi - lo, grad_body_a + lo * d, d, t.at(i, kAttended) + lo * d, d, w_share);
                 add_at_b(gemm, 3 * d, d, hi - lo, gq, 3 * d, x + lo * d, d, w_share + d * d);
                 if (M > 0)
                     add_at_b(gemm, 2 * d, d, (s1 - s0) * M, gkv_mem, 2 * d, t.at(i, kMemory) + s0 * M * d, d,
@@ -1803,8 +1826,12 @@ def relative_sublayer_streamed_backward(blas: PackedGemm, attend_back: int, qkv:
 
 # ---- Transformer-XL's plain layers in one call (see relative_stack_forward in the C++ source) ---------------------
 
-_STACK_SLOTS = 36
+_STACK_SLOTS = 38
 """Addresses per layer in the stack kernels' table, in the order of ``StackSlot``."""
+
+
+MIX_CODE = 5.0
+"""The stack kernels' code for a gated MHDPA's tail (the gate kernel's lerp on the body's output)."""
 
 
 def stack_blocks(batch: int, length: int, width: int, hidden_width: int) -> tuple[int, int, int] | None:
@@ -1853,8 +1880,11 @@ def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: 
     }
     if mem:
         saved["memory_kv"] = x.new_empty(n, batch * mem, 2 * width)
-    if gated:  # each SDU's biased product, [a; b] per row
+    if gated:  # each unit's biased product, [a; b] per row, and a gated MHDPA's carry (the body's output)
         saved["sdu_a"], saved["sdu_f"] = x.new_empty(n, rows, 2 * width), x.new_empty(n, rows, 2 * width)
+    mixes = [(real[5] == MIX_CODE, real[6] == MIX_CODE) for real in settings]
+    if any(m for pair in mixes for m in pair):
+        saved["carry_a"], saved["carry_f"] = x.new_empty(n, rows, width), x.new_empty(n, rows, width)
     outputs = [x.new_empty(rows, width) for _ in range(n)]
 
     def layer(t: Tensor) -> range:  # each layer's address in a stacked buffer
@@ -1864,17 +1894,21 @@ def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: 
                   *(layer(saved[name]) for name in ("attended", "lse", "xhat_a", "y_a", "rstd_a", "keep_a", "hidden",
                                                      "positive", "xhat_f", "rstd_f", "keep_f")), strict=True)
     sdu_rows = zip(layer(saved["sdu_a"]), layer(saved["sdu_f"]), strict=True) if gated else [(0, 0)] * n
+    carry_rows = (zip(layer(saved["carry_a"]), layer(saved["carry_f"]), strict=True) if "carry_a" in saved
+                  else [(0, 0)] * n)
     table = []
     for i, ((u, pos_bias, w_q, w_kv, w_out, gamma_a, beta_a, w1, b1, w2, b2, gamma_f, beta_f, sdu_w_a, sdu_b_a, sdu_w_f,
              sdu_b_f), (r_i, qkv, memory_kv, attended, lse, xhat_a, y_a, rstd_a, keep_a, hidden, positive, xhat_f,
-                        rstd_f, keep_f), (sdu_a, sdu_f)) in enumerate(zip(weights, stacked, sdu_rows, strict=True)):
+                        rstd_f, keep_f), (sdu_a, sdu_f), (carry_a, carry_f)) in enumerate(
+            zip(weights, stacked, sdu_rows, carry_rows, strict=True)):
         table += [(x if i == 0 else outputs[i - 1]).data_ptr(), _address(memories[i]) or 0, r_i,
                   u.data_ptr(), pos_bias.data_ptr(), w_q.data_ptr(), w_kv.data_ptr(), w_out.data_ptr(),
                   gamma_a.data_ptr(), beta_a.data_ptr(), qkv, memory_kv, attended, lse, xhat_a, y_a, rstd_a, keep_a,
                   w1.data_ptr(), b1.data_ptr(), w2.data_ptr(), b2.data_ptr(), gamma_f.data_ptr(), beta_f.data_ptr(),
                   hidden, positive, xhat_f, outputs[i].data_ptr(), rstd_f, keep_f,
                   _address(sdu_w_a) or 0, _address(sdu_b_a) or 0, sdu_a if sdu_w_a is not None else 0,
-                  _address(sdu_w_f) or 0, _address(sdu_b_f) or 0, sdu_f if sdu_w_f is not None else 0]
+                  _address(sdu_w_f) or 0, _address(sdu_b_f) or 0, sdu_f if sdu_w_f is not None else 0,
+                  carry_a, carry_f]
     saved["table"] = torch.tensor(table, dtype=torch.int64)
     saved["reals"] = torch.tensor(settings, dtype=torch.float64)
     seeds = np.array([[seed for seed, _ in three] for three in masks], dtype=np.uint64)

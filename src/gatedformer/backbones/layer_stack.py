@@ -9,13 +9,14 @@ the other waits. :class:`LayerStack` runs the same two functions' forward and ba
 inside a single autograd function: the arithmetic, the dropout masks (drawn in the same order) and so the results
 are those of the layers one by one.
 
-Where no layer has a gate other than SDU branches and PyTorch links MKL, :class:`StreamedLayerStack` goes further:
-one compiled call runs every layer forward and one runs them all backward (``relative_stack_streamed`` in
-:mod:`~gatedformer.backbones._epilogue_kernel`), each thread taking its own sequences through all the layers with no
-return to Python and no wait for the other thread between sublayers. For plain layers its outputs and masks are the
+Where the layers' only gates are gate units (SDU branches, highway gates, gated MHDPAs; not a GRC or an EAU) and
+PyTorch links MKL, :class:`StreamedLayerStack` goes further: one compiled call runs every layer forward and one runs
+them all backward (``relative_stack_streamed`` in :mod:`~gatedformer.backbones._epilogue_kernel`), each thread taking
+its own sequences through all the layers with no return to Python and no wait for the other thread between
+sublayers. For plain layers its outputs and masks are the
 Python stack's bit for bit and its gradients differ only in the order in which the threads' shares of the weights'
-gradients are added; with SDUs they agree to float rounding. Layers with other gates stay with :class:`LayerStack`,
-whose sublayer functions compute their gates.
+gradients are added; with gate units they agree to float rounding. Layers with other gates stay with
+:class:`LayerStack`, whose sublayer functions compute their gates.
 
 It applies where every layer's two sublayers would each run as one function (post-LN, the gates those take), no
 hooks are on the layers or their sublayers (nor global module hooks), and the memories and position encodings
@@ -48,7 +49,7 @@ from gatedformer.backbones.relative_sublayer import (
     relative_inputs_fuse,
     relative_layers_fuse,
 )
-from gatedformer.gates import SDU, HighwayGate
+from gatedformer.gates import SDU, GatedMHDPA, HighwayGate
 
 __all__ = ["LayerStack", "StreamedLayerStack", "layer_stack"]
 
@@ -56,9 +57,10 @@ __all__ = ["LayerStack", "StreamedLayerStack", "layer_stack"]
 # gates' 10 (a residual gate's 2, a unit's 2, an EAU's 6; None where there is none), then the FFN's 6 and its 10.
 _ATTENTION, _BRANCH, _FFN = 8, 10, 6
 _PER_LAYER = 2 * _BRANCH + _ATTENTION + _FFN
-_PLAIN = _ATTENTION + _FFN  # a layer's inputs to StreamedLayerStack, then its two SDUs' weights and biases (or Nones)
+_PLAIN = _ATTENTION + _FFN  # a layer's inputs to StreamedLayerStack, then its two units' weights and biases (or Nones)
 _SDU = 4
 _STREAMED = _PLAIN + _SDU
+_STREAMED_UNITS = (SDU, HighwayGate, GatedMHDPA, type(None))  # the gate units StreamedLayerStack computes
 _PROJECTIONS = ("query", "key_value", "position", "out")
 _INT32_VALUES = 2 ** 32
 
@@ -144,14 +146,15 @@ class LayerStack(torch.autograd.Function):
 
 
 class StreamedLayerStack(torch.autograd.Function):
-    """:class:`LayerStack` for layers whose only gates are SDU branches (or none), where MKL's packed products are
-    there: the whole stack in one compiled call forward and one backward (``relative_stack_streamed`` in
-    :mod:`~gatedformer.backbones._epilogue_kernel`), each thread taking its own sequences through every layer without
-    waiting for the other threads or returning to Python between sublayers. The arguments and results of
-    :class:`LayerStack`, but per layer the 14 plain parameters and then the attention's and the FFN's SDU weight and
-    bias (``None`` where there is none), 18 in all; the same masks. Plain layers give the same outputs, and the same
-    gradients but for the order in which the threads' shares of the weights' gradients are added; SDU branches the
-    same to float rounding (the branch is added to the body's output before the bias, not after)."""
+    """:class:`LayerStack` for layers whose only gates are gate units (an SDU branch, a highway gate or a gated MHDPA
+    per sublayer, or none), where MKL's packed products are there: the whole stack in one compiled call forward and
+    one backward (``relative_stack_streamed`` in :mod:`~gatedformer.backbones._epilogue_kernel`), each thread taking
+    its own sequences through every layer without waiting for the other threads or returning to Python between
+    sublayers. The arguments and results of
+    :class:`LayerStack`, but per layer the 14 plain parameters and then the attention's and the FFN's unit's weight
+    and bias (``None`` where there is none), 18 in all; the same masks. Plain layers give the same outputs, and the
+    same gradients but for the order in which the threads' shares of the weights' gradients are added; gate units
+    the same to float rounding (a unit's product gets its bias after the product, not before)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, pos: Tensor, memories: tuple[Tensor | None, ...],  # type: ignore[override]
@@ -230,6 +233,8 @@ class StreamedLayerStack(torch.autograd.Function):
 
 def _tail_code(tail: str | None) -> float:
     """An SDU tail's code for the stack kernels (the gate kernel's), -1 for no SDU."""
+    if tail == "mix":
+        return _epilogue_kernel.MIX_CODE
     return -1.0 if tail is None else float(TAILS[tail])
 
 
@@ -312,7 +317,7 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
         return None
     width = x.shape[-1]
     settings, parameters, streamed = [], [], []
-    sdu_only = True  # whether the only gates are SDU branches (StreamedLayerStack takes those)
+    units_only = True  # whether the only gates are units StreamedLayerStack takes
     for layer in layers:
         sublayers = _whole_sublayers(layer)
         if sublayers is None:
@@ -324,8 +329,8 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
         inner, outer = registered(feed_forward, "inner"), registered(feed_forward, "outer")
         p_attention, p_inner, p_ffn = (registered(module, "dropout").p for module in (attn, feed_forward, ffn))
         attention_gates, ffn_gates = _gates(attn), _gates(ffn)
-        sdu_only = sdu_only and all(gate is None and eau is None and isinstance(unit, SDU | HighwayGate | None)
-                                    for gate, unit, eau in (attention_gates, ffn_gates))
+        units_only = units_only and all(gate is None and eau is None and isinstance(unit, _STREAMED_UNITS)
+                                        for gate, unit, eau in (attention_gates, ffn_gates))
         if not (relative_layers_fuse(attention, p_attention, attention_norm, width)
                 and feed_forward_layers_fuse(width, inner, outer, p_inner, p_ffn, ffn_norm, ffn.training)
                 and branches_fuse(x, p_attention, True, *attention_gates)
@@ -341,10 +346,10 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
         ffn_plain = [registered(inner, "weight"), registered(inner, "bias"), registered(outer, "weight"),
                      registered(outer, "bias"), registered(ffn_norm, "weight"), registered(ffn_norm, "bias")]
         parameters += [*attention_plain, *attention_branch, *ffn_plain, *ffn_branch]
-        # The branches' third and fourth are the unit's weight and bias: an SDU's, where sdu_only holds.
+        # The branches' third and fourth are the unit's weight and bias, the only gate where units_only holds.
         streamed += [*attention_plain, *ffn_plain, *attention_branch[2:4], *ffn_branch[2:4]]
     masked = _with_masks(settings)
-    if sdu_only and _streams_whole_stack(x, memories, settings, streamed):
+    if units_only and _streams_whole_stack(x, memories, settings, streamed):
         out, *later_inputs = StreamedLayerStack.apply(x, pos, tuple(memories), masked, *streamed)
     else:
         out, *later_inputs = LayerStack.apply(x, pos, tuple(memories), masked, *parameters)
