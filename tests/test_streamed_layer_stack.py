@@ -95,7 +95,7 @@ def test_the_streamed_stack_gives_the_python_stacks_numbers(threads: int, dropou
         torch.set_num_threads(saved_threads)
 
 
-@pytest.mark.parametrize("gates", ["", "+tanh SDU", "+highway gate", "+gated MHDPA"])
+@pytest.mark.parametrize("gates", ["", "+tanh SDU", "+highway gate", "+gated MHDPA", "+GRC"])
 def test_two_threads_each_take_half_the_batch_and_give_the_python_stacks_numbers(gates: str) -> None:
     """A batch big enough for the kernel to split it between two threads: their shares of the weights' gradients and
     of the column sums are added up, and the column sums' rows are zeroed by the thread that fills them."""
@@ -147,12 +147,12 @@ def test_any_batch_window_depth_memory_and_ffn_give_the_python_stacks_numbers(
     ("+σ SDU", 1, 0.1, 16), ("+tanh SDU", 2, 0.1, 16), ("+σ SDU L2", 2, 0.0, 16), ("+tanh L1-2\\FFN", 2, 0.1, 0),
     ("+σ SDU L1,3", 1, 0.1, 5), ("+highway gate", 1, 0.1, 16), ("+highway gate", 2, 0.1, 16),
     ("+highway gate L2", 2, 0.0, 5), ("+gated MHDPA", 1, 0.1, 16), ("+gated MHDPA", 2, 0.1, 0),
-    ("+gated MHDPA L1", 2, 0.0, 16)])
-def test_gate_units_stream_and_give_the_python_stacks_numbers(gates: str, threads: int, dropout: float,
-                                                              mem_len: int) -> None:
-    """SDU branches, highway gates and gated MHDPAs on any layers and sublayers run inside the streamed stack: the
-    Python stack's losses, memories and gradients to float rounding (a unit's product gets its bias after the
-    product, not before)."""
+    ("+gated MHDPA L1", 2, 0.0, 16), ("+GRC", 1, 0.1, 16), ("+GRC", 2, 0.1, 5), ("+GRC L2-3", 2, 0.0, 16)])
+def test_gate_units_and_grcs_stream_and_give_the_python_stacks_numbers(gates: str, threads: int, dropout: float,
+                                                                       mem_len: int) -> None:
+    """SDU branches, highway gates, gated MHDPAs and gated residual connections on any layers and sublayers run inside
+    the streamed stack: the Python stack's losses, memories and gradients to float rounding (a unit's product gets
+    its bias after the product, not before)."""
     _streams_or_skip()
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -167,7 +167,7 @@ def test_gate_units_stream_and_give_the_python_stacks_numbers(gates: str, thread
     finally:
         torch.set_num_threads(saved_threads)
     names = [name for name, _ in make().named_parameters()]
-    unit = ".highway." if "highway" in gates else ".gated_mix." if "MHDPA" in gates else ".sdu."
+    unit = {"h": ".highway.", "g": ".gated_mix.", "G": ".residual_gate."}.get(gates[1], ".sdu.")
     assert any(unit in name for name in names)
     for a, b in zip(streamed, python, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -180,7 +180,7 @@ def test_other_gates_or_no_mkl_leave_the_layers_to_the_python_stack(monkeypatch:
     _streams_or_skip()
     tokens = torch.randint(0, 50, (2, 8))
     streams, stacks = _count(monkeypatch, StreamedLayerStack), _count(monkeypatch, LayerStack)
-    for gates in ("+GRC", "+EAU", "+σ SDU+GRC"):
+    for gates in ("+EAU", "+σ SDU+GRC", "+EAU+GRC"):
         _model(gates=gates)(tokens, targets=tokens)[0].backward()
     assert (len(streams), len(stacks)) == (0, 3)
     monkeypatch.setenv("GATEDFORMER_PACKED_GEMM", "0")

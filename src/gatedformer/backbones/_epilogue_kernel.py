@@ -729,15 +729,19 @@ void relative_sublayer_backward(const Blas& blas, RelativeBackwardFn attend_back
 enum StackSlot {
     kInput, kMemory, kR, kU, kPb, kWq, kWkv, kWout, kGammaA, kBetaA, kQkv, kMemoryKv, kAttended, kLse, kXhatA, kYA,
     kRstdA, kKeepA, kW1, kB1, kW2, kB2, kGammaF, kBetaF, kHidden, kPositive, kXhatF, kOutput, kRstdF, kKeepF,
-    kSduWA, kSduBA, kSduA, kSduWF, kSduBF, kSduF, kCarryA, kCarryF, kStackSlots
+    kSduWA, kSduBA, kSduA, kSduWF, kSduBF, kSduF, kCarryA, kCarryF, kGrcWA, kGrcBA, kGrcA, kGrcWF, kGrcBF, kGrcF,
+    kStackSlots
 };
 // A layer's gate units, where it has them: an SDU branch (Highway Transformer: norm(x + dropout(F(x) + Ψ(x W1 + b1)
 // ⊙ (x W2 + b2)))) or a highway gate (norm((1 - T) ⊙ x + T ⊙ f(x) + dropout(F(x))), T = σ(x W1 + b1),
 // f(x) = x W2 + b2) or a gated MHDPA (norm(x + dropout((1 - T) ⊙ F(x) + T ⊙ f(x))), the body's output then kept in
 // the carry's slot): each sublayer's Linear(d, 2d) weight and bias and its biased product, kept for the backward
 // pass; reals 5 and 6 give their tails (the gate kernel's codes: SDU with sigmoid 0, with tanh 1, the highway gate's
-// lerp 2; the gated MHDPA kMix, the lerp tail on the body's output; -1 for none).
-constexpr int kStackReals = 7, kStackMasks = 3, kStackPacks = 7, kLerp = 2, kMix = 5;
+// lerp 2; the gated MHDPA kMix, the lerp tail on the body's output; -1 for none). A gated residual connection
+// (norm(x + g ⊙ dropout(F(x))), g = σ(x Wg + bg), on a sublayer without a unit): its Linear(d, d) weight and bias
+// and its gate, kept, with the body's output in the carry's slot; reals 7 and 8 say where there is one.
+constexpr int kStackReals = 9, kStackMasks = 3, kStackPacks = 9, kLerp = 2, kMix = 5;
+typedef void (*BiasSigmoidFn)(float* x, const float* bias, int64_t rows, int64_t cols, int64_t threads);
 
 typedef int (*TailForwardFn)(int tail, const float* c, const float* a, int64_t a_row, const float* b, int64_t b_row,
                              float* out, int64_t rows, int64_t cols, int64_t threads);
@@ -750,11 +754,11 @@ struct StackShape {
     int64_t keys() const { return mem + length; }
     int64_t head() const { return d / heads; }
     int64_t rows() const { return batch * length; }
-    // Wo, [Wq; Wkv], W1, W2, and with SDUs the two sublayers' [W1; W2]
-    int64_t weight_floats() const { return 4 * d * d + 2 * d * f + (gated ? 4 * d * d : 0); }
+    // Wo, [Wq; Wkv], W1, W2, and with gates the two sublayers' units' [W1; W2] and GRCs' Wg
+    int64_t weight_floats() const { return 4 * d * d + 2 * d * f + (gated ? 6 * d * d : 0); }
     int64_t small_floats() const { return keys() * d + 2 * d; }  // r's, u's and the position bias's
-    // attention's and FFN's LayerNorm sums, b1's, and with SDUs the two sublayers' [b1; b2]
-    int64_t sum_floats() const { return 6 * d + f + (gated ? 4 * d : 0); }
+    // attention's and FFN's LayerNorm sums, b1's, and with gates the two sublayers' units' [b1; b2] and GRCs' bg
+    int64_t sum_floats() const { return 6 * d + f + (gated ? 6 * d : 0); }
 };
 
 // Adds a row of `cols` biases to each of `rows` rows.
@@ -818,9 +822,9 @@ struct PackedLayers {
 };
 
 void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, TailForwardFn tail_forward,
-                            const LayerTable& t, const double* reals, const uint64_t* seeds, const uint32_t* keeps,
-                            const float* zero, const PackedLayers& packed, const StackShape& z, int64_t threads,
-                            int* failed) {
+                            BiasSigmoidFn bias_sigmoid, const LayerTable& t, const double* reals,
+                            const uint64_t* seeds, const uint32_t* keeps, const float* zero,
+                            const PackedLayers& packed, const StackShape& z, int64_t threads, int* failed) {
     const int64_t L = z.length, M = z.mem, d = z.d, f = z.f, bs = z.block_sequences;
     const int64_t blocks = (z.batch + bs - 1) / bs;
     const double softmax_scale = 1.0 / std::sqrt((double)z.head());
@@ -839,11 +843,16 @@ void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, TailForw
                 blas.pack(kRowMajor, kBMatrix, kTrans, rows_max, 2 * d, d, 1.0f, t.at(i, kSduWA), d, dest);
             if (j == 6 && t.at(i, kSduWF) != nullptr)
                 blas.pack(kRowMajor, kBMatrix, kTrans, z.ffn_rows, 2 * d, d, 1.0f, t.at(i, kSduWF), d, dest);
+            if (j == 7 && t.at(i, kGrcWA) != nullptr)
+                blas.pack(kRowMajor, kBMatrix, kTrans, rows_max, d, d, 1.0f, t.at(i, kGrcWA), d, dest);
+            if (j == 8 && t.at(i, kGrcWF) != nullptr)
+                blas.pack(kRowMajor, kBMatrix, kTrans, z.ffn_rows, d, d, 1.0f, t.at(i, kGrcWF), d, dest);
         }
         stream_barrier();
         for (int64_t i = 0; i < z.layers; ++i) {
             const double* real = reals + i * kStackReals;
             const int sdu_a = (int)real[5], sdu_f = (int)real[6];
+            const bool grc_a = real[7] != 0.0, grc_f = real[8] != 0.0;
             const uint64_t* seed = seeds + i * kStackMasks;
             const uint32_t* keep = keeps + i * kStackMasks;
             const float* x = t.at(i, kInput);
@@ -869,7 +878,8 @@ void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, TailForw
                            t.at(i, kU), t.at(i, kPb), t.at(i, kAttended) + lo * d, t.at(i, kLse) + s0 * z.heads * L,
                            s1 - s0, L, M, z.heads, z.head(), softmax_scale, 1))
                     *failed = 1;
-                float* body_a = sdu_a == kMix ? t.at(i, kCarryA) : xhat_a;  // kept for a gated MHDPA's backward
+                // kept for a gated MHDPA's or a GRC's backward pass
+                float* body_a = sdu_a == kMix || grc_a ? t.at(i, kCarryA) : xhat_a;
                 blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, t.at(i, kAttended) + lo * d, d,
                              packed.at(i, 2), d, 0.0f, body_a + lo * d, d);
                 // What the dropout takes (the body's output, plus an SDU's, or mixed by a gated MHDPA) and the
@@ -888,7 +898,15 @@ void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, TailForw
                         *failed = 1;
                     (sdu_a == kLerp ? base_a : summed_a) = y_a;
                 }
-                dropout_add_norm_rows(base_a, summed_a, zero, nullptr, xhat_a, t.at(i, kGammaA), t.at(i, kBetaA), y_a,
+                const float* gate_a = nullptr;
+                if (grc_a) {  // g = σ(x Wg + bg), which the LayerNorm pass multiplies the dropped output by
+                    float* g = t.at(i, kGrcA) + lo * d;
+                    blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, x + lo * d, d, packed.at(i, 7), d, 0.0f,
+                                 g, d);
+                    bias_sigmoid(g, t.at(i, kGrcBA), hi - lo, d, 1);
+                    gate_a = t.at(i, kGrcA);
+                }
+                dropout_add_norm_rows(base_a, summed_a, zero, gate_a, xhat_a, t.at(i, kGammaA), t.at(i, kBetaA), y_a,
                                       t.at(i, kRstdA), t.bits(i, kKeepA), lo, hi, d, (float)real[0], (uint32_t)seed[0],
                                       (uint32_t)(seed[0] >> 32), keep[0], (float)real[2]);
                 for (int64_t clo = lo; clo < hi; clo += z.ffn_rows) {
@@ -897,7 +915,7 @@ void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, TailForw
                                  0.0f, hidden + clo * f, f);
                     bias_epilogue_range<true>(nullptr, hidden, t.at(i, kB1), clo * f, chi * f, f, (uint32_t)seed[1],
                                               (uint32_t)(seed[1] >> 32), keep[1], (float)real[3], t.bits(i, kPositive));
-                    float* body_f = sdu_f == kMix ? t.at(i, kCarryF) : xhat_f;
+                    float* body_f = sdu_f == kMix || grc_f ? t.at(i, kCarryF) : xhat_f;
                     blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, d, f, hidden + clo * f, f, packed.at(i, 4), d,
                                  0.0f, body_f + clo * d, d);
                     const float* summed_f = body_f;
@@ -916,7 +934,15 @@ void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, TailForw
                             *failed = 1;
                         (sdu_f == kLerp ? base_f : summed_f) = t.at(i, kOutput);
                     }
-                    dropout_add_norm_rows(base_f, summed_f, t.at(i, kB2), nullptr, xhat_f, t.at(i, kGammaF),
+                    const float* gate_f = nullptr;
+                    if (grc_f) {
+                        float* g = t.at(i, kGrcF) + clo * d;
+                        blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, d, d, y_a + clo * d, d, packed.at(i, 8),
+                                     d, 0.0f, g, d);
+                        bias_sigmoid(g, t.at(i, kGrcBF), chi - clo, d, 1);
+                        gate_f = t.at(i, kGrcF);
+                    }
+                    dropout_add_norm_rows(base_f, summed_f, t.at(i, kB2), gate_f, xhat_f, t.at(i, kGammaF),
                                           t.at(i, kBetaF), t.at(i, kOutput), t.at(i, kRstdF), t.bits(i, kKeepF), clo,
                                           chi, d, (float)real[1], (uint32_t)seed[2], (uint32_t)(seed[2] >> 32), keep[2],
                                           (float)real[4]);
@@ -924,6 +950,25 @@ void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, TailForw
             }
         }
     });
+}
+
+// dropout_add_norm_backward_rows over rows [lo, hi) for a sublayer with a GRC, block by block of kSumRows rows: its
+// sums come with the gate's (gamma, beta, bias, then the gate's bias: 4 x cols, in scratch) and are shared out to the
+// LayerNorm's three (norm_sums) and the gate bias's (gate_sums), both `stride` floats per block.
+void gated_norm_backward_rows(const float* dy, const float* xhat, const float* rstd, const float* gamma,
+                              const uint32_t* keep_bits, const float* gate, const float* h, const float* bias,
+                              float* dv, float* dh, float* dgate, float* norm_sums, float* gate_sums, int64_t stride,
+                              float* scratch, int64_t lo, int64_t hi, int64_t cols, float scale) {
+    for (int64_t s = lo; s < hi; s += kSumRows) {
+        const int64_t e = s + kSumRows < hi ? s + kSumRows : hi;
+        for (int64_t k = 0; k < 4 * cols; ++k) scratch[k] = 0.0f;
+        dropout_add_norm_backward_rows(dy, xhat, rstd, gamma, keep_bits, gate, h, bias, dv, dh, dgate, scratch, s, e,
+                                       cols, scale);
+        float* ns = norm_sums + s / kSumRows * stride;
+        float* gs = gate_sums + s / kSumRows * stride;
+        for (int64_t k = 0; k < 3 * cols; ++k) ns[k] += scratch[k];
+        for (int64_t k = 0; k < cols; ++k) gs[k] += scratch[3 * cols + k];
+    }
 }
 
 // Its backward pass from grad (the last layer's output gradient) to grad_input (the first layer's input gradient).
@@ -1001,12 +1046,21 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
                 blas.pack(kRowMajor, kBMatrix, kNoTrans, rows_max, d, 2 * d, 1.0f, t.at(i, kSduWA), d, dest);
             if (j == 6 && t.at(i, kSduWF) != nullptr)
                 blas.pack(kRowMajor, kBMatrix, kNoTrans, z.ffn_rows, d, 2 * d, 1.0f, t.at(i, kSduWF), d, dest);
+            if (j == 7 && t.at(i, kGrcWA) != nullptr)
+                blas.pack(kRowMajor, kBMatrix, kNoTrans, rows_max, d, d, 1.0f, t.at(i, kGrcWA), d, dest);
+            if (j == 8 && t.at(i, kGrcWF) != nullptr)
+                blas.pack(kRowMajor, kBMatrix, kNoTrans, z.ffn_rows, d, d, 1.0f, t.at(i, kGrcWF), d, dest);
         }
         stream_barrier();
-        const int64_t sdu_weights = 4 * d * d + 2 * d * f, sdu_sums = 6 * d + f;  // where the SDUs' gradients go
+        // Where the units' and the GRCs' gradients go
+        const int64_t sdu_weights = 4 * d * d + 2 * d * f, sdu_sums = 6 * d + f;
+        const int64_t grc_weights = sdu_weights + 4 * d * d, grc_sums = sdu_sums + 4 * d;
+        std::vector<float> gated_sums(4 * d);  // a GRC sublayer's block of sums (see gated_norm_backward_rows)
+        const std::vector<float> zeros(d, 0.0f);  // the attention's output projection's (absent) bias
         for (int64_t i = z.layers - 1; i >= 0; --i) {
             const double* real = reals + i * kStackReals;
             const int sdu_a = (int)real[5], sdu_f = (int)real[6];
+            const bool grc_a = real[7] != 0.0, grc_f = real[8] != 0.0;
             const float* dy = i == z.layers - 1 ? grad : ((i + 1) % 2 == 0 ? grad_input : grad_other);
             float* dx = i % 2 == 0 ? grad_input : grad_other;
             const float* x = t.at(i, kInput);
@@ -1024,12 +1078,19 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
                 const float* grad_body_f = sdu_f == kMix ? grad_carry : grad_outer;
                 for (int64_t clo = lo; clo < hi; clo += z.ffn_rows) {
                     const int64_t chi = clo + z.ffn_rows < hi ? clo + z.ffn_rows : hi;
-                    for (int64_t s = clo; s < chi; s += kSumRows)  // chunks: multiples of kSumRows
-                        dropout_add_norm_backward_rows(dy, t.at(i, kXhatF), t.at(i, kRstdF), t.at(i, kGammaF),
-                                                       t.bits(i, kKeepF), nullptr, nullptr, nullptr, carry_f,
-                                                       grad_outer, nullptr,
-                                                       layer_sums + s / kSumRows * z.sum_floats() + 3 * d, s,
-                                                       s + kSumRows < chi ? s + kSumRows : chi, d, (float)real[4]);
+                    if (grc_f)  // the gate's pre-activation's gradient into grad_sdu's rows (d wide)
+                        gated_norm_backward_rows(dy, t.at(i, kXhatF), t.at(i, kRstdF), t.at(i, kGammaF),
+                                                 t.bits(i, kKeepF), t.at(i, kGrcF), t.at(i, kCarryF), t.at(i, kB2),
+                                                 carry_f, grad_outer, grad_sdu, layer_sums + 3 * d,
+                                                 layer_sums + grc_sums + d, z.sum_floats(), gated_sums.data(), clo,
+                                                 chi, d, (float)real[4]);
+                    else
+                        for (int64_t s = clo; s < chi; s += kSumRows)  // chunks: multiples of kSumRows
+                            dropout_add_norm_backward_rows(dy, t.at(i, kXhatF), t.at(i, kRstdF), t.at(i, kGammaF),
+                                                           t.bits(i, kKeepF), nullptr, nullptr, nullptr, carry_f,
+                                                           grad_outer, nullptr,
+                                                           layer_sums + s / kSumRows * z.sum_floats() + 3 * d, s,
+                                                           s + kSumRows < chi ? s + kSumRows : chi, d, (float)real[4]);
                     if (sdu_f == kLerp || sdu_f == kMix) {  // through the mix: the carry's share, and the unit's
                         const float* pf = t.at(i, kSduF) + clo * 2 * d;
                         float* g = grad_sdu + clo * 2 * d;
@@ -1051,6 +1112,9 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
                                             s + kSumRows < chi ? s + kSumRows : chi, f, (float)real[3]);
                     blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, d, f, grad_inner + clo * f, f,
                                  packed.at(i, 3), d, 1.0f, grad_a + clo * d, d);
+                    if (grc_f)
+                        blas.compute(kRowMajor, kNoTrans, kPacked, chi - clo, d, d, grad_sdu + clo * d, d,
+                                     packed.at(i, 8), d, 1.0f, grad_a + clo * d, d);
                     if (sdu_f >= 0) {  // the unit on the FFN's input: its [a; b] gradients, then into y_a's
                         const float* pf = t.at(i, kSduF) + clo * 2 * d;
                         float* g = grad_sdu + clo * 2 * d;
@@ -1070,13 +1134,25 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
                 if (sdu_f >= 0)
                     add_at_b(gemm, 2 * d, d, hi - lo, grad_sdu + lo * 2 * d, 2 * d, y_a + lo * d, d,
                              w_share + sdu_weights + 2 * d * d);
+                if (grc_f)
+                    add_at_b(gemm, d, d, hi - lo, grad_sdu + lo * d, d, y_a + lo * d, d, w_share + grc_weights + d * d);
                 float* carry_a = sdu_a == kLerp ? grad_carry : dx;
-                for (int64_t s = lo; s < hi; s += kSumRows)  // whole sequences: a multiple of kSumRows
-                    dropout_add_norm_backward_rows(grad_a, t.at(i, kXhatA), t.at(i, kRstdA), t.at(i, kGammaA),
-                                                   t.bits(i, kKeepA), nullptr, nullptr, nullptr, carry_a,
-                                                   grad_projected, nullptr,
-                                                   layer_sums + s / kSumRows * z.sum_floats(), s,
-                                                   s + kSumRows < hi ? s + kSumRows : hi, d, (float)real[2]);
+                if (grc_a) {
+                    gated_norm_backward_rows(grad_a, t.at(i, kXhatA), t.at(i, kRstdA), t.at(i, kGammaA),
+                                             t.bits(i, kKeepA), t.at(i, kGrcA), t.at(i, kCarryA), zeros.data(), carry_a,
+                                             grad_projected, grad_sdu, layer_sums, layer_sums + grc_sums,
+                                             z.sum_floats(), gated_sums.data(), lo, hi, d, (float)real[2]);
+                    blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, grad_sdu + lo * d, d, packed.at(i, 7), d,
+                                 1.0f, dx + lo * d, d);
+                    add_at_b(gemm, d, d, hi - lo, grad_sdu + lo * d, d, x + lo * d, d, w_share + grc_weights);
+                } else {
+                    for (int64_t s = lo; s < hi; s += kSumRows)  // whole sequences: a multiple of kSumRows
+                        dropout_add_norm_backward_rows(grad_a, t.at(i, kXhatA), t.at(i, kRstdA), t.at(i, kGammaA),
+                                                       t.bits(i, kKeepA), nullptr, nullptr, nullptr, carry_a,
+                                                       grad_projected, nullptr,
+                                                       layer_sums + s / kSumRows * z.sum_floats(), s,
+                                                       s + kSumRows < hi ? s + kSumRows : hi, d, (float)real[2]);
+                }
                 if (sdu_a >= 0) {  // the unit on the attention's input: its [a; b] gradients, then into x's
                     const float* pa = t.at(i, kSduA) + lo * 2 * d;
                     float* g = grad_sdu + lo * 2 * d;
@@ -1288,10 +1364,10 @@ int relative_sublayer_backward_f32(const void* pack, const void* compute, const 
     return failed ? 2 : 0;
 }
 // Returns 1 where the packed weights could not be allocated, 2 where the attention kernel refused its
-// shapes. sizes: layers, batch, length, mem, heads, d, f, block_sequences, ffn_rows, gated (whether any SDU).
+// shapes. sizes: layers, batch, length, mem, heads, d, f, block_sequences, ffn_rows, gated (whether any gate).
 int relative_stack_forward_f32(const void* pack, const void* compute, const void* local_threads, const void* attend,
-                               const void* tail_forward, const int64_t* table, const double* reals,
-                               const uint64_t* seeds, const uint32_t* keeps, const float* zero,
+                               const void* tail_forward, const void* bias_sigmoid, const int64_t* table,
+                               const double* reals, const uint64_t* seeds, const uint32_t* keeps, const float* zero,
                                const int64_t* packed_floats, const int64_t* sizes, int64_t threads) {
     const Blas blas{(PackFn)pack, (ComputeFn)compute, (LocalThreadsFn)local_threads};
     const StackShape z{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6], sizes[7], sizes[8],
@@ -1300,8 +1376,8 @@ int relative_stack_forward_f32(const void* pack, const void* compute, const void
     packed.base = kept_pack_room(z.layers * packed.per_layer());
     if (packed.base == nullptr) return 1;
     int failed = 0;
-    relative_stack_forward(blas, (RelativeForwardFn)attend, (TailForwardFn)tail_forward, LayerTable{table}, reals,
-                           seeds, keeps, zero, packed, z, threads, &failed);
+    relative_stack_forward(blas, (RelativeForwardFn)attend, (TailForwardFn)tail_forward, (BiasSigmoidFn)bias_sigmoid,
+                           LayerTable{table}, reals, seeds, keeps, zero, packed, z, threads, &failed);
     return failed ? 2 : 0;
 }
 // The floats of relative_stack_backward_f32's scratch, which the caller allocates (so that it is counted as a tensor).
@@ -1356,7 +1432,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.relative_sublayer_forward_f32.restype = ctypes.c_int
     lib.relative_sublayer_backward_f32.argtypes = [p] * 23 + [i, i, i] + [p] * 9 + [i, i, i, i, i, f, i, i]
     lib.relative_sublayer_backward_f32.restype = ctypes.c_int
-    lib.relative_stack_forward_f32.argtypes = [p] * 12 + [i]
+    lib.relative_stack_forward_f32.argtypes = [p] * 13 + [i]
     lib.relative_stack_forward_f32.restype = ctypes.c_int
     lib.relative_stack_backward_f32.argtypes = [p] * 16 + [i]
     lib.relative_stack_scratch_floats.argtypes = [p, i]
@@ -1826,7 +1902,7 @@ def relative_sublayer_streamed_backward(blas: PackedGemm, attend_back: int, qkv:
 
 # ---- Transformer-XL's plain layers in one call (see relative_stack_forward in the C++ source) ---------------------
 
-_STACK_SLOTS = 38
+_STACK_SLOTS = 44
 """Addresses per layer in the stack kernels' table, in the order of ``StackSlot``."""
 
 
@@ -1847,7 +1923,7 @@ def stack_blocks(batch: int, length: int, width: int, hidden_width: int) -> tupl
 def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: list[Tensor | None], r: Tensor,
                             weights: list[tuple[Tensor | None, ...]], settings: list[tuple[float, ...]],
                             masks: list[tuple[tuple[int, int], ...]], batch: int, n_heads: int,
-                            tails: tuple[int, int] = (0, 0)) -> tuple[list[Tensor], dict[str, Tensor]]:
+                            tails: tuple[int, int, int] = (0, 0, 0)) -> tuple[list[Tensor], dict[str, Tensor]]:
     """Every layer of a plain post-LN Transformer-XL, ``FFN-sublayer(attention-sublayer(h, memory, r))`` in turn, in
     one parallel region: what :func:`relative_sublayer_streamed` then :func:`feed_forward_streamed` compute layer by
     layer, with the same masks. ``x (B·L, d)``: the first layer's input rows; ``memories``: each layer's ``(B·M, d)``
@@ -1864,8 +1940,8 @@ def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: 
     n, (rows, width) = len(weights), x.shape
     length, hidden_width = rows // batch, weights[0][7].shape[0]
     gated = any(w is not None for layer in weights for w in layer[13:])
-    weights = [tuple(layer[:13]) + (tuple(layer[13:]) if len(layer) > 13 else (None,) * 4) for layer in weights]
-    settings = [tuple(real[:5]) + (tuple(real[5:]) if len(real) > 5 else (-1.0, -1.0)) for real in settings]
+    weights = [tuple(layer[:13]) + tuple(layer[13:]) + (None,) * (21 - len(layer)) for layer in weights]
+    settings = [tuple(real) + (-1.0, -1.0, 0.0, 0.0)[len(real) - 5 :] for real in settings]
     mem = 0 if memories[0] is None else memories[0].shape[0] // batch
     block, threads, ffn_rows = stack_blocks(batch, length, width, hidden_width)  # type: ignore[misc]
     words = -(-width // 32)
@@ -1882,9 +1958,10 @@ def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: 
         saved["memory_kv"] = x.new_empty(n, batch * mem, 2 * width)
     if gated:  # each unit's biased product, [a; b] per row, and a gated MHDPA's carry (the body's output)
         saved["sdu_a"], saved["sdu_f"] = x.new_empty(n, rows, 2 * width), x.new_empty(n, rows, 2 * width)
-    mixes = [(real[5] == MIX_CODE, real[6] == MIX_CODE) for real in settings]
-    if any(m for pair in mixes for m in pair):
+    if any(real[5] == MIX_CODE or real[6] == MIX_CODE or real[7] or real[8] for real in settings):
         saved["carry_a"], saved["carry_f"] = x.new_empty(n, rows, width), x.new_empty(n, rows, width)
+    if any(real[7] or real[8] for real in settings):  # each GRC's gate
+        saved["grc_a"], saved["grc_f"] = x.new_empty(n, rows, width), x.new_empty(n, rows, width)
     outputs = [x.new_empty(rows, width) for _ in range(n)]
 
     def layer(t: Tensor) -> range:  # each layer's address in a stacked buffer
@@ -1896,11 +1973,14 @@ def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: 
     sdu_rows = zip(layer(saved["sdu_a"]), layer(saved["sdu_f"]), strict=True) if gated else [(0, 0)] * n
     carry_rows = (zip(layer(saved["carry_a"]), layer(saved["carry_f"]), strict=True) if "carry_a" in saved
                   else [(0, 0)] * n)
+    grc_rows = (zip(layer(saved["grc_a"]), layer(saved["grc_f"]), strict=True) if "grc_a" in saved
+                else [(0, 0)] * n)
     table = []
     for i, ((u, pos_bias, w_q, w_kv, w_out, gamma_a, beta_a, w1, b1, w2, b2, gamma_f, beta_f, sdu_w_a, sdu_b_a, sdu_w_f,
-             sdu_b_f), (r_i, qkv, memory_kv, attended, lse, xhat_a, y_a, rstd_a, keep_a, hidden, positive, xhat_f,
-                        rstd_f, keep_f), (sdu_a, sdu_f), (carry_a, carry_f)) in enumerate(
-            zip(weights, stacked, sdu_rows, carry_rows, strict=True)):
+             sdu_b_f, grc_w_a, grc_b_a, grc_w_f, grc_b_f), (r_i, qkv, memory_kv, attended, lse, xhat_a, y_a, rstd_a,
+                                                           keep_a, hidden, positive, xhat_f, rstd_f, keep_f),
+            (sdu_a, sdu_f), (carry_a, carry_f), (grc_a, grc_f)) in enumerate(
+            zip(weights, stacked, sdu_rows, carry_rows, grc_rows, strict=True)):
         table += [(x if i == 0 else outputs[i - 1]).data_ptr(), _address(memories[i]) or 0, r_i,
                   u.data_ptr(), pos_bias.data_ptr(), w_q.data_ptr(), w_kv.data_ptr(), w_out.data_ptr(),
                   gamma_a.data_ptr(), beta_a.data_ptr(), qkv, memory_kv, attended, lse, xhat_a, y_a, rstd_a, keep_a,
@@ -1908,7 +1988,8 @@ def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: 
                   hidden, positive, xhat_f, outputs[i].data_ptr(), rstd_f, keep_f,
                   _address(sdu_w_a) or 0, _address(sdu_b_a) or 0, sdu_a if sdu_w_a is not None else 0,
                   _address(sdu_w_f) or 0, _address(sdu_b_f) or 0, sdu_f if sdu_w_f is not None else 0,
-                  carry_a, carry_f]
+                  carry_a, carry_f, _address(grc_w_a) or 0, _address(grc_b_a) or 0, grc_a if grc_w_a is not None else 0,
+                  _address(grc_w_f) or 0, _address(grc_b_f) or 0, grc_f if grc_w_f is not None else 0]
     saved["table"] = torch.tensor(table, dtype=torch.int64)
     saved["reals"] = torch.tensor(settings, dtype=torch.float64)
     seeds = np.array([[seed for seed, _ in three] for three in masks], dtype=np.uint64)
@@ -1916,16 +1997,17 @@ def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: 
     saved["sizes"] = torch.tensor([n, batch, length, mem, n_heads, width, hidden_width, block, ffn_rows, int(gated)],
                                   dtype=torch.int64)
     rows_max = block * max(length, mem)
-    sdu_packs = [blas.packed_floats(rows_max, 2 * width, width), blas.packed_floats(ffn_rows, 2 * width, width)]
+    gate_packs = [blas.packed_floats(rows_max, 2 * width, width), blas.packed_floats(ffn_rows, 2 * width, width),
+                  blas.packed_floats(rows_max, width, width), blas.packed_floats(ffn_rows, width, width)]
     packed = torch.tensor([blas.packed_floats(rows_max, width, width), blas.packed_floats(rows_max, 2 * width, width),
                            blas.packed_floats(rows_max, width, width),
                            blas.packed_floats(ffn_rows, hidden_width, width),
-                           blas.packed_floats(ffn_rows, width, hidden_width), *(sdu_packs if gated else [0, 0])],
+                           blas.packed_floats(ffn_rows, width, hidden_width), *(gate_packs if gated else [0] * 4)],
                           dtype=torch.int64)
     saved["threads"] = torch.tensor(threads)
     saved["tails"] = torch.tensor(tails, dtype=torch.int64)
     _check_relative(KERNEL.library().relative_stack_forward_f32(
-        blas.pack, blas.compute, blas.local_threads, attend, tails[0], saved["table"].data_ptr(),
+        blas.pack, blas.compute, blas.local_threads, attend, tails[0], tails[2], saved["table"].data_ptr(),
         saved["reals"].data_ptr(),
         seeds.ctypes.data, keeps.ctypes.data, saved["zero"].data_ptr(), packed.data_ptr(), saved["sizes"].data_ptr(),
         threads))
@@ -1945,15 +2027,16 @@ def relative_stack_streamed_backward(blas: PackedGemm, attend_back: int, grad: T
     threads = int(saved["threads"])
     grad = grad.contiguous()
     grad_input = torch.empty_like(grad)
-    weights = grad.new_empty(n, 4 * width * width + 2 * width * hidden_width + (4 * width * width if gated else 0))
+    weights = grad.new_empty(n, 4 * width * width + 2 * width * hidden_width + (6 * width * width if gated else 0))
     small = grad.new_empty(n, (mem + length) * width + 2 * width)
-    sums = grad.new_empty(n, 6 * width + hidden_width + (4 * width if gated else 0))
+    sums = grad.new_empty(n, 6 * width + hidden_width + (6 * width if gated else 0))
     rows_max = block * length
-    sdu_packs = [blas.packed_floats(rows_max, width, 2 * width), blas.packed_floats(ffn_rows, width, 2 * width)]
+    gate_packs = [blas.packed_floats(rows_max, width, 2 * width), blas.packed_floats(ffn_rows, width, 2 * width),
+                  blas.packed_floats(rows_max, width, width), blas.packed_floats(ffn_rows, width, width)]
     packed = torch.tensor([blas.packed_floats(rows_max, width, width), blas.packed_floats(rows_max, width, 2 * width),
                            blas.packed_floats(rows_max, width, width),
                            blas.packed_floats(ffn_rows, width, hidden_width),
-                           blas.packed_floats(ffn_rows, hidden_width, width), *(sdu_packs if gated else [0, 0])],
+                           blas.packed_floats(ffn_rows, hidden_width, width), *(gate_packs if gated else [0] * 4)],
                           dtype=torch.int64)
     library = KERNEL.library()
     # The kernel's gradient buffers and the threads' shares, as a tensor so that memory accounting sees them.

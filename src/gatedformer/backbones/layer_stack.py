@@ -57,9 +57,9 @@ __all__ = ["LayerStack", "StreamedLayerStack", "layer_stack"]
 # gates' 10 (a residual gate's 2, a unit's 2, an EAU's 6; None where there is none), then the FFN's 6 and its 10.
 _ATTENTION, _BRANCH, _FFN = 8, 10, 6
 _PER_LAYER = 2 * _BRANCH + _ATTENTION + _FFN
-_PLAIN = _ATTENTION + _FFN  # a layer's inputs to StreamedLayerStack, then its two units' weights and biases (or Nones)
-_SDU = 4
-_STREAMED = _PLAIN + _SDU
+_PLAIN = _ATTENTION + _FFN  # a layer's inputs to StreamedLayerStack; then its two units' and its two GRCs' weights and
+_GATES = 8  # biases (Nones where there are none)
+_STREAMED = _PLAIN + _GATES
 _STREAMED_UNITS = (SDU, HighwayGate, GatedMHDPA, type(None))  # the gate units StreamedLayerStack computes
 _PROJECTIONS = ("query", "key_value", "position", "out")
 _INT32_VALUES = 2 ** 32
@@ -171,15 +171,16 @@ class StreamedLayerStack(torch.autograd.Function):
         weights = [(layer[4].contiguous(), layer[5].contiguous(), layer[0], layer[1], layer[3], layer[6], layer[7],
                     *layer[_ATTENTION:]) for layer in layers]
         reals = [(eps, ffn_eps, _INT32_VALUES / mask[1], _INT32_VALUES / inner[1], _INT32_VALUES / outer[1],
-                  _tail_code(tail), _tail_code(ffn_tail))
-                 for eps, _, mask, tail, ffn_eps, inner, outer, ffn_tail in settings]
-        gated = any(code >= 0 for real in reals for code in real[5:])
+                  _tail_code(tail), _tail_code(ffn_tail), float(layer[_PLAIN + 4] is not None),
+                  float(layer[_PLAIN + 6] is not None))
+                 for (eps, _, mask, tail, ffn_eps, inner, outer, ffn_tail), layer in zip(settings, layers, strict=True)]
+        gated = any(real[5] >= 0 or real[6] >= 0 or real[7] or real[8] for real in reals)
         masks = [(mask, inner, outer) for _, _, mask, _, _, inner, outer, _ in settings]
         rows = x.reshape(-1, width).contiguous()
         blas = _blas.packed_gemm()
         outputs, saved = _epilogue_kernel.relative_stack_streamed(
             blas, kernel_addresses()[0], rows, memory_rows, r, weights, reals, masks, batch, settings[0][1],
-            tail_addresses() if gated else (0, 0))
+            tail_addresses() if gated else (0, 0, 0))
         ctx.names = tuple(saved)
         ctx.save_for_backward(rows, pos, r, *(m for m in memory_rows if m is not None),
                               *(w for layer in weights for w in layer if w is not None), *outputs[:-1], *saved.values())
@@ -204,6 +205,7 @@ class StreamedLayerStack(torch.autograd.Function):
         keys, hidden_width = r.shape[1], int(saved["sizes"][6])
         d2, fd, small_start = width * width, hidden_width * width, keys * width
         sdu_weights, sdu_sums = 4 * d2 + 2 * fd, 6 * width + hidden_width
+        grc_weights, grc_sums = sdu_weights + 4 * d2, sdu_sums + 4 * width
 
         def per_layer(t: Tensor, start: int, stop: int, *shape: int) -> tuple[Tensor, ...]:
             return t[:, start:stop].view(n, *(shape or (stop - start,))).unbind(0)
@@ -225,7 +227,12 @@ class StreamedLayerStack(torch.autograd.Function):
                  per_layer(sums, sdu_sums, sdu_sums + 2 * width),
                  per_layer(weights, sdu_weights + 2 * d2, sdu_weights + 4 * d2, 2 * width, width),
                  per_layer(sums, sdu_sums + 2 * width, sdu_sums + 4 * width))
-                if weights.shape[1] > sdu_weights else ((None,) * n,) * _SDU), strict=True)
+                if weights.shape[1] > sdu_weights else ((None,) * n,) * 4),
+            *((per_layer(weights, grc_weights, grc_weights + d2, width, width),
+               per_layer(sums, grc_sums, grc_sums + width),
+               per_layer(weights, grc_weights + d2, grc_weights + 2 * d2, width, width),
+               per_layer(sums, grc_sums + width, grc_sums + 2 * width))
+              if weights.shape[1] > sdu_weights else ((None,) * n,) * 4), strict=True)
         flat = [g if want else None for g, want in zip((g for layer in columns for g in layer), needed[4:],
                                                          strict=True)]
         return (grad_input.view(batch, length, width) if needed[0] else None, None, None, None, *flat)
@@ -238,11 +245,12 @@ def _tail_code(tail: str | None) -> float:
     return -1.0 if tail is None else float(TAILS[tail])
 
 
-def tail_addresses() -> tuple[int, int]:
-    """The gate kernel's forward and backward tail functions, by address (the stack kernels call them)."""
+def tail_addresses() -> tuple[int, int, int]:
+    """The gate kernel's forward and backward tail functions and its bias-sigmoid, by address (the stack kernels call
+    them)."""
     library = _gate_kernel.KERNEL.library()
-    return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (library.gate_tail_forward,  # type: ignore[return-value]
-                                                                 library.gate_tail_backward))
+    functions = (library.gate_tail_forward, library.gate_tail_backward, library.gate_bias_sigmoid)
+    return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in functions)  # type: ignore[return-value]
 
 
 def _gates(sublayer: Sublayer) -> tuple[nn.Module | None, nn.Module | None, nn.Module | None]:
@@ -329,8 +337,9 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
         inner, outer = registered(feed_forward, "inner"), registered(feed_forward, "outer")
         p_attention, p_inner, p_ffn = (registered(module, "dropout").p for module in (attn, feed_forward, ffn))
         attention_gates, ffn_gates = _gates(attn), _gates(ffn)
-        units_only = units_only and all(gate is None and eau is None and isinstance(unit, _STREAMED_UNITS)
-                                        for gate, unit, eau in (attention_gates, ffn_gates))
+        units_only = units_only and all(
+            eau is None and (gate is None or unit is None) and isinstance(unit, _STREAMED_UNITS)
+            for gate, unit, eau in (attention_gates, ffn_gates))
         if not (relative_layers_fuse(attention, p_attention, attention_norm, width)
                 and feed_forward_layers_fuse(width, inner, outer, p_inner, p_ffn, ffn_norm, ffn.training)
                 and branches_fuse(x, p_attention, True, *attention_gates)
@@ -346,8 +355,9 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
         ffn_plain = [registered(inner, "weight"), registered(inner, "bias"), registered(outer, "weight"),
                      registered(outer, "bias"), registered(ffn_norm, "weight"), registered(ffn_norm, "bias")]
         parameters += [*attention_plain, *attention_branch, *ffn_plain, *ffn_branch]
-        # The branches' third and fourth are the unit's weight and bias, the only gate where units_only holds.
-        streamed += [*attention_plain, *ffn_plain, *attention_branch[2:4], *ffn_branch[2:4]]
+        # A branch's first two are the GRC's weight and bias, the next two the unit's.
+        streamed += [*attention_plain, *ffn_plain, *attention_branch[2:4], *ffn_branch[2:4], *attention_branch[:2],
+                     *ffn_branch[:2]]
     masked = _with_masks(settings)
     if units_only and _streams_whole_stack(x, memories, settings, streamed):
         out, *later_inputs = StreamedLayerStack.apply(x, pos, tuple(memories), masked, *streamed)
