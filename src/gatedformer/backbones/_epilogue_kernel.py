@@ -716,7 +716,7 @@ void relative_sublayer_backward(const Blas& blas, RelativeBackwardFn attend_back
 }
 
 
-// ---- Transformer-XL's plain post-LN layers, all of them in one parallel region ------------------------------------
+// ---- Transformer-XL's post-LN layers and their gates, all of them in one parallel region --------------------------
 // Every layer's attention sublayer then its FFN sublayer (relative_sublayer_forward's and ffn_forward's arithmetic,
 // with the same masks), each thread taking its own blocks of whole sequences through all the layers: every layer's
 // weights are packed once at the start, and after that the threads never wait for one another, where calling the
@@ -730,7 +730,7 @@ enum StackSlot {
     kInput, kMemory, kR, kU, kPb, kWq, kWkv, kWout, kGammaA, kBetaA, kQkv, kMemoryKv, kAttended, kLse, kXhatA, kYA,
     kRstdA, kKeepA, kW1, kB1, kW2, kB2, kGammaF, kBetaF, kHidden, kPositive, kXhatF, kOutput, kRstdF, kKeepF,
     kSduWA, kSduBA, kSduA, kSduWF, kSduBF, kSduF, kCarryA, kCarryF, kGrcWA, kGrcBA, kGrcA, kGrcWF, kGrcBF, kGrcF,
-    kStackSlots
+    kEauW1, kEauB1, kEauW2, kEauB2, kEauW3, kEauB3, kEauH, kEauE, kEauAdj, kEauOut, kStackSlots
 };
 // A layer's gate units, where it has them: an SDU branch (Highway Transformer: norm(x + dropout(F(x) + Ψ(x W1 + b1)
 // ⊙ (x W2 + b2)))) or a highway gate (norm((1 - T) ⊙ x + T ⊙ f(x) + dropout(F(x))), T = σ(x W1 + b1),
@@ -739,8 +739,10 @@ enum StackSlot {
 // pass; reals 5 and 6 give their tails (the gate kernel's codes: SDU with sigmoid 0, with tanh 1, the highway gate's
 // lerp 2; the gated MHDPA kMix, the lerp tail on the body's output; -1 for none). A gated residual connection
 // (norm(x + g ⊙ dropout(F(x))), g = σ(x Wg + bg), on a sublayer without a unit): its Linear(d, d) weight and bias
-// and its gate, kept, with the body's output in the carry's slot; reals 7 and 8 say where there is one.
-constexpr int kStackReals = 9, kStackMasks = 3, kStackPacks = 9, kLerp = 2, kMix = 5;
+// and its gate, kept, with the body's output in the carry's slot; reals 7 and 8 say where there is one. An EAU on
+// the attention's output (s + σ(W2 relu(W1 s + b1) + b2) ⊙ tanh(W3 s + b3), without a unit; reals[9]): its six
+// parameters, its hidden rows (after the ReLU), the two pre-activations and its output, kept, with s in the carry's.
+constexpr int kStackReals = 10, kStackMasks = 3, kStackPacks = 12, kLerp = 2, kEau = 3, kMix = 5;
 typedef void (*BiasSigmoidFn)(float* x, const float* bias, int64_t rows, int64_t cols, int64_t threads);
 
 typedef int (*TailForwardFn)(int tail, const float* c, const float* a, int64_t a_row, const float* b, int64_t b_row,
@@ -755,10 +757,12 @@ struct StackShape {
     int64_t head() const { return d / heads; }
     int64_t rows() const { return batch * length; }
     // Wo, [Wq; Wkv], W1, W2, and with gates the two sublayers' units' [W1; W2] and GRCs' Wg
-    int64_t weight_floats() const { return 4 * d * d + 2 * d * f + (gated ? 6 * d * d : 0); }
+    int64_t eau() const { return d / 2; }  // the EAU's hidden width
+    // (and the EAU's W1, W2, W3)
+    int64_t weight_floats() const { return 4 * d * d + 2 * d * f + (gated ? 7 * d * d + 2 * eau() * d : 0); }
     int64_t small_floats() const { return keys() * d + 2 * d; }  // r's, u's and the position bias's
     // attention's and FFN's LayerNorm sums, b1's, and with gates the two sublayers' units' [b1; b2] and GRCs' bg
-    int64_t sum_floats() const { return 6 * d + f + (gated ? 6 * d : 0); }
+    int64_t sum_floats() const { return 6 * d + f + (gated ? 8 * d + eau() : 0); }  // (and b1, b2, b3)
 };
 
 // Adds a row of `cols` biases to each of `rows` rows.
@@ -847,12 +851,19 @@ void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, TailForw
                 blas.pack(kRowMajor, kBMatrix, kTrans, rows_max, d, d, 1.0f, t.at(i, kGrcWA), d, dest);
             if (j == 8 && t.at(i, kGrcWF) != nullptr)
                 blas.pack(kRowMajor, kBMatrix, kTrans, z.ffn_rows, d, d, 1.0f, t.at(i, kGrcWF), d, dest);
+            if (j == 9 && t.at(i, kEauW1) != nullptr)
+                blas.pack(kRowMajor, kBMatrix, kTrans, rows_max, z.eau(), d, 1.0f, t.at(i, kEauW1), d, dest);
+            if (j == 10 && t.at(i, kEauW2) != nullptr)
+                blas.pack(kRowMajor, kBMatrix, kTrans, rows_max, d, z.eau(), 1.0f, t.at(i, kEauW2), z.eau(), dest);
+            if (j == 11 && t.at(i, kEauW3) != nullptr)
+                blas.pack(kRowMajor, kBMatrix, kTrans, rows_max, d, d, 1.0f, t.at(i, kEauW3), d, dest);
         }
         stream_barrier();
+        const int64_t eh = z.eau();
         for (int64_t i = 0; i < z.layers; ++i) {
             const double* real = reals + i * kStackReals;
             const int sdu_a = (int)real[5], sdu_f = (int)real[6];
-            const bool grc_a = real[7] != 0.0, grc_f = real[8] != 0.0;
+            const bool grc_a = real[7] != 0.0, grc_f = real[8] != 0.0, eau_a = real[9] != 0.0;
             const uint64_t* seed = seeds + i * kStackMasks;
             const uint32_t* keep = keeps + i * kStackMasks;
             const float* x = t.at(i, kInput);
@@ -878,10 +889,26 @@ void relative_stack_forward(const Blas& blas, RelativeForwardFn attend, TailForw
                            t.at(i, kU), t.at(i, kPb), t.at(i, kAttended) + lo * d, t.at(i, kLse) + s0 * z.heads * L,
                            s1 - s0, L, M, z.heads, z.head(), softmax_scale, 1))
                     *failed = 1;
-                // kept for a gated MHDPA's or a GRC's backward pass
-                float* body_a = sdu_a == kMix || grc_a ? t.at(i, kCarryA) : xhat_a;
+                // kept for a gated MHDPA's, a GRC's or an EAU's backward pass
+                float* body_a = sdu_a == kMix || grc_a || eau_a ? t.at(i, kCarryA) : xhat_a;
                 blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, t.at(i, kAttended) + lo * d, d,
                              packed.at(i, 2), d, 0.0f, body_a + lo * d, d);
+                if (eau_a) {  // the EAU on the body's output, into its own rows
+                    const float* sr = body_a + lo * d;
+                    float* h = t.at(i, kEauH) + lo * eh;
+                    float* e = t.at(i, kEauE) + lo * d;
+                    float* adj = t.at(i, kEauAdj) + lo * d;
+                    blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, eh, d, sr, d, packed.at(i, 9), eh, 0.0f, h, eh);
+                    add_bias_rows(h, t.at(i, kEauB1), hi - lo, eh);
+                    for (int64_t c = 0; c < (hi - lo) * eh; ++c) h[c] = h[c] > 0.0f ? h[c] : 0.0f;
+                    blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, eh, h, eh, packed.at(i, 10), d, 0.0f, e, d);
+                    add_bias_rows(e, t.at(i, kEauB2), hi - lo, d);
+                    blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, sr, d, packed.at(i, 11), d, 0.0f, adj,
+                                 d);
+                    add_bias_rows(adj, t.at(i, kEauB3), hi - lo, d);
+                    if (tail_forward(kEau, sr, e, d, adj, d, t.at(i, kEauOut) + lo * d, hi - lo, d, 1)) *failed = 1;
+                    body_a = t.at(i, kEauOut);
+                }
                 // What the dropout takes (the body's output, plus an SDU's, or mixed by a gated MHDPA) and the
                 // residual stream it is added to (x, or a highway gate's mix): written into y_a's rows, which the
                 // LayerNorm pass reads before it writes them.
@@ -1016,7 +1043,9 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
     // With gate units: per row, a unit's [a; b] gradients, and a highway gate's mix's
     float* grad_sdu = grad_pb + padded16(z.batch * d);
     float* grad_carry = grad_sdu + (z.gated ? padded16(rows * 2 * d) : 0);
-    float* weight_shares = grad_carry + (z.gated ? padded16(rows * d) : 0);
+    float* grad_eau = grad_carry + (z.gated ? padded16(rows * d) : 0);  // an EAU's [e; adj] and hidden gradients
+    float* grad_hidden = grad_eau + (z.gated ? padded16(rows * 2 * d) : 0);
+    float* weight_shares = grad_hidden + (z.gated ? padded16(rows * z.eau()) : 0);
     float* small_shares = weight_shares + threads * z.layers * z.weight_floats();
     float* partials = small_shares + threads * z.layers * z.small_floats();
     stream_blocks(blas, blocks, threads, [&](int64_t th, int64_t nt, int64_t first, int64_t end) {
@@ -1050,17 +1079,24 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
                 blas.pack(kRowMajor, kBMatrix, kNoTrans, rows_max, d, d, 1.0f, t.at(i, kGrcWA), d, dest);
             if (j == 8 && t.at(i, kGrcWF) != nullptr)
                 blas.pack(kRowMajor, kBMatrix, kNoTrans, z.ffn_rows, d, d, 1.0f, t.at(i, kGrcWF), d, dest);
+            if (j == 9 && t.at(i, kEauW1) != nullptr)
+                blas.pack(kRowMajor, kBMatrix, kNoTrans, rows_max, d, z.eau(), 1.0f, t.at(i, kEauW1), d, dest);
+            if (j == 10 && t.at(i, kEauW2) != nullptr)
+                blas.pack(kRowMajor, kBMatrix, kNoTrans, rows_max, z.eau(), d, 1.0f, t.at(i, kEauW2), z.eau(), dest);
+            if (j == 11 && t.at(i, kEauW3) != nullptr)
+                blas.pack(kRowMajor, kBMatrix, kNoTrans, rows_max, d, d, 1.0f, t.at(i, kEauW3), d, dest);
         }
         stream_barrier();
         // Where the units' and the GRCs' gradients go
         const int64_t sdu_weights = 4 * d * d + 2 * d * f, sdu_sums = 6 * d + f;
         const int64_t grc_weights = sdu_weights + 4 * d * d, grc_sums = sdu_sums + 4 * d;
+        const int64_t eau_weights = grc_weights + 2 * d * d, eau_sums = grc_sums + 2 * d, eh = z.eau();
         std::vector<float> gated_sums(4 * d);  // a GRC sublayer's block of sums (see gated_norm_backward_rows)
         const std::vector<float> zeros(d, 0.0f);  // the attention's output projection's (absent) bias
         for (int64_t i = z.layers - 1; i >= 0; --i) {
             const double* real = reals + i * kStackReals;
             const int sdu_a = (int)real[5], sdu_f = (int)real[6];
-            const bool grc_a = real[7] != 0.0, grc_f = real[8] != 0.0;
+            const bool grc_a = real[7] != 0.0, grc_f = real[8] != 0.0, eau_a = real[9] != 0.0;
             const float* dy = i == z.layers - 1 ? grad : ((i + 1) % 2 == 0 ? grad_input : grad_other);
             float* dx = i % 2 == 0 ? grad_input : grad_other;
             const float* x = t.at(i, kInput);
@@ -1139,7 +1175,8 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
                 float* carry_a = sdu_a == kLerp ? grad_carry : dx;
                 if (grc_a) {
                     gated_norm_backward_rows(grad_a, t.at(i, kXhatA), t.at(i, kRstdA), t.at(i, kGammaA),
-                                             t.bits(i, kKeepA), t.at(i, kGrcA), t.at(i, kCarryA), zeros.data(), carry_a,
+                                             t.bits(i, kKeepA), t.at(i, kGrcA), t.at(i, eau_a ? kEauOut : kCarryA),
+                                             zeros.data(), carry_a,
                                              grad_projected, grad_sdu, layer_sums, layer_sums + grc_sums,
                                              z.sum_floats(), gated_sums.data(), lo, hi, d, (float)real[2]);
                     blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, grad_sdu + lo * d, d, packed.at(i, 7), d,
@@ -1171,6 +1208,31 @@ void relative_stack_backward(const Blas& blas, RelativeBackwardFn attend_back, T
                     add_at_b(gemm, 2 * d, d, hi - lo, g, 2 * d, x + lo * d, d, w_share + sdu_weights);
                 }
                 const float* grad_body_a = sdu_a == kMix ? grad_carry : grad_projected;
+                if (eau_a) {  // through the EAU: s's gradient is the output's, plus its products'
+                    const float* sr = t.at(i, kCarryA) + lo * d;
+                    const float* h = t.at(i, kEauH) + lo * eh;
+                    float* de = grad_eau + lo * 2 * d;
+                    float* dh = grad_hidden + lo * eh;
+                    float* ds = grad_carry + lo * d;
+                    if (tail_backward(kEau, grad_projected + lo * d, nullptr, t.at(i, kEauE) + lo * d, d,
+                                      t.at(i, kEauAdj) + lo * d, d, nullptr, de, 2 * d, de + d, 2 * d, hi - lo, d, 1))
+                        *failed = 1;
+                    for (int64_t c = 0; c < (hi - lo) * d; ++c) ds[c] = grad_projected[lo * d + c];
+                    blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, de + d, 2 * d, packed.at(i, 11), d, 1.0f,
+                                 ds, d);
+                    blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, eh, d, de, 2 * d, packed.at(i, 10), eh, 0.0f,
+                                 dh, eh);
+                    for (int64_t c = 0; c < (hi - lo) * eh; ++c) dh[c] = h[c] > 0.0f ? dh[c] : 0.0f;
+                    blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, eh, dh, eh, packed.at(i, 9), d, 1.0f, ds, d);
+                    add_at_b(gemm, eh, d, hi - lo, dh, eh, sr, d, w_share + eau_weights);
+                    add_at_b(gemm, d, eh, hi - lo, de, 2 * d, h, eh, w_share + eau_weights + eh * d);
+                    add_at_b(gemm, d, d, hi - lo, de + d, 2 * d, sr, d, w_share + eau_weights + 2 * eh * d);
+                    add_block_column_sums(grad_hidden, lo, hi, eh, eh, layer_sums + eau_sums, z.sum_floats());
+                    add_block_column_sums(grad_eau, lo, hi, d, 2 * d, layer_sums + eau_sums + eh, z.sum_floats());
+                    add_block_column_sums(grad_eau + d, lo, hi, d, 2 * d, layer_sums + eau_sums + eh + d,
+                                          z.sum_floats());
+                    grad_body_a = grad_carry;
+                }
                 blas.compute(kRowMajor, kNoTrans, kPacked, hi - lo, d, d, grad_body_a + lo * d, d, packed.at(i, 2), d,
                              0.0f, grad_attended + lo * d, d);
                 const float* q = t.at(i, kQkv) + lo * 3 * d;
@@ -1221,7 +1283,7 @@ int64_t stack_scratch_floats(const StackShape& z, int64_t threads) {
     const int64_t rows = z.rows(), d = z.d;
     return padded16(rows * d) * 6 + padded16(rows * z.f) + padded16(rows * 3 * d) + padded16(z.batch * z.mem * 2 * d)
         + padded16(z.batch * z.keys() * d) + 2 * padded16(z.batch * d)
-        + (z.gated ? padded16(rows * 2 * d) + padded16(rows * d) : 0)
+        + (z.gated ? 2 * padded16(rows * 2 * d) + padded16(rows * d) + padded16(rows * z.eau()) : 0)
         + threads * z.layers * (z.weight_floats() + z.small_floats())
         + z.layers * ((rows + kSumRows - 1) / kSumRows) * z.sum_floats();
 }
@@ -1900,9 +1962,9 @@ def relative_sublayer_streamed_backward(blas: PackedGemm, attend_back: int, qkv:
             *norm_grads, *weight_grads)
 
 
-# ---- Transformer-XL's plain layers in one call (see relative_stack_forward in the C++ source) ---------------------
+# ---- Transformer-XL's layers in one call (see relative_stack_forward in the C++ source) ---------------------------
 
-_STACK_SLOTS = 44
+_STACK_SLOTS = 54
 """Addresses per layer in the stack kernels' table, in the order of ``StackSlot``."""
 
 
@@ -1924,24 +1986,27 @@ def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: 
                             weights: list[tuple[Tensor | None, ...]], settings: list[tuple[float, ...]],
                             masks: list[tuple[tuple[int, int], ...]], batch: int, n_heads: int,
                             tails: tuple[int, int, int] = (0, 0, 0)) -> tuple[list[Tensor], dict[str, Tensor]]:
-    """Every layer of a plain post-LN Transformer-XL, ``FFN-sublayer(attention-sublayer(h, memory, r))`` in turn, in
-    one parallel region: what :func:`relative_sublayer_streamed` then :func:`feed_forward_streamed` compute layer by
-    layer, with the same masks. ``x (B·L, d)``: the first layer's input rows; ``memories``: each layer's ``(B·M, d)``
-    rows (the same ``M``) or all ``None``; ``r (layers, M+L, d)``: the projected position encodings; ``weights``: per
-    layer ``(u, pos_bias, w_q, w_kv, w_out, gamma, beta, w1, b1, w2, b2, gamma, beta)`` and, with SDU branches, the
-    attention sublayer's and the FFN sublayer's SDU ``Linear(d, 2d)`` weight and bias (``None`` where that sublayer
-    has none); ``settings``: per layer the two LayerNorms' eps, the three masks' scales and, with SDUs, the two
-    sublayers' tail codes (:data:`~gatedformer.backbones._gate_kernel.TAILS`, -1 for none); ``masks``: per layer the
-    three masks' ``(seed, keep_below)`` (the attention's output, the FFN's hidden layer, its output); ``tails``: the
-    gate kernel's forward and backward tail functions, by address (with SDUs).
+    """Every layer of a post-LN Transformer-XL, ``FFN-sublayer(attention-sublayer(h, memory, r))`` in turn, in one
+    parallel region: what :func:`relative_sublayer_streamed` then :func:`feed_forward_streamed` compute layer by
+    layer (and the gates' tails of ``fused_linear._norm_tail``), with the same masks. ``x (B·L, d)``: the first layer's
+    input rows; ``memories``: each layer's ``(B·M, d)`` rows (the same ``M``) or all ``None``; ``r (layers, M+L, d)``:
+    the projected position encodings; ``weights``: per layer ``(u, pos_bias, w_q, w_kv, w_out, gamma, beta, w1, b1,
+    w2, b2, gamma, beta)``, then, for gated layers, the attention's and the FFN's unit's ``Linear(d, 2d)`` weight and
+    bias (an SDU's, a highway gate's or a gated MHDPA's), their GRCs' ``Linear(d, d)`` weight and bias and the
+    attention's EAU's six parameters (``None`` where there is none); ``settings``: per layer the two LayerNorms' eps,
+    the three masks' scales and, for gated layers, the two units' tail codes
+    (:data:`~gatedformer.backbones._gate_kernel.TAILS`, :data:`MIX_CODE` for a gated MHDPA, -1 for none) and whether
+    the attention and the FFN have a GRC and the attention an EAU (1 or 0); ``masks``: per layer the three masks'
+    ``(seed, keep_below)`` (the attention's output, the FFN's hidden layer, its output); ``tails``: the gate kernel's
+    forward and backward tail functions and its bias-sigmoid, by address (for gated layers).
 
     Returns every layer's output rows and what :func:`relative_stack_streamed_backward` needs (``"table"`` holds the
     addresses of all of it)."""
     n, (rows, width) = len(weights), x.shape
     length, hidden_width = rows // batch, weights[0][7].shape[0]
     gated = any(w is not None for layer in weights for w in layer[13:])
-    weights = [tuple(layer[:13]) + tuple(layer[13:]) + (None,) * (21 - len(layer)) for layer in weights]
-    settings = [tuple(real) + (-1.0, -1.0, 0.0, 0.0)[len(real) - 5 :] for real in settings]
+    weights = [tuple(layer) + (None,) * (27 - len(layer)) for layer in weights]
+    settings = [tuple(real) + (-1.0, -1.0, 0.0, 0.0, 0.0)[len(real) - 5 :] for real in settings]
     mem = 0 if memories[0] is None else memories[0].shape[0] // batch
     block, threads, ffn_rows = stack_blocks(batch, length, width, hidden_width)  # type: ignore[misc]
     words = -(-width // 32)
@@ -1958,10 +2023,13 @@ def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: 
         saved["memory_kv"] = x.new_empty(n, batch * mem, 2 * width)
     if gated:  # each unit's biased product, [a; b] per row, and a gated MHDPA's carry (the body's output)
         saved["sdu_a"], saved["sdu_f"] = x.new_empty(n, rows, 2 * width), x.new_empty(n, rows, 2 * width)
-    if any(real[5] == MIX_CODE or real[6] == MIX_CODE or real[7] or real[8] for real in settings):
+    if any(real[5] == MIX_CODE or real[6] == MIX_CODE or real[7] or real[8] or real[9] for real in settings):
         saved["carry_a"], saved["carry_f"] = x.new_empty(n, rows, width), x.new_empty(n, rows, width)
     if any(real[7] or real[8] for real in settings):  # each GRC's gate
         saved["grc_a"], saved["grc_f"] = x.new_empty(n, rows, width), x.new_empty(n, rows, width)
+    if any(real[9] for real in settings):  # each EAU's hidden rows, pre-activations and output
+        saved["eau_h"] = x.new_empty(n, rows, width // 2)
+        saved["eau_e"], saved["eau_adj"], saved["eau_out"] = (x.new_empty(n, rows, width) for _ in range(3))
     outputs = [x.new_empty(rows, width) for _ in range(n)]
 
     def layer(t: Tensor) -> range:  # each layer's address in a stacked buffer
@@ -1975,12 +2043,16 @@ def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: 
                   else [(0, 0)] * n)
     grc_rows = (zip(layer(saved["grc_a"]), layer(saved["grc_f"]), strict=True) if "grc_a" in saved
                 else [(0, 0)] * n)
+    eau_names = ("eau_h", "eau_e", "eau_adj", "eau_out")
+    eau_rows = (zip(*(layer(saved[name]) for name in eau_names), strict=True) if "eau_h" in saved
+                else [(0, 0, 0, 0)] * n)
     table = []
     for i, ((u, pos_bias, w_q, w_kv, w_out, gamma_a, beta_a, w1, b1, w2, b2, gamma_f, beta_f, sdu_w_a, sdu_b_a, sdu_w_f,
-             sdu_b_f, grc_w_a, grc_b_a, grc_w_f, grc_b_f), (r_i, qkv, memory_kv, attended, lse, xhat_a, y_a, rstd_a,
-                                                           keep_a, hidden, positive, xhat_f, rstd_f, keep_f),
-            (sdu_a, sdu_f), (carry_a, carry_f), (grc_a, grc_f)) in enumerate(
-            zip(weights, stacked, sdu_rows, carry_rows, grc_rows, strict=True)):
+             sdu_b_f, grc_w_a, grc_b_a, grc_w_f, grc_b_f, *eau), (r_i, qkv, memory_kv, attended, lse, xhat_a, y_a,
+                                                                 rstd_a, keep_a, hidden, positive, xhat_f, rstd_f,
+                                                                 keep_f),
+            (sdu_a, sdu_f), (carry_a, carry_f), (grc_a, grc_f), eau_buffers) in enumerate(
+            zip(weights, stacked, sdu_rows, carry_rows, grc_rows, eau_rows, strict=True)):
         table += [(x if i == 0 else outputs[i - 1]).data_ptr(), _address(memories[i]) or 0, r_i,
                   u.data_ptr(), pos_bias.data_ptr(), w_q.data_ptr(), w_kv.data_ptr(), w_out.data_ptr(),
                   gamma_a.data_ptr(), beta_a.data_ptr(), qkv, memory_kv, attended, lse, xhat_a, y_a, rstd_a, keep_a,
@@ -1989,7 +2061,8 @@ def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: 
                   _address(sdu_w_a) or 0, _address(sdu_b_a) or 0, sdu_a if sdu_w_a is not None else 0,
                   _address(sdu_w_f) or 0, _address(sdu_b_f) or 0, sdu_f if sdu_w_f is not None else 0,
                   carry_a, carry_f, _address(grc_w_a) or 0, _address(grc_b_a) or 0, grc_a if grc_w_a is not None else 0,
-                  _address(grc_w_f) or 0, _address(grc_b_f) or 0, grc_f if grc_w_f is not None else 0]
+                  _address(grc_w_f) or 0, _address(grc_b_f) or 0, grc_f if grc_w_f is not None else 0,
+                  *(_address(w) or 0 for w in eau), *(eau_buffers if eau[0] is not None else (0,) * 4)]
     saved["table"] = torch.tensor(table, dtype=torch.int64)
     saved["reals"] = torch.tensor(settings, dtype=torch.float64)
     seeds = np.array([[seed for seed, _ in three] for three in masks], dtype=np.uint64)
@@ -1997,12 +2070,15 @@ def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: 
     saved["sizes"] = torch.tensor([n, batch, length, mem, n_heads, width, hidden_width, block, ffn_rows, int(gated)],
                                   dtype=torch.int64)
     rows_max = block * max(length, mem)
+    half = width // 2
     gate_packs = [blas.packed_floats(rows_max, 2 * width, width), blas.packed_floats(ffn_rows, 2 * width, width),
-                  blas.packed_floats(rows_max, width, width), blas.packed_floats(ffn_rows, width, width)]
+                  blas.packed_floats(rows_max, width, width), blas.packed_floats(ffn_rows, width, width),
+                  blas.packed_floats(rows_max, half, width), blas.packed_floats(rows_max, width, half),
+                  blas.packed_floats(rows_max, width, width)]
     packed = torch.tensor([blas.packed_floats(rows_max, width, width), blas.packed_floats(rows_max, 2 * width, width),
                            blas.packed_floats(rows_max, width, width),
                            blas.packed_floats(ffn_rows, hidden_width, width),
-                           blas.packed_floats(ffn_rows, width, hidden_width), *(gate_packs if gated else [0] * 4)],
+                           blas.packed_floats(ffn_rows, width, hidden_width), *(gate_packs if gated else [0] * 7)],
                           dtype=torch.int64)
     saved["threads"] = torch.tensor(threads)
     saved["tails"] = torch.tensor(tails, dtype=torch.int64)
@@ -2027,16 +2103,20 @@ def relative_stack_streamed_backward(blas: PackedGemm, attend_back: int, grad: T
     threads = int(saved["threads"])
     grad = grad.contiguous()
     grad_input = torch.empty_like(grad)
-    weights = grad.new_empty(n, 4 * width * width + 2 * width * hidden_width + (6 * width * width if gated else 0))
+    half = width // 2
+    weights = grad.new_empty(n, 4 * width * width + 2 * width * hidden_width
+                             + (7 * width * width + 2 * half * width if gated else 0))
     small = grad.new_empty(n, (mem + length) * width + 2 * width)
-    sums = grad.new_empty(n, 6 * width + hidden_width + (6 * width if gated else 0))
+    sums = grad.new_empty(n, 6 * width + hidden_width + (8 * width + half if gated else 0))
     rows_max = block * length
     gate_packs = [blas.packed_floats(rows_max, width, 2 * width), blas.packed_floats(ffn_rows, width, 2 * width),
-                  blas.packed_floats(rows_max, width, width), blas.packed_floats(ffn_rows, width, width)]
+                  blas.packed_floats(rows_max, width, width), blas.packed_floats(ffn_rows, width, width),
+                  blas.packed_floats(rows_max, width, half), blas.packed_floats(rows_max, half, width),
+                  blas.packed_floats(rows_max, width, width)]
     packed = torch.tensor([blas.packed_floats(rows_max, width, width), blas.packed_floats(rows_max, width, 2 * width),
                            blas.packed_floats(rows_max, width, width),
                            blas.packed_floats(ffn_rows, width, hidden_width),
-                           blas.packed_floats(ffn_rows, hidden_width, width), *(gate_packs if gated else [0] * 4)],
+                           blas.packed_floats(ffn_rows, hidden_width, width), *(gate_packs if gated else [0] * 7)],
                           dtype=torch.int64)
     library = KERNEL.library()
     # The kernel's gradient buffers and the threads' shares, as a tensor so that memory accounting sees them.

@@ -9,14 +9,14 @@ the other waits. :class:`LayerStack` runs the same two functions' forward and ba
 inside a single autograd function: the arithmetic, the dropout masks (drawn in the same order) and so the results
 are those of the layers one by one.
 
-Where the layers' only gates are gate units (SDU branches, highway gates, gated MHDPAs; not a GRC or an EAU) and
-PyTorch links MKL, :class:`StreamedLayerStack` goes further: one compiled call runs every layer forward and one runs
-them all backward (``relative_stack_streamed`` in :mod:`~gatedformer.backbones._epilogue_kernel`), each thread taking
-its own sequences through all the layers with no return to Python and no wait for the other thread between
-sublayers. For plain layers its outputs and masks are the
+Where PyTorch links MKL and the layers' gates are ones it computes (any but an EAU on the FFN's output and a GRC
+beside a gate unit, which placements do not make), :class:`StreamedLayerStack` goes further: one compiled call runs
+every layer forward and one runs them all backward (``relative_stack_streamed`` in
+:mod:`~gatedformer.backbones._epilogue_kernel`), each thread taking its own sequences through all the layers with no
+return to Python and no wait for the other thread between sublayers. For plain layers its outputs and masks are the
 Python stack's bit for bit and its gradients differ only in the order in which the threads' shares of the weights'
-gradients are added; with gate units they agree to float rounding. Layers with other gates stay with
-:class:`LayerStack`, whose sublayer functions compute their gates.
+gradients are added; with gates they agree to float rounding. Other layers stay with :class:`LayerStack`, whose
+sublayer functions compute their gates.
 
 It applies where every layer's two sublayers would each run as one function (post-LN, the gates those take), no
 hooks are on the layers or their sublayers (nor global module hooks), and the memories and position encodings
@@ -58,7 +58,7 @@ __all__ = ["LayerStack", "StreamedLayerStack", "layer_stack"]
 _ATTENTION, _BRANCH, _FFN = 8, 10, 6
 _PER_LAYER = 2 * _BRANCH + _ATTENTION + _FFN
 _PLAIN = _ATTENTION + _FFN  # a layer's inputs to StreamedLayerStack; then its two units' and its two GRCs' weights and
-_GATES = 8  # biases (Nones where there are none)
+_GATES = 14  # biases and its attention's EAU's six (Nones where there are none)
 _STREAMED = _PLAIN + _GATES
 _STREAMED_UNITS = (SDU, HighwayGate, GatedMHDPA, type(None))  # the gate units StreamedLayerStack computes
 _PROJECTIONS = ("query", "key_value", "position", "out")
@@ -146,15 +146,17 @@ class LayerStack(torch.autograd.Function):
 
 
 class StreamedLayerStack(torch.autograd.Function):
-    """:class:`LayerStack` for layers whose only gates are gate units (an SDU branch, a highway gate or a gated MHDPA
-    per sublayer, or none), where MKL's packed products are there: the whole stack in one compiled call forward and
+    """:class:`LayerStack` where MKL's packed products are there and the layers' gates are ones it computes (per
+    sublayer a gate unit, an SDU branch, a highway gate or a gated MHDPA, or a GRC; and an EAU on the attention's
+    output, with or without a GRC): the whole stack in one compiled call forward and
     one backward (``relative_stack_streamed`` in :mod:`~gatedformer.backbones._epilogue_kernel`), each thread taking
     its own sequences through every layer without waiting for the other threads or returning to Python between
     sublayers. The arguments and results of
-    :class:`LayerStack`, but per layer the 14 plain parameters and then the attention's and the FFN's unit's weight
-    and bias (``None`` where there is none), 18 in all; the same masks. Plain layers give the same outputs, and the
-    same gradients but for the order in which the threads' shares of the weights' gradients are added; gate units
-    the same to float rounding (a unit's product gets its bias after the product, not before)."""
+    :class:`LayerStack`, but per layer the 14 plain parameters, then the attention's and the FFN's unit's weight and
+    bias, their GRCs' weight and bias and the attention's EAU's six parameters (``None`` where there is none), 28 in
+    all; the same masks. Plain layers give the same outputs, and the same gradients but for the order in which the
+    threads' shares of the weights' gradients are added; gated ones the same to float rounding (a gate's product gets
+    its bias after the product, not before)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, pos: Tensor, memories: tuple[Tensor | None, ...],  # type: ignore[override]
@@ -172,9 +174,9 @@ class StreamedLayerStack(torch.autograd.Function):
                     *layer[_ATTENTION:]) for layer in layers]
         reals = [(eps, ffn_eps, _INT32_VALUES / mask[1], _INT32_VALUES / inner[1], _INT32_VALUES / outer[1],
                   _tail_code(tail), _tail_code(ffn_tail), float(layer[_PLAIN + 4] is not None),
-                  float(layer[_PLAIN + 6] is not None))
+                  float(layer[_PLAIN + 6] is not None), float(layer[_PLAIN + 8] is not None))
                  for (eps, _, mask, tail, ffn_eps, inner, outer, ffn_tail), layer in zip(settings, layers, strict=True)]
-        gated = any(real[5] >= 0 or real[6] >= 0 or real[7] or real[8] for real in reals)
+        gated = any(real[5] >= 0 or real[6] >= 0 or real[7] or real[8] or real[9] for real in reals)
         masks = [(mask, inner, outer) for _, _, mask, _, _, inner, outer, _ in settings]
         rows = x.reshape(-1, width).contiguous()
         blas = _blas.packed_gemm()
@@ -206,6 +208,8 @@ class StreamedLayerStack(torch.autograd.Function):
         d2, fd, small_start = width * width, hidden_width * width, keys * width
         sdu_weights, sdu_sums = 4 * d2 + 2 * fd, 6 * width + hidden_width
         grc_weights, grc_sums = sdu_weights + 4 * d2, sdu_sums + 4 * width
+        half = width // 2
+        eau_weights, eau_sums = grc_weights + 2 * d2, grc_sums + 2 * width
 
         def per_layer(t: Tensor, start: int, stop: int, *shape: int) -> tuple[Tensor, ...]:
             return t[:, start:stop].view(n, *(shape or (stop - start,))).unbind(0)
@@ -232,7 +236,14 @@ class StreamedLayerStack(torch.autograd.Function):
                per_layer(sums, grc_sums, grc_sums + width),
                per_layer(weights, grc_weights + d2, grc_weights + 2 * d2, width, width),
                per_layer(sums, grc_sums + width, grc_sums + 2 * width))
-              if weights.shape[1] > sdu_weights else ((None,) * n,) * 4), strict=True)
+              if weights.shape[1] > sdu_weights else ((None,) * n,) * 4),
+            *((per_layer(weights, eau_weights, eau_weights + half * width, half, width),
+               per_layer(sums, eau_sums, eau_sums + half),
+               per_layer(weights, eau_weights + half * width, eau_weights + 2 * half * width, width, half),
+               per_layer(sums, eau_sums + half, eau_sums + half + width),
+               per_layer(weights, eau_weights + 2 * half * width, eau_weights + 2 * half * width + d2, width, width),
+               per_layer(sums, eau_sums + half + width, eau_sums + half + 2 * width))
+              if weights.shape[1] > sdu_weights else ((None,) * n,) * 6), strict=True)
         flat = [g if want else None for g, want in zip((g for layer in columns for g in layer), needed[4:],
                                                          strict=True)]
         return (grad_input.view(batch, length, width) if needed[0] else None, None, None, None, *flat)
@@ -325,7 +336,7 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
         return None
     width = x.shape[-1]
     settings, parameters, streamed = [], [], []
-    units_only = True  # whether the only gates are units StreamedLayerStack takes
+    streamable = True  # whether StreamedLayerStack takes every layer's gates
     for layer in layers:
         sublayers = _whole_sublayers(layer)
         if sublayers is None:
@@ -337,8 +348,8 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
         inner, outer = registered(feed_forward, "inner"), registered(feed_forward, "outer")
         p_attention, p_inner, p_ffn = (registered(module, "dropout").p for module in (attn, feed_forward, ffn))
         attention_gates, ffn_gates = _gates(attn), _gates(ffn)
-        units_only = units_only and all(
-            eau is None and (gate is None or unit is None) and isinstance(unit, _STREAMED_UNITS)
+        streamable = streamable and ffn_gates[2] is None and all(  # an EAU on the attention's output only
+            (gate is None or unit is None) and (eau is None or unit is None) and isinstance(unit, _STREAMED_UNITS)
             for gate, unit, eau in (attention_gates, ffn_gates))
         if not (relative_layers_fuse(attention, p_attention, attention_norm, width)
                 and feed_forward_layers_fuse(width, inner, outer, p_inner, p_ffn, ffn_norm, ffn.training)
@@ -357,9 +368,9 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
         parameters += [*attention_plain, *attention_branch, *ffn_plain, *ffn_branch]
         # A branch's first two are the GRC's weight and bias, the next two the unit's.
         streamed += [*attention_plain, *ffn_plain, *attention_branch[2:4], *ffn_branch[2:4], *attention_branch[:2],
-                     *ffn_branch[:2]]
+                     *ffn_branch[:2], *attention_branch[4:10]]
     masked = _with_masks(settings)
-    if units_only and _streams_whole_stack(x, memories, settings, streamed):
+    if streamable and _streams_whole_stack(x, memories, settings, streamed):
         out, *later_inputs = StreamedLayerStack.apply(x, pos, tuple(memories), masked, *streamed)
     else:
         out, *later_inputs = LayerStack.apply(x, pos, tuple(memories), masked, *parameters)
