@@ -73,6 +73,7 @@ from gatedformer.backbones.attention import sinusoidal_positions
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
 from gatedformer.config import INIT_SCHEMES, InitConfig, ModelConfig
 from gatedformer.errors import ConfigError
+from gatedformer.train.compiling import compile_limits_fail, compile_model
 from gatedformer.train.grouped_adam import GroupedAdam, groupable
 from gatedformer.train.init import initialise
 
@@ -619,7 +620,7 @@ class _LMRunner:
         self.vocab = size.vocab
         self.device = device
         self.model = model.to(device)
-        self.forward = torch.compile(model) if options.compile else model
+        self.forward = compile_model(model) if options.compile else model
         self.optimizer = _make_optimizer(model, options.optimizer, device)
         self.bf16 = options.bf16
         # gatedformer's language models compute their loss with the output layer (output_loss); the peers as usual
@@ -1018,7 +1019,7 @@ def _bench_rnn_peers(report: BenchReport, rnn: RNNSize, options: BenchOptions, d
     contenders: dict[str, Callable[[], object]] = {}
     for name, model in models.items():
         model.train()
-        runnable = torch.compile(model) if options.compile else model
+        runnable = compile_model(model) if options.compile else model
         contenders[f"fwd:{name}"] = forward(runnable)
         contenders[f"fwdbwd:{name}"] = forward_backward(runnable)
     memory_steps = {name: forward_backward(model) if method == "tensors" else contenders[f"fwdbwd:{name}"]
@@ -1145,15 +1146,18 @@ def run_bench(size: BenchSize | None = None, options: BenchOptions | None = None
     report = BenchReport(_meta(size, rnn, options, device))
     report.notes.append(_describe(options, device))
     flushing = options.flush_denormal and torch.set_flush_denormal(True)
+    # A model that dynamo would run eagerly past its recompile limit fails its row rather than being timed as compiled.
+    strict = compile_limits_fail() if options.compile else contextlib.nullcontext()
     try:
-        if "models" in sections:
-            _bench_models(report, size, options, device, backbones, variants, progress)
-        if "transformer-peers" in sections:
-            _bench_transformer_peers(report, size, options, device, progress)
-        if "rnn-peers" in sections:
-            _bench_rnn_peers(report, rnn, options, device, progress)
-        if "memory" in sections:
-            _bench_memory(report, size, options, device, mem_lens, windows, progress)
+        with strict:
+            if "models" in sections:
+                _bench_models(report, size, options, device, backbones, variants, progress)
+            if "transformer-peers" in sections:
+                _bench_transformer_peers(report, size, options, device, progress)
+            if "rnn-peers" in sections:
+                _bench_rnn_peers(report, rnn, options, device, progress)
+            if "memory" in sections:
+                _bench_memory(report, size, options, device, mem_lens, windows, progress)
     finally:
         if flushing:
             torch.set_flush_denormal(False)

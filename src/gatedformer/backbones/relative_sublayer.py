@@ -200,10 +200,11 @@ def relative_inputs_fuse(x: Tensor, memories: Sequence[Tensor | None], pos: Tens
     """The inputs' half of :func:`relative_fusion_applies`, for sublayers that read ``x (B, L, d)``, the position
     encodings ``pos`` and one of ``memories`` each (``None`` or with rows): float32 CPU tensors, enough position rows,
     outside autocast and ``torch.compile``, the kernels available. A stack of layers asks it once for all of them."""
-    if x.dim() != 3:
+    # inputs_fuse first: it refuses under torch.compile before dynamo has to trace the rest.
+    if x.dim() != 3 or not inputs_fuse(x):
         return False
-    k_len = x.shape[1] + max((0 if m is None else m.shape[1] for m in memories), default=0)
-    return (pos.shape[0] >= k_len and inputs_fuse(x)
+    k_len = x.shape[1] + max([0] + [m.shape[1] for m in memories if m is not None])
+    return (pos.shape[0] >= k_len
             and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (pos, *memories) if t is not None)
             and RELATIVE_KERNEL.pick_backend(x.device) == "native")
 

@@ -38,6 +38,7 @@ from gatedformer.train.checkpoint import (
     save_model_weights,
     weights_metadata,
 )
+from gatedformer.train.compiling import compile_model
 from gatedformer.train.gate_stats import GateStatistics, gate_biases
 from gatedformer.train.init import initialise
 from gatedformer.train.optim import build_optimizer, build_scheduler, clip_gradients
@@ -304,7 +305,7 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
         log_path.unlink(missing_ok=True)
 
     net = distributed.wrap(model, ddp)  # DistributedDataParallel when torchrun started several processes
-    compiled = torch.compile(net) if tcfg.compile else net
+    compiled = compile_model(net) if tcfg.compile else net
     stats = GateStatistics(model)
     windows = _cycle_windows(train_stream, step)
 

@@ -61,6 +61,7 @@ from gatedformer.train.checkpoint import (
     save_checkpoint,
     save_model_weights,
 )
+from gatedformer.train.compiling import compile_model
 from gatedformer.train.gate_stats import GateStatistics, gate_biases
 from gatedformer.train.init import initialise
 from gatedformer.train.loop import (
@@ -360,7 +361,7 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
              "skipped_train_pairs": data.train.skipped, "truncated_valid": data.valid.truncated,
              "truncated_test": data.test.truncated, "params": params})
 
-    compiled = torch.compile(model) if tcfg.compile else model
+    compiled = compile_model(model) if tcfg.compile else model
     stats = GateStatistics(model)
     batches = length_batches(data.train, config.data.batch_size, tr.max_tokens, tcfg.seed, epoch)
     beam, eval_batch = _beam_of(config), config.data.eval_batch_size
