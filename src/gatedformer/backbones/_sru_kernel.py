@@ -520,13 +520,88 @@ class _SRURecurrence(torch.autograd.Function):
         return (*out, None, None)
 
 
+# Under torch.compile the recurrence is one opaque operator each way, so that dynamo neither traces into the kernels'
+# Python (which it cannot: a ctypes call, the build's lock) nor splits the graph around them. Eager calls keep the
+# autograd Function above: the operators' dispatch would only add to every step.
+_SCHEMA_ARGS = ("Tensor U, Tensor? skip, Tensor v_f, Tensor v_r, Tensor b_f, Tensor b_r, Tensor c0, float alpha, "
+                "str backend")
+
+
+def _in_compute_dtype(*tensors: Tensor | None) -> list[Tensor | None]:
+    dtype = _compute_dtype(*tensors)
+    return [None if t is None else t.to(dtype).contiguous() for t in tensors]
+
+
+@torch.library.custom_op("gatedformer::sru_recurrence", mutates_args=(),
+                         schema=f"({_SCHEMA_ARGS}) -> (Tensor, Tensor, Tensor)")
+def _recurrence_op(U: Tensor, skip: Tensor | None, v_f: Tensor, v_r: Tensor, b_f: Tensor, b_r: Tensor, c0: Tensor,
+                   alpha: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``h``, the last cell and every step's cell (in the compute dtype, for the backward operator)."""
+    args = _in_compute_dtype(U, skip, v_f, v_r, b_f, b_r, c0)
+    h, c_all = _FORWARD[_pick_backend(U.device, backend or None)](*args, alpha)
+    return h.to(U.dtype), _last_cell(c_all).to(U.dtype).clone(), c_all
+
+
+@_recurrence_op.register_fake
+def _(U: Tensor, skip: Tensor | None, v_f: Tensor, v_r: Tensor, b_f: Tensor, b_r: Tensor, c0: Tensor,
+      alpha: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    L, B, D, _, H = U.shape
+    dtype = _compute_dtype(U, skip, v_f, v_r, b_f, b_r, c0)
+    return U.new_empty((L, B, D, H)), U.new_empty((B, D, H)), U.new_empty((L, B, D, H), dtype=dtype)
+
+
+@torch.library.custom_op("gatedformer::sru_recurrence_backward", mutates_args=(),
+                         schema=f"({_SCHEMA_ARGS}, Tensor c_all, Tensor grad_h, Tensor? grad_c_last) "
+                                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+def _recurrence_backward_op(U: Tensor, skip: Tensor | None, v_f: Tensor, v_r: Tensor, b_f: Tensor, b_r: Tensor,
+                            c0: Tensor, alpha: float, backend: str, c_all: Tensor, grad_h: Tensor,
+                            grad_c_last: Tensor | None) -> tuple[Tensor, ...]:
+    """The gradients of ``U, skip, v_f, v_r, b_f, b_r, c0`` in their dtypes; ``skip``'s is empty without a skip."""
+    inputs = (U, skip, v_f, v_r, b_f, b_r, c0)
+    args = _in_compute_dtype(*inputs)
+    dtype = c_all.dtype
+    grad_c_last = None if grad_c_last is None else grad_c_last.to(dtype).contiguous()
+    grads = _BACKWARD[_pick_backend(U.device, backend or None)](*args, alpha, c_all, grad_h.to(dtype).contiguous(),
+                                                                 grad_c_last)
+    # an operator's outputs may not share memory (the native backward's parameter gradients are rows of one tensor)
+    return tuple(U.new_empty(0) if g is None else g.to(t.dtype) if g._base is None else g.to(t.dtype).clone()
+                 for g, t in zip(grads, inputs, strict=True))
+
+
+@_recurrence_backward_op.register_fake
+def _(U: Tensor, skip: Tensor | None, v_f: Tensor, v_r: Tensor, b_f: Tensor, b_r: Tensor, c0: Tensor, alpha: float,
+      backend: str, c_all: Tensor, grad_h: Tensor, grad_c_last: Tensor | None) -> tuple[Tensor, ...]:
+    return tuple(U.new_empty(0) if t is None else torch.empty_like(t) for t in (U, skip, v_f, v_r, b_f, b_r, c0))
+
+
+def _setup_recurrence(ctx, inputs, output) -> None:  # noqa: ANN001
+    U, skip, v_f, v_r, b_f, b_r, c0, alpha, backend = inputs
+    ctx.save_for_backward(U, skip, v_f, v_r, b_f, b_r, c0, output[2])
+    ctx.alpha, ctx.backend = alpha, backend
+
+
+def _recurrence_op_backward(ctx, grad_h, grad_c_last, _grad_c_all):  # noqa: ANN001, ANN202
+    U, skip, v_f, v_r, b_f, b_r, c0, c_all = ctx.saved_tensors
+    grad_h = torch.zeros(c_all.shape, dtype=U.dtype, device=U.device) if grad_h is None else grad_h
+    grads = _recurrence_backward_op(U, skip, v_f, v_r, b_f, b_r, c0, ctx.alpha, ctx.backend, c_all, grad_h,
+                                    grad_c_last)
+    out = [g if need and not (name == "skip" and skip is None) else None
+           for g, need, name in zip(grads, ctx.needs_input_grad[:7], ("U", "skip", "v_f", "v_r", "b_f", "b_r", "c0"),
+                                    strict=True)]
+    return (*out, None, None)
+
+
+_recurrence_op.register_autograd(_recurrence_op_backward, setup_context=_setup_recurrence)
+
+
 def _check_shapes(
     U: Tensor, skip: Tensor | None, v_f: Tensor, v_r: Tensor, b_f: Tensor, b_r: Tensor, c0: Tensor | None
 ) -> Tensor:
     if U.dim() != 5 or U.shape[3] not in (3, 4):
         raise ValueError(f"U must have shape (L, B, D, 3 or 4, H), got {tuple(U.shape)}")
     L, B, D, K, H = U.shape
-    if (K == 3) != (skip is not None):
+    # two tests, not `(K == 3) != (skip is not None)`: dynamo fails on that for a symbolic K
+    if (skip is None and K == 3) or (skip is not None and K == 4):
         raise ValueError("pass skip (L, B, D, H) exactly when U has 3 streams; with 4 the last is the skip")
     if skip is not None and tuple(skip.shape) != (L, B, D, H):
         raise ValueError(f"skip must have shape {(L, B, D, H)}, got {tuple(skip.shape)}")
@@ -564,6 +639,9 @@ def sru_recurrence(
     both in the dtype of ``U``. Differentiable in every tensor argument.
     """
     c0 = _check_shapes(U, skip, v_f, v_r, b_f, b_r, c0)
+    if torch.compiler.is_compiling():
+        h, c_last, _ = _recurrence_op(U, skip, v_f, v_r, b_f, b_r, c0, float(alpha), backend or "")
+        return h, c_last
     chosen = _pick_backend(U.device, backend)
     return _SRURecurrence.apply(U, skip, v_f, v_r, b_f, b_r, c0, float(alpha), chosen)
 
