@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from gatedformer.backbones import BUILDERS, RTransformerLM, TransformerXLLM, build_model
-from gatedformer.backbones.rtransformer import LocalRNN
+from gatedformer.backbones.rtransformer import RNN_TYPES, LocalRNN, RecurrentWeights
 from gatedformer.backbones.transformer_xl import RelativeMultiHeadAttention, rel_shift, relative_positions
 from gatedformer.config import ModelConfig, RunConfig, apply_overrides, validate
 from gatedformer.data import LMStream
@@ -108,7 +108,7 @@ def test_builders_pass_the_backbone_fields() -> None:
     model = build_model(cfg, VOCAB)
     assert isinstance(model, RTransformerLM)
     local = model.layers[0].local_rnn.body
-    assert isinstance(local.rnn, nn.LSTM) and local.window == 5
+    assert isinstance(local.rnn.reference(), nn.LSTM) and local.window == 5
     model = build_model(ModelConfig(backbone="transformer-xl", d_model=D, n_heads=2, d_ffn=24, mem_len=9), VOCAB)
     assert isinstance(model, TransformerXLLM) and model.mem_len == 9
 
@@ -149,13 +149,33 @@ def test_causal(name: str, norm: str) -> None:
 # LocalRNN against the naive formulation
 
 
+@pytest.mark.parametrize("rnn_type", list(RNN_TYPES))
+def test_recurrent_weights_are_those_of_the_torch_module(rnn_type: str) -> None:
+    # same names, shapes and random draws: seeded models and checkpoints are as when the LocalRNN held the module
+    torch.manual_seed(5)
+    module = RNN_TYPES[rnn_type](D, D, num_layers=1, batch_first=True)
+    torch.manual_seed(5)
+    weights = RecurrentWeights(rnn_type, D)
+    expected, got = module.state_dict(), weights.state_dict()
+    assert list(got) == list(expected)
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+    reference = weights.reference()
+    assert type(reference) is type(module) and reference.weight_hh_l0 is weights.weight_hh_l0
+    x = torch.randn(2, 4, D)
+    assert torch.equal(reference(x)[0], module(x)[0])
+    reference(x)[0].sum().backward()
+    assert weights.bias_ih_l0.grad is not None
+    with pytest.raises(ValueError, match="unknown rnn_type"):
+        RecurrentWeights("elman", D)
+
+
 def local_rnn_unfold(module: LocalRNN, x: Tensor) -> Tensor:
     """The direct reading: copy every window (B, L, M, d), run the module's nn.GRU/LSTM/RNN over each."""
     batch, length, d = x.shape
     m = module.window
     windows = F.pad(x, (0, 0, m - 1, 0)).unfold(1, m, 1)  # (B, L, d, M)
     windows = windows.permute(0, 1, 3, 2).reshape(batch * length, m, d)
-    out, _ = module.rnn(windows)
+    out, _ = module.rnn.reference()(windows)
     return out[:, -1].reshape(batch, length, d)
 
 

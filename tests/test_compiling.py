@@ -13,7 +13,9 @@ from conftest import tiny_overrides
 from torch import nn
 
 from gatedformer.analysis.runlog import read_log, series
-from gatedformer.config import RunConfig, apply_overrides, validate
+from gatedformer.backbones import _sru_kernel, build_model
+from gatedformer.backbones._sru_kernel import sru_recurrence
+from gatedformer.config import ModelConfig, RunConfig, apply_overrides, validate
 from gatedformer.train.compiling import compile_limits_fail, compile_model
 from gatedformer.train.loop import train
 
@@ -94,3 +96,41 @@ def test_compiled_variants_in_one_process_train_without_dynamo_warnings(
             assert series(read_log(tmp_path / str(i)), "train", "train_loss")[1]
     assert dynamo_warnings == []
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= len(variants)
+
+
+@pytest.mark.parametrize("backbone, extra", [
+    ("transformer", {"gates": "+σ SDU"}), ("transformer-xl", {"gates": "+EAU+GRC"}), ("gcnn", {}),
+    ("rtransformer", {"gates": "+highway gate"}), ("rtransformer", {"rnn_type": "lstm", "rnn_recompute": True}),
+    ("sru", {}), ("sru-transformer", {"gates": "+σ SDU"}),
+])
+def test_every_backbone_compiles_into_one_graph(backbone: str, extra: dict, fresh_dynamo: None) -> None:
+    # A graph break splits the step into several compiled graphs with eager code between them (or, inside a loop,
+    # gives the whole frame up to eager): the SRU's kernels and the LocalRNN's weights used to cause them.
+    cfg = ModelConfig(backbone=backbone, d_model=16, n_layers=2, n_heads=2, d_ffn=32, mem_len=4, **extra)
+    model = build_model(cfg, 20).train()
+    tokens = torch.randint(0, 20, (2, 8))
+    explained = torch._dynamo.explain(model)(tokens, None, targets=tokens)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+@pytest.mark.parametrize("streams, directions", [(3, 1), (4, 2)])
+def test_the_sru_recurrence_is_one_operator_under_compile(streams: int, directions: int, fresh_dynamo: None) -> None:
+    length, batch, hidden = 5, 3, 8
+    torch.manual_seed(0)
+    U = torch.randn(length, batch, directions, streams, hidden, requires_grad=True)
+    skip = torch.randn(length, batch, directions, hidden, requires_grad=True) if streams == 3 else None
+    vectors = [torch.randn(directions, hidden, requires_grad=True) for _ in range(4)]
+    c0 = torch.randn(batch, directions, hidden, requires_grad=True)
+    # its fake (shape) function, autograd registration and schema, as torch checks a custom operator
+    torch.library.opcheck(_sru_kernel._recurrence_op, (U, skip, *vectors, c0, 1.7, ""))
+
+    def run(*inputs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return sru_recurrence(*inputs, alpha=1.7)
+
+    leaves = [t for t in (U, skip, *vectors, c0) if t is not None]
+    results = []
+    for fn in (run, torch.compile(run, fullgraph=True)):
+        h, c_last = fn(U, skip, *vectors, c0)
+        results.append((h, c_last, *torch.autograd.grad(h.sin().sum() + c_last.cos().sum(), leaves)))
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)

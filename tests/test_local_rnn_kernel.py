@@ -32,7 +32,7 @@ def _unfolded(module: LocalRNN, x: Tensor) -> Tensor:
     batch, length, d = x.shape
     m = module.window
     windows = F.pad(x, (0, 0, m - 1, 0)).unfold(1, m, 1).permute(0, 1, 3, 2).reshape(batch * length, m, d)
-    return module.rnn.double()(windows)[0][:, -1].reshape(batch, length, d)
+    return module.rnn.double().reference()(windows)[0][:, -1].reshape(batch, length, d)
 
 
 def _recorder(saved: list[Tensor]):  # noqa: ANN202

@@ -31,9 +31,49 @@ from gatedformer.backbones.output_loss import logits_or_loss
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
 from gatedformer.backbones.token_embedding import embed_tokens
 
-__all__ = ["RNN_TYPES", "LocalRNN", "RTransformerLM", "RTransformerLayer"]
+__all__ = ["RNN_TYPES", "LocalRNN", "RTransformerLM", "RTransformerLayer", "RecurrentWeights"]
 
 RNN_TYPES = {"gru": nn.GRU, "lstm": nn.LSTM, "rnn": nn.RNN}
+_GATES = {"gru": 3, "lstm": 4, "rnn": 1}
+
+
+class RecurrentWeights(nn.Module):
+    """The parameters of a one-layer ``nn.GRU``, ``nn.LSTM`` or (tanh) ``nn.RNN`` of width ``d``: the same names
+    (``weight_ih_l0``, ``weight_hh_l0``, ``bias_ih_l0``, ``bias_hh_l0``), shapes, gate order and initialisation
+    (the same random draws in the same order), so state dicts and seeded models are those of the module itself.
+
+    The LocalRNN only reads these weights; it never runs the module. Holding the module would cost ``torch.compile``
+    the whole model: dynamo refuses to trace code that touches an RNN module and runs the frame eagerly.
+    :meth:`reference` gives the module, sharing these parameters, for checking against.
+    """
+
+    def __init__(self, rnn_type: str, d: int) -> None:
+        super().__init__()
+        if rnn_type not in RNN_TYPES:
+            raise ValueError(f"unknown rnn_type {rnn_type!r}; choose one of {', '.join(RNN_TYPES)}")
+        self.rnn_type, self.d = rnn_type, d
+        rows = _GATES[rnn_type] * d
+        self.weight_ih_l0 = nn.Parameter(torch.empty(rows, d))
+        self.weight_hh_l0 = nn.Parameter(torch.empty(rows, d))
+        self.bias_ih_l0 = nn.Parameter(torch.empty(rows))
+        self.bias_hh_l0 = nn.Parameter(torch.empty(rows))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.d)
+        for weight in self.parameters():  # in registration order, as nn.RNNBase draws them
+            weight.uniform_(-bound, bound)
+
+    def reference(self) -> nn.RNNBase:
+        """``nn.GRU`` / ``nn.LSTM`` / ``nn.RNN`` (batch first) computing with these very parameters."""
+        module = RNN_TYPES[self.rnn_type](self.d, self.d, num_layers=1, batch_first=True).to(self.weight_ih_l0)
+        for name, weight in self.named_parameters():
+            setattr(module, name, weight)
+        return module
+
+    def extra_repr(self) -> str:
+        return f"{self.rnn_type}, {self.d}"
 
 
 class LocalRNN(nn.Module):
@@ -43,8 +83,8 @@ class LocalRNN(nn.Module):
     from zero and fed ``x[t-M+1], ..., x[t]`` (``M = window``; positions before 0 read zeros). This
     is causal: output ``t`` depends on inputs ``<= t`` only.
 
-    The parameters are those of a one-layer ``nn.GRU``/``nn.LSTM``/``nn.RNN`` (held in ``self.rnn``)
-    with the same equations, but the computation never copies the sequence once per window. The
+    The parameters are those of a one-layer ``nn.GRU``/``nn.LSTM``/``nn.RNN`` (``self.rnn``, a
+    :class:`RecurrentWeights`) with the same equations, but the computation never copies the sequence once per window. The
     input projection ``W_ih x + b_ih`` is shared by every window that contains ``x``, so it is computed
     once for the ``L`` positions; step ``j`` of all ``L`` windows then reads that projection shifted by
     ``M-1-j`` positions — a view of a time-major tensor, with the batch and the positions folded into
@@ -59,15 +99,13 @@ class LocalRNN(nn.Module):
 
     def __init__(self, d_model: int, window: int, rnn_type: str = "gru", recompute: bool = False) -> None:
         super().__init__()
-        if rnn_type not in RNN_TYPES:
-            raise ValueError(f"unknown rnn_type {rnn_type!r}; choose one of {', '.join(RNN_TYPES)}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an integer >= 1, got {window!r}")
         self.d_model = d_model
         self.window = window
         self.rnn_type = rnn_type
         self.recompute = recompute
-        self.rnn = RNN_TYPES[rnn_type](d_model, d_model, num_layers=1, batch_first=True)
+        self.rnn = RecurrentWeights(rnn_type, d_model)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.recompute and torch.is_grad_enabled():
