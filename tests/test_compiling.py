@@ -117,8 +117,10 @@ def test_every_backbone_compiles_into_one_graph(backbone: str, extra: dict, fres
 def test_the_sru_recurrence_is_one_operator_under_compile(streams: int, directions: int, fresh_dynamo: None) -> None:
     length, batch, hidden = 5, 3, 8
     torch.manual_seed(0)
-    U = torch.randn(length, batch, directions, streams, hidden, requires_grad=True)
-    skip = torch.randn(length, batch, directions, hidden, requires_grad=True) if streams == 3 else None
+    # batch-major inputs seen time-major, as the SRU layers inside a Transformer pass them
+    U = torch.randn(batch, length, directions, streams, hidden).transpose(0, 1).requires_grad_()
+    skip = (torch.randn(batch, length, directions, hidden).transpose(0, 1).requires_grad_() if streams == 3
+            else None)
     vectors = [torch.randn(directions, hidden, requires_grad=True) for _ in range(4)]
     c0 = torch.randn(batch, directions, hidden, requires_grad=True)
     # its fake (shape) function, autograd registration and schema, as torch checks a custom operator

@@ -571,7 +571,9 @@ def _recurrence_backward_op(U: Tensor, skip: Tensor | None, v_f: Tensor, v_r: Te
 @_recurrence_backward_op.register_fake
 def _(U: Tensor, skip: Tensor | None, v_f: Tensor, v_r: Tensor, b_f: Tensor, b_r: Tensor, c0: Tensor, alpha: float,
       backend: str, c_all: Tensor, grad_h: Tensor, grad_c_last: Tensor | None) -> tuple[Tensor, ...]:
-    return tuple(U.new_empty(0) if t is None else torch.empty_like(t) for t in (U, skip, v_f, v_r, b_f, b_r, c0))
+    # contiguous, as the kernels write them, whatever the inputs' strides
+    return tuple(U.new_empty(0 if t is None else t.shape, dtype=U.dtype if t is None else t.dtype)
+                 for t in (U, skip, v_f, v_r, b_f, b_r, c0))
 
 
 def _setup_recurrence(ctx, inputs, output) -> None:  # noqa: ANN001
