@@ -84,12 +84,12 @@ class LocalRNN(nn.Module):
     is causal: output ``t`` depends on inputs ``<= t`` only.
 
     The parameters are those of a one-layer ``nn.GRU``/``nn.LSTM``/``nn.RNN`` (``self.rnn``, a
-    :class:`RecurrentWeights`) with the same equations, but the computation never copies the sequence once per window. The
-    input projection ``W_ih x + b_ih`` is shared by every window that contains ``x``, so it is computed
-    once for the ``L`` positions; step ``j`` of all ``L`` windows then reads that projection shifted by
-    ``M-1-j`` positions — a view of a time-major tensor, with the batch and the positions folded into
-    one batch of ``L·B`` rows. Only the ``M`` hidden-to-hidden products run step by step, and each
-    step holds ``O(B·L·d)`` memory rather than a ``(B, L, M, d)`` copy of the sequence.
+    :class:`RecurrentWeights`) with the same equations, but the computation never copies the sequence once per
+    window. The input projection ``W_ih x + b_ih`` is shared by every window that contains ``x``, so it is
+    computed once for the ``L`` positions; step ``j`` of all ``L`` windows then reads that projection shifted by
+    ``M-1-j`` positions — a view of a time-major tensor, with the batch and the positions folded into one batch
+    of ``L·B`` rows. Only the ``M`` hidden-to-hidden products run step by step, and each step holds ``O(B·L·d)``
+    memory rather than a ``(B, L, M, d)`` copy of the sequence.
 
     Back-propagation through the ``M`` steps keeps each step's gate activations, so training memory grows
     with the window (evaluation memory does not). With ``recompute=True`` only the input is kept and the
