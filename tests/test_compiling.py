@@ -3,6 +3,7 @@ dynamo traces without complaint."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,7 +50,13 @@ def _graphs_compiled(compile_fn, depths: range) -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
 
 
-def test_every_model_is_compiled_past_dynamo_s_limit(fresh_dynamo: None) -> None:
+@pytest.fixture
+def dynamo_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo keeps its cache entries whatever compiles the graphs; its eager backend spares a test Inductor's time."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+
+
+def test_every_model_is_compiled_past_dynamo_s_limit(fresh_dynamo: None, dynamo_only: None) -> None:
     with torch._dynamo.config.patch(recompile_limit=2, accumulated_recompile_limit=2):
         # the limit as dynamo keeps it: the third model of the class runs eagerly
         assert _graphs_compiled(torch.compile, range(1, 5)) == 2
@@ -58,7 +65,7 @@ def test_every_model_is_compiled_past_dynamo_s_limit(fresh_dynamo: None) -> None
         assert _graphs_compiled(compile_model, range(1, 5)) == 4
 
 
-def test_a_reached_limit_fails_where_asked(fresh_dynamo: None) -> None:
+def test_a_reached_limit_fails_where_asked(fresh_dynamo: None, dynamo_only: None) -> None:
     with torch._dynamo.config.patch(recompile_limit=1), compile_limits_fail():
         _graphs_compiled(torch.compile, range(1, 2))
         with pytest.raises(Exception, match="(?i)limit"):
@@ -84,7 +91,8 @@ def dynamo_warnings() -> Iterator[list[str]]:
 
 @pytest.mark.parametrize("backbone", ["transformer", "transformer-xl"])
 def test_compiled_variants_in_one_process_train_without_dynamo_warnings(
-        backbone: str, text_corpus: str, tmp_path: Path, fresh_dynamo: None, dynamo_warnings: list[str]) -> None:
+        backbone: str, text_corpus: str, tmp_path: Path, fresh_dynamo: None, dynamo_warnings: list[str],
+        dynamo_only: None) -> None:
     # As `compare --compile` does: several variants, one after another, under a limit smaller than their count.
     variants = ["", "+σ SDU"]
     with torch._dynamo.config.patch(recompile_limit=1):
@@ -136,3 +144,19 @@ def test_the_sru_recurrence_is_one_operator_under_compile(streams: int, directio
         results.append((h, c_last, *torch.autograd.grad(h.sin().sum() + c_last.cos().sum(), leaves)))
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backbone", ["rtransformer", "sru-transformer"])
+def test_a_compiled_step_equals_the_eager_one(backbone: str, fresh_dynamo: None) -> None:
+    # the backbones whose recurrences compile as operators or as PyTorch steps rather than their eager kernels
+    cfg = ModelConfig(backbone=backbone, d_model=16, n_layers=1, n_heads=2, d_ffn=32, dropout=0.0, gates="+σ SDU",
+                      rnn_window=3)
+    torch.manual_seed(0)
+    model = build_model(cfg, 20).train()
+    tokens = torch.randint(0, 20, (3, 12))
+    results = []
+    for forward in (model, torch.compile(model)):
+        loss, _ = forward(tokens[:, :-1], None, targets=tokens[:, 1:])
+        results.append((loss, *torch.autograd.grad(loss, list(model.parameters()))))
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
