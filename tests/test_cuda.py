@@ -18,7 +18,7 @@ from gatedformer import SRU
 from gatedformer.analysis.bench import BenchOptions, BenchSize, RNNSize, run_bench
 from gatedformer.backbones import BUILDERS, build_model
 from gatedformer.backbones._sru_kernel import sru_recurrence, sru_recurrence_reference
-from gatedformer.config import RunConfig, apply_overrides, validate
+from gatedformer.config import ModelConfig, RunConfig, apply_overrides, validate
 from gatedformer.errors import ConfigError
 from gatedformer.train.loop import evaluate_run, train
 
@@ -172,3 +172,18 @@ def test_bench_runs_on_cuda_with_its_memory_and_peers() -> None:
         assert row["mem_method"] == "cuda" and row["peak_mem_mb"] > 0
     sizes = [row["train_peak_mb"] for row in report.section("memory") if row["knob"] == "mem_len"]
     assert sizes[1] > sizes[0]
+
+
+@pytest.mark.parametrize("backbone", ["sru", "sru-transformer", "rtransformer"])
+def test_a_compiled_recurrent_step_on_cuda_equals_the_eager_one(backbone: str) -> None:
+    # the SRU's Triton kernels as the compiled graph's operators; the LocalRNN's steps traced
+    cfg = ModelConfig(backbone=backbone, d_model=32, n_layers=2, n_heads=2, d_ffn=64, dropout=0.0, rnn_window=3)
+    torch.manual_seed(0)
+    model = build_model(cfg, 20).cuda().train()
+    tokens = torch.randint(0, 20, (3, 12), device="cuda")
+    results = []
+    for forward in (model, torch.compile(model, fullgraph=True)):
+        loss, _ = forward(tokens[:, :-1], None, targets=tokens[:, 1:])
+        results.append((loss, *torch.autograd.grad(loss, list(model.parameters()))))
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-3, atol=1e-4)
