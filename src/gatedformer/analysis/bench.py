@@ -7,12 +7,13 @@ What a row measures
   call per parameter group; ``optimizer="adamw-fused"`` is torch's fused AdamW, ``"adamw"`` torch's default
   implementation, ``"none"`` leaves the step out) on one ``(batch, seq_len)``
   window of random tokens. **Evaluation step**: forward and loss in eval mode under ``torch.no_grad``.
-* **timing**: every contender of a table runs in the same process, round-robin. After ``warmup`` rounds,
-  each of ``repeats`` rounds calls every contender once, the order reversed every other round, so the slow
-  phases of a shared machine fall on all of them alike. Rows give the median and the interquartile range
-  (IQR); ratios are taken between medians of the same run. A gate's extra time is also taken round by round
-  (:func:`paired_ratio`, the median of each round's variant over its baseline), which cancels the drift both
-  calls of a round share; the gate target is judged on that one.
+* **timing**: every contender of a table runs in the same process, round-robin. After ``warmup`` rounds, each of
+  ``repeats`` rounds calls every contender once, in an order shuffled afresh every round (seeded), so the slow
+  phases of a shared machine fall on all of them alike, and so does the cold cache the peak product leaves behind
+  (in a fixed order the contender after it would pay for that in every other round). Rows give the median and the
+  interquartile range (IQR); ratios are taken between medians of the same run. A gate's extra time is also taken
+  round by round (:func:`paired_ratio`, the median of each round's variant over its baseline), which cancels the
+  drift both calls of a round share; the gate target is judged on that one.
 * **FLOPs** are counted analytically per layer by :func:`count_flops`: every matrix product ``m×k @ k×n`` is
   ``2·m·k·n`` FLOPs; attention scores (QK) and weighted values (AV) are counted over the (query, key) pairs a
   causal query can see (``T(T+1)/2`` per head and sequence, plus ``T·M`` memory pairs for Transformer-XL),
@@ -52,6 +53,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -245,8 +247,8 @@ def paired_ratio(timing: Timing, base: Timing) -> float:
 def time_round_robin(contenders: Mapping[str, Callable[[], object]], repeats: int = 10, warmup: int = 3,
                      device: torch.device | str = "cpu",
                      failed: dict[str, str] | None = None) -> dict[str, Timing]:
-    """Time every contender ``repeats`` times, interleaved: one call of each per round, the order reversed
-    every other round, after ``warmup`` rounds that are not timed.
+    """Time every contender ``repeats`` times, interleaved: one call of each per round, in an order shuffled
+    afresh every round (the same orders every run), after ``warmup`` rounds that are not timed.
 
     A contender that raises during warm-up is dropped; its error goes into ``failed`` when given (else the
     exception propagates).
@@ -269,12 +271,14 @@ def time_round_robin(contenders: Mapping[str, Callable[[], object]], repeats: in
             first.setdefault(name, time.perf_counter() - started)
     names = list(live)
     samples: dict[str, list[float]] = {name: [] for name in names}
+    order = random.Random(0)
     gc.collect()
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for round_index in range(repeats):
-            for name in names if round_index % 2 == 0 else reversed(names):
+        for _ in range(repeats):
+            order.shuffle(names)
+            for name in names:
                 _sync(device)
                 started = time.perf_counter()
                 live[name]()
