@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 from conftest import needs_shared, tiny_overrides
 
+from gatedformer.analysis.params import count_by_component
+from gatedformer.backbones import build_model
 from gatedformer.cli import main
+from gatedformer.config import ModelConfig
 
 
 def sets(overrides: list[str]) -> list[str]:
@@ -57,6 +60,19 @@ def test_train_eval_generate_params(text_corpus: str, tmp_path: Path, capsys: py
     assert sdu["total"] - base["total"] == 2 * 2 * 2 * 16 * 17  # 2 layers x 2 sublayers x 2d(d+1)
     assert sdu["components"]["gate: SDU"] == 2 * 2 * 2 * 16 * 17
     assert "gate: SDU" not in base["components"]
+
+
+@pytest.mark.parametrize("backbone, part, size", [
+    ("rtransformer", "local RNN", 3 * 8 * 8 * 2 + 3 * 8 * 2),  # GRU: W_ih, W_hh (3d x d) and their biases
+    ("sru", "SRU", None), ("sru-transformer", "SRU", None), ("gcnn", "convolutions", None),
+])
+def test_parameter_components_name_the_recurrent_and_convolutional_parts(backbone: str, part: str,
+                                                                         size: int | None) -> None:
+    model = build_model(ModelConfig(backbone=backbone, d_model=8, n_layers=1, n_heads=2, d_ffn=16), 10)
+    components = count_by_component(model)
+    assert part in components and (size is None or components[part] == size)
+    assert sum(components.values()) == sum(p.numel() for p in model.parameters())
+    assert not {"layers", "sru"} & set(components)  # no bare module names left over
 
 
 def test_resume_from_the_command_line(text_corpus: str, tmp_path: Path) -> None:

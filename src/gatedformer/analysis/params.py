@@ -14,6 +14,10 @@ GATE_KINDS = {"sdu": "SDU", "highway": "highway gate", "gated_mix": "gated MHDPA
               "residual_gate": "GRC"}
 
 
+# The recurrent parts' module names: the R-Transformer's LocalRNN, and the SRU alone or inside a Transformer layer.
+_RECURRENT = {"local_rnn": "local RNN", "sru": "SRU", "recurrent": "SRU"}
+
+
 def component_of(name: str) -> str:
     """The component a parameter belongs to, from its qualified name."""
     parts = name.split(".")
@@ -31,6 +35,10 @@ def component_of(name: str) -> str:
             return "attention"
         if part in ("ffn", "feed_forward"):
             return "feed-forward"
+        if part in _RECURRENT:
+            return _RECURRENT[part]
+        if part == "conv":
+            return "convolutions"
     return parts[0]
 
 
