@@ -380,3 +380,63 @@ def test_glu_odd_size_rejected() -> None:
 def test_glu_ffn_bad_args(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         GLUFeedForward(**kwargs)
+
+
+class _CountKernels(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operators that compute something (views and detaches left out)."""
+
+    _FREE = {"view", "t", "transpose", "detach", "split", "split_with_sizes", "slice", "alias", "unsqueeze", "expand"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.count += func.overloadpacket.__name__ not in self._FREE
+        return func(*args, **(kwargs or {}))
+
+
+def _kernels_of_step(product) -> int:  # noqa: ANN001
+    base, a, b = (torch.randn(4, 6, requires_grad=True) for _ in range(3))
+    with _CountKernels() as counter:
+        product(base, a, b).sum().backward()
+    return counter.count
+
+
+def test_gates_multiply_add_takes_fewer_kernels_with_gradients_than_addcmul() -> None:
+    from gatedformer.gates._product import add_product
+
+    assert _kernels_of_step(add_product) < _kernels_of_step(torch.addcmul)
+    base, a, b = (torch.randn(4, 6) for _ in range(3))
+    with torch.no_grad(), _CountKernels() as counter:
+        out = add_product(base, a, b)
+    assert counter.count == 1  # addcmul itself
+    torch.testing.assert_close(out, torch.addcmul(base, a, b), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("unit", ["sdu", "eau", "grc"])
+def test_gates_ending_in_a_multiply_add_keep_their_values_and_gradients(unit: str) -> None:
+    torch.manual_seed(0)
+    d = 6
+    x, s = torch.randn(3, d, requires_grad=True), torch.randn(3, d, requires_grad=True)
+    if unit == "sdu":
+        gate = SDU(d)
+        out = gate(x, add_to=s)
+        pre, value = gate.proj(x).chunk(2, dim=-1)
+        expected = torch.addcmul(s, torch.sigmoid(pre), value)
+    elif unit == "eau":
+        gate = EAU(d)
+        out = gate(x)
+        expected = torch.addcmul(x, torch.tanh(gate.adjuster(x)), gate.gate_activation(x))
+    else:
+        gate = GatedResidual(d)
+        out = gate(x, s)
+        expected = torch.addcmul(x, gate.gate_activation(x), s)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, s, *gate.parameters()], grad, allow_unused=True)
+    want = torch.autograd.grad(expected, [x, s, *gate.parameters()], grad, allow_unused=True)
+    torch.testing.assert_close(out, expected)
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g, w)

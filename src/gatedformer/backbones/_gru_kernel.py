@@ -22,6 +22,7 @@ from torch import Tensor
 
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 from gatedformer.backbones._simd import SIMD_HELPERS
+from gatedformer.gates._product import add_product
 
 __all__ = ["KERNEL", "gru_step", "gru_step_reference", "rows_view"]
 
@@ -277,7 +278,7 @@ def gru_step_reference(gi: Tensor, gh: Tensor, h: Tensor | None) -> Tensor:
     in_rz, in_n = gi.split([2 * d, d], dim=-1)
     h_rz, h_n = gh.split([2 * d, d], dim=-1)
     reset, update = torch.sigmoid(in_rz + h_rz).chunk(2, dim=-1)
-    new = torch.tanh(torch.addcmul(in_n, reset, h_n))
+    new = torch.tanh(add_product(in_n, reset, h_n))
     if h is None:
         return new - update * new
     return torch.lerp(new, h, update)

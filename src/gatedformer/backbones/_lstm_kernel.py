@@ -26,6 +26,7 @@ from torch import Tensor
 from gatedformer.backbones._gru_kernel import rows_view
 from gatedformer.backbones._native import NativeKernel, kernel_threads
 from gatedformer.backbones._simd import SIMD_HELPERS
+from gatedformer.gates._product import add_product
 
 __all__ = ["KERNEL", "lstm_step", "lstm_step_reference"]
 
@@ -259,7 +260,7 @@ def lstm_step_reference(gi: Tensor, gh: Tensor, c: Tensor | None) -> tuple[Tenso
     in_forget, cell, out = (gi + gh).split([2 * d, d, d], dim=-1)
     in_gate, forget = torch.sigmoid(in_forget).chunk(2, dim=-1)
     cell = torch.tanh(cell)
-    c_new = in_gate * cell if c is None else torch.addcmul(forget * c, in_gate, cell)
+    c_new = in_gate * cell if c is None else add_product(forget * c, in_gate, cell)
     return torch.sigmoid(out) * torch.tanh(c_new), c_new
 
 

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ._checks import check_size
+from ._product import add_product
 
 
 class EAU(nn.Module):
@@ -47,7 +48,7 @@ class EAU(nn.Module):
         return torch.sigmoid(self.evaluator_out(torch.relu(self.evaluator_in(x))))
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.addcmul(x, torch.tanh(self.adjuster(x)), self.gate_activation(x))  # x + a ⊙ e, one kernel
+        return add_product(x, torch.tanh(self.adjuster(x)), self.gate_activation(x))  # x + a ⊙ e
 
     @property
     def gate_bias(self) -> Tensor:

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ._checks import check_size
+from ._product import add_product
 
 
 class GatedResidual(nn.Module):
@@ -39,7 +40,7 @@ class GatedResidual(nn.Module):
         return torch.sigmoid(self.gate_proj(x))
 
     def forward(self, r: Tensor, s: Tensor) -> Tensor:
-        return torch.addcmul(r, self.gate_activation(r), s)  # r + g ⊙ s, one kernel
+        return add_product(r, self.gate_activation(r), s)  # r + g ⊙ s
 
     @property
     def gate_bias(self) -> Tensor:

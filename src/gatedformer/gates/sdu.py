@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from ._checks import check_size
+from ._product import add_product
 
 _GATE_FNS: dict[str, Callable[[Tensor], Tensor]] = {"sigmoid": torch.sigmoid, "tanh": torch.tanh}
 
@@ -53,11 +54,11 @@ class SDU(nn.Module):
         return pre_gate, value
 
     def forward(self, x: Tensor, add_to: Tensor | None = None) -> Tensor:
-        """``SDU(x)``, or ``add_to + SDU(x)`` in one fused multiply-add when ``add_to`` is given."""
+        """``SDU(x)``, or ``add_to + SDU(x)`` when ``add_to`` is given (one multiply-add without gradients)."""
         pre_gate, value = self._split(x)
         if add_to is None:
             return self._psi(pre_gate) * value
-        return torch.addcmul(add_to, self._psi(pre_gate), value)
+        return add_product(add_to, self._psi(pre_gate), value)
 
     def gate_activation(self, x: Tensor) -> Tensor:
         """``Psi(X W1 + b1)`` for input ``x``; computes only the gate half of the projection."""
