@@ -16,11 +16,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gatedformer.analysis.bench import (
     BenchOptions,
+    BenchReport,
     BenchSize,
     RNNSize,
     Timing,
     TorchReferenceLM,
     count_flops,
+    format_report,
     main,
     measure_memory,
     paired_ratio,
@@ -68,6 +70,27 @@ def test_every_backbone_and_variant_gets_a_row_with_the_documented_fields() -> N
             assert {"extra_flops_pct", "extra_time_pct", "extra_time_paired_pct", "gate_target_met"} <= row.keys()
             assert row["extra_flops_pct"] > 0
             assert row["gate_target_met"] == (row["extra_time_paired_pct"] <= row["extra_flops_pct"] + 10.0)
+
+
+def _model_row(variant: str, mfu: float, met: bool | None = None) -> dict:
+    row = {"section": "models", "backbone": "transformer", "variant": variant, "status": "ok", "params": 1000,
+           "train_ms": 10.0, "train_q1_ms": 9.0, "train_q3_ms": 11.0, "train_tokens_per_s": 1e5, "train_mfu": mfu,
+           "eval_ms": 3.0, "eval_q1_ms": 2.9, "eval_q3_ms": 3.1, "eval_tokens_per_s": 3e5, "eval_mfu": mfu}
+    if met is not None:
+        row |= {"extra_flops_pct": 15.2, "extra_time_pct": 40.0, "extra_time_paired_pct": 38.9, "gate_target_met": met}
+    return row
+
+
+@pytest.mark.parametrize(("mfu", "met", "noted"), [(0.024, False, True), (0.024, True, False), (0.45, False, False)])
+def test_gate_misses_behind_an_idle_device_get_a_note_on_per_call_overhead(mfu: float, met: bool, noted: bool) -> None:
+    meta = {"date": "2026-11-22", "device_name": "a GPU", "device": "cuda", "threads": 1, "torch": "2.x",
+            "size": {"d_model": 128, "n_layers": 3, "n_heads": 4, "d_ffn": 512, "batch": 16, "seq_len": 128,
+                     "vocab": 50}}
+    report = BenchReport(meta, [_model_row("baseline", mfu), _model_row("+EAU", mfu * 0.8, met)])
+    text = format_report(report)
+    assert ("bound by per-call overhead" in text) == noted
+    if noted:
+        assert "transformer 2.4%" in text and "--compile" in text
 
 
 def test_json_output_parses_and_the_cli_has_the_subcommand(capsys: pytest.CaptureFixture) -> None:

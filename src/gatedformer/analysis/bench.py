@@ -118,6 +118,9 @@ _RNN_GATES = {"gru": 3, "lstm": 4, "rnn": 1}
 _GATE_TARGET_SLACK_PCT = 10.0
 _NOISY_SPREAD_PCT = 25.0
 """An IQR wider than this share of the median marks a comparison as noisy (the machine was busy)."""
+_OVERHEAD_BOUND_MFU = 0.10
+"""A baseline training step below this MFU spends its time on per-call overhead (kernel launches, Python), not
+arithmetic: there a gate costs its extra calls, not its extra FLOPs."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1207,6 +1210,20 @@ def _table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
     return "\n".join(out)
 
 
+def _overhead_bound_note(models: Sequence[dict[str, Any]]) -> str:
+    """A note for the gate rows that miss the target behind a baseline too small for the device to be busy."""
+    baseline_mfu = {r["backbone"]: r["train_mfu"] for r in models
+                    if r.get("variant") == "baseline" and r.get("status") == "ok"}
+    bound = sorted({r["backbone"] for r in models if r.get("gate_target_met") is False
+                    and baseline_mfu.get(r["backbone"], 1.0) < _OVERHEAD_BOUND_MFU})
+    if not bound:
+        return ""
+    figures = ", ".join(f"{b} {100 * baseline_mfu[b]:.1f}%" for b in bound)
+    return (f"models: NO behind a baseline under {100 * _OVERHEAD_BOUND_MFU:.0f}% MFU ({figures}): at this size "
+            "the step is bound by per-call overhead (kernel launches, Python), so a gate costs its extra calls, not "
+            "its FLOPs. --compile fuses a gate's element-wise work; a larger --d-model or --batch lets the FLOPs count")
+
+
 def format_report(report: BenchReport) -> str:
     """The report as plain-text tables."""
     meta = report.meta
@@ -1234,6 +1251,9 @@ def format_report(report: BenchReport) -> str:
         if any(r.get("noisy") for r in models):
             extra_notes.append(f"models: * = the IQR of the variant or its baseline exceeds {_NOISY_SPREAD_PCT:.0f}% "
                                "of the median (a busy machine): rerun with more --repeats, or --threads 1")
+        overhead_note = _overhead_bound_note(models)
+        if overhead_note:
+            extra_notes.append(overhead_note)
         parts.append(f"\n== models: d {size['d_model']}, {size['n_layers']} layers, {size['n_heads']} heads, "
                      f"ffn {size['d_ffn']}, batch {size['batch']} x seq {size['seq_len']}, vocab {size['vocab']}\n"
                      + _table(["backbone", "variant", "params", "train ms (IQR)", "tok/s", "MFU", "eval ms (IQR)",
