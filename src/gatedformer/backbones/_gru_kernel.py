@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from gatedformer.backbones._native import NativeKernel, kernel_threads
-from gatedformer.backbones._simd import SIMD_HELPERS
+from gatedformer.backbones._simd import SIGMOID, SIMD_HELPERS
 from gatedformer.gates._product import add_product
 
 __all__ = ["KERNEL", "gru_step", "gru_step_reference", "rows_view"]
@@ -42,14 +42,7 @@ _CPP_SOURCE = r"""
 #endif
 
 namespace {
-""" + SIMD_HELPERS + r"""
-
-template <typename T>
-inline T sigmoid(T x) {
-    const T e = std::exp(-std::fabs(x));  // never overflows
-    const T inv = T(1) / (T(1) + e);
-    return x >= T(0) ? inv : e * inv;
-}
+""" + SIMD_HELPERS + SIGMOID + r"""
 
 template <typename T, bool HasH>
 void forward_row(const T* __restrict ar, const T* __restrict az, const T* __restrict an,

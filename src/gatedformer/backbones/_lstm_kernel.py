@@ -25,7 +25,7 @@ from torch import Tensor
 
 from gatedformer.backbones._gru_kernel import rows_view
 from gatedformer.backbones._native import NativeKernel, kernel_threads
-from gatedformer.backbones._simd import SIMD_HELPERS
+from gatedformer.backbones._simd import SIGMOID, SIMD_HELPERS
 from gatedformer.gates._product import add_product
 
 __all__ = ["KERNEL", "lstm_step", "lstm_step_reference"]
@@ -46,14 +46,7 @@ _CPP_SOURCE = r"""
 #endif
 
 namespace {
-""" + SIMD_HELPERS + r"""
-
-template <typename T>
-inline T sigmoid(T x) {
-    const T e = std::exp(-std::fabs(x));  // never overflows
-    const T inv = T(1) / (T(1) + e);
-    return x >= T(0) ? inv : e * inv;
-}
+""" + SIMD_HELPERS + SIGMOID + r"""
 
 template <typename T, bool HasC>
 void forward_row(const T* __restrict a, const T* __restrict b, const T* __restrict c, T* __restrict h_out,

@@ -1,7 +1,17 @@
-"""C++ helpers shared by the compiled attention kernels: the vector type, masked lanes, exp, denormal flushing.
+"""C++ helpers shared by the compiled kernels: the vector type, masked lanes, exp, denormal flushing, the sigmoid.
 
 Pasted in front of a kernel's own source (inside its anonymous namespace). It defines ``kW`` (floats per
 vector: 16 with AVX-512, else 8), ``vec`` and the small functions below; the kernel picks its own blocking.
+"""
+
+SIGMOID = r"""
+// The logistic function of a float or double, for the recurrent cells' scalar loops (which GCC vectorises).
+template <typename T>
+inline T sigmoid(T x) {
+    const T e = std::exp(-std::fabs(x));  // never overflows
+    const T inv = T(1) / (T(1) + e);
+    return x >= T(0) ? inv : e * inv;
+}
 """
 
 SIMD_HELPERS = r"""

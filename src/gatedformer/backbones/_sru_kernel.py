@@ -42,7 +42,7 @@ from torch import Tensor
 
 from gatedformer.backbones import _sru_triton
 from gatedformer.backbones._native import BACKENDS, NativeKernel, kernel_threads
-from gatedformer.backbones._simd import SIMD_HELPERS
+from gatedformer.backbones._simd import SIGMOID, SIMD_HELPERS
 
 __all__ = ["kernel_backend", "sru_recurrence", "sru_recurrence_reference"]
 
@@ -62,14 +62,7 @@ _CPP_SOURCE = r"""
 #endif
 
 namespace {
-""" + SIMD_HELPERS + r"""
-
-template <typename T>
-inline T sigmoid(T x) {
-    const T e = std::exp(-std::fabs(x));  // never overflows
-    const T inv = T(1) / (T(1) + e);
-    return x >= T(0) ? inv : e * inv;
-}
+""" + SIMD_HELPERS + SIGMOID + r"""
 
 template <typename T>
 struct Args {
