@@ -20,12 +20,14 @@ from gatedformer.backbones.placement import resolve_placement
 from gatedformer.backbones.seq2seq import Seq2SeqTransformer, seq2seq_parameter_count
 from gatedformer.config import RunConfig, apply_overrides, build_config, load_recipe, validate
 from gatedformer.data import translation as mt
-from gatedformer.errors import ConfigError, DataError
+from gatedformer.errors import CheckpointError, ConfigError, DataError
 from gatedformer.gates import EAU, SDU, GatedResidual
+from gatedformer.train.checkpoint import recorded_config
 from gatedformer.train.translation import (
     beam_search,
     corpus_bleu,
     greedy_decode,
+    load_translation_run,
     train_translation,
     translate_lines,
 )
@@ -353,6 +355,19 @@ def test_translate_cli_prints_one_line_per_input_line(trained_run: Path, tmp_pat
     assert len(printed) == 4 and printed[1] == "" and printed[3] == ""
     assert main(["translate", "--run", str(tmp_path / "nowhere"), "--input", str(source)]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_translation_weights_of_another_architecture_are_refused_by_name(trained_run: Path) -> None:
+    assert recorded_config(trained_run / "model.safetensors")["model"]["d_model"] == 16
+    config = json.loads((trained_run / "config.json").read_text())
+    config["model"].update(d_ffn=48, dropout=0.3)  # dropout does not change the weights
+    (trained_run / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"another architecture .*model\.d_ffn \(32 saved, 48 now\)") as info:
+        load_translation_run(trained_run)
+    assert "dropout" not in str(info.value)
+    (trained_run / "model.safetensors").unlink()  # the checkpoint records its config too
+    with pytest.raises(CheckpointError, match=r"ckpt.*another architecture"):
+        load_translation_run(trained_run)
 
 
 def test_eval_and_generate_on_a_translation_run(trained_run: Path, corpus_dir: Path,

@@ -32,7 +32,8 @@ from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
 from gatedformer import __version__
-from gatedformer.errors import CheckpointError
+from gatedformer.config import RunConfig, config_from_dict
+from gatedformer.errors import CheckpointError, ConfigError
 from gatedformer.io import _fsync_dir, atomic_write_text
 
 CHECKPOINT_DIR = "ckpt"
@@ -256,6 +257,34 @@ def _safe_load_tensors(path: Path) -> dict[str, torch.Tensor]:
             f"{path} is truncated or corrupt ({str(err).splitlines()[0][:120]}); "
             "delete the run's ckpt folder or resume from another run"
         ) from None
+
+
+def read_run_config(run_dir: Path) -> RunConfig:
+    """The config a run directory was trained with (its ``config.json``); one clear error if it has none or it is
+    corrupt."""
+    config_file = run_dir / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{run_dir} is not a gatedformer run (no config.json); pass the --out of a train run")
+    try:
+        return config_from_dict(json.loads(config_file.read_text(encoding="utf-8")), where=str(config_file))
+    except ValueError as err:
+        raise CheckpointError(f"{config_file} is corrupt ({err}); the run cannot be loaded") from None
+
+
+def load_run_weights(model: nn.Module, run_dir: Path, config: dict[str, Any]) -> None:
+    """Load a run's final weights (``model.safetensors``), else its latest checkpoint's, into ``model``. Weights
+    recorded with another architecture than ``config`` asks for are refused, naming the differing fields."""
+    final = run_dir / "model.safetensors"
+    if final.is_file():
+        state, where, recorded = _safe_load_tensors(final), str(final), recorded_config(final)
+    else:
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
+            raise CheckpointError(f"{run_dir} has no weights yet (no model.safetensors, no checkpoint)")
+        loaded = load_checkpoint(checkpoint, with_trainer=False)
+        state, where, recorded = loaded.model_state, str(checkpoint), loaded.meta.get("config")
+    check_architecture(recorded, config, where)
+    load_model_weights(model, state, where)
 
 
 def load_checkpoint(path: Path, with_trainer: bool = True) -> Checkpoint:

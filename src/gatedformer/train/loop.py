@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from gatedformer.backbones import build_model
-from gatedformer.config import TRANSLATION_CORPORA, RunConfig, config_from_dict, validate
+from gatedformer.config import TRANSLATION_CORPORA, RunConfig, validate
 from gatedformer.data import Corpus, LMStream, load_corpus
 from gatedformer.errors import CheckpointError, ConfigError, GatedformerError
 from gatedformer.io import atomic_write_json, atomic_write_text
@@ -33,7 +33,8 @@ from gatedformer.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     load_model_weights,
-    recorded_config,
+    load_run_weights,
+    read_run_config,
     save_checkpoint,
     save_model_weights,
     weights_metadata,
@@ -471,31 +472,12 @@ def load_trained(run_dir: str | Path, data_dir: str | Path | None = None,
                  device: str = "auto") -> tuple[RunConfig, nn.Module, Corpus]:
     """The config, model (final weights, else the latest checkpoint) and corpus of a run directory."""
     run_dir = Path(run_dir)
-    config_file = run_dir / "config.json"
-    if not config_file.is_file():
-        raise ConfigError(f"{run_dir} is not a gatedformer run (no config.json); pass the --out of a train run")
-    try:
-        config = config_from_dict(json.loads(config_file.read_text(encoding="utf-8")), where=str(config_file))
-    except ValueError as err:
-        raise CheckpointError(f"{config_file} is corrupt ({err}); the run cannot be loaded") from None
+    config = read_run_config(run_dir)
     if config.data.corpus in TRANSLATION_CORPORA:
         raise ConfigError(f"{run_dir} is a translation run; use `gatedformer translate --run {run_dir}` "
                           "or `gatedformer eval --run` for its loss and BLEU")
     corpus = load_corpus(config.data.corpus, data_dir)
     model = build_model(config.model, len(corpus.vocab))
-    final = run_dir / "model.safetensors"
-    if final.is_file():
-        from gatedformer.train.checkpoint import _safe_load_tensors
-
-        state = _safe_load_tensors(final)
-        where, recorded = str(final), recorded_config(final)
-    else:
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
-            raise CheckpointError(f"{run_dir} has no weights yet (no model.safetensors, no checkpoint)")
-        loaded = load_checkpoint(checkpoint, with_trainer=False)
-        state, where, recorded = loaded.model_state, str(checkpoint), loaded.meta.get("config")
-    check_architecture(recorded, config.to_dict(), where)
-    load_model_weights(model, state, where)
+    load_run_weights(model, run_dir, config.to_dict())
     model.to(resolve_device(device)).eval()
     return config, model, corpus

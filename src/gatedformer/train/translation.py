@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gatedformer.backbones.seq2seq import Seq2SeqTransformer
-from gatedformer.config import TRANSLATION_CORPORA, RunConfig, config_from_dict, validate
+from gatedformer.config import TRANSLATION_CORPORA, RunConfig, validate
 from gatedformer.data.translation import (
     BOS_ID,
     EOS_ID,
@@ -54,12 +54,13 @@ from gatedformer.data.vocab import Vocab
 from gatedformer.errors import CheckpointError, ConfigError, DataError, GatedformerError
 from gatedformer.io import atomic_write, atomic_write_json, atomic_write_text
 from gatedformer.train.checkpoint import (
-    _safe_load_tensors,
-    latest_checkpoint,
     load_checkpoint,
     load_model_weights,
+    load_run_weights,
+    read_run_config,
     save_checkpoint,
     save_model_weights,
+    weights_metadata,
 )
 from gatedformer.train.compiling import compile_model
 from gatedformer.train.gate_stats import GateStatistics, gate_biases
@@ -439,7 +440,7 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
     test_bleu, hypotheses = evaluate_bleu(model, data.test, data.tgt_vocab, data.tgt_lang, beam, tr.length_penalty,
                                           eval_batch)
     atomic_write_text(out_dir / "test.hyp.txt", "".join(h + "\n" for h in hypotheses))
-    save_model_weights(model, out_dir / "model.safetensors")
+    save_model_weights(model, out_dir / "model.safetensors", weights_metadata(config.to_dict()))
     biases = gate_biases(model)
     if biases:
         from safetensors.torch import save_file
@@ -469,13 +470,7 @@ def load_translation_run(run_dir: str | Path, data_dir: str | Path | None = None
                          device: str = "auto") -> tuple[RunConfig, Seq2SeqTransformer, Vocab, Vocab]:
     """The config, model (final weights, else the latest checkpoint) and both vocabularies of a run."""
     run_dir = Path(run_dir)
-    config_file = run_dir / "config.json"
-    if not config_file.is_file():
-        raise ConfigError(f"{run_dir} is not a gatedformer run (no config.json); pass the --out of a train run")
-    try:
-        config = config_from_dict(json.loads(config_file.read_text(encoding="utf-8")), where=str(config_file))
-    except ValueError as err:
-        raise CheckpointError(f"{config_file} is corrupt ({err}); the run cannot be loaded") from None
+    config = read_run_config(run_dir)
     if config.data.corpus not in TRANSLATION_CORPORA:
         raise ConfigError(f"{run_dir} is a {config.data.corpus} language-model run, not a translation run; "
                           "translate needs a run trained on multi30k")
@@ -490,15 +485,7 @@ def load_translation_run(run_dir: str | Path, data_dir: str | Path | None = None
         data = load_data(config, data_dir)
         src_vocab, tgt_vocab = data.src_vocab, data.tgt_vocab
     model = build_seq2seq(config, len(src_vocab), len(tgt_vocab))
-    final = run_dir / "model.safetensors"
-    if final.is_file():
-        state, where = _safe_load_tensors(final), str(final)
-    else:
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
-            raise CheckpointError(f"{run_dir} has no weights yet (no model.safetensors, no checkpoint)")
-        state, where = load_checkpoint(checkpoint, with_trainer=False).model_state, str(checkpoint)
-    load_model_weights(model, state, where)
+    load_run_weights(model, run_dir, config.to_dict())
     model.to(resolve_device(device)).eval()
     return config, model, src_vocab, tgt_vocab
 
