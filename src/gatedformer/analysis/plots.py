@@ -85,5 +85,6 @@ def plot_convergence(runs: dict[str, list[Path]], metric: str, out_path: Path) -
     axes[2].set(xlabel="step", ylabel="train loss (nats/token)", title="train loss vs step")
     for axis in axes:
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+        if axis.get_legend_handles_labels()[0]:  # a run too short to evaluate leaves its panels empty
+            axis.legend(fontsize=8)
     return _save(fig, Path(out_path))
