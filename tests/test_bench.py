@@ -361,7 +361,7 @@ def test_the_xl_step_script_splits_the_step_around_the_compiled_stack(tmp_path, 
     figures = json.loads(out.read_text())
     assert figures["forward_call_ms"] > 0 and figures["backward_call_ms"] > 0
     assert 0 < figures["around_calls_ms"] < figures["step_ms"]
-    assert 0 < figures["rest_alone_ms"] < figures["step_ms"]
+    assert figures["rest_alone_ms"] > 0  # timed apart from the step: at this size no faster for sure
     assert figures["python_stack_speedup"] > 0
     monkeypatch.setattr(script, "recipe_size", lambda name, data_dir: ("transformer", tiny))
     assert script.main(["--steps", "1"]) == 2
