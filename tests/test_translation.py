@@ -6,6 +6,7 @@ and need no shared data); a few tests read the real Multi30K files when they are
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -368,6 +369,44 @@ def test_translation_weights_of_another_architecture_are_refused_by_name(trained
     (trained_run / "model.safetensors").unlink()  # the checkpoint records its config too
     with pytest.raises(CheckpointError, match=r"ckpt.*another architecture"):
         load_translation_run(trained_run)
+
+
+def test_the_translation_mfu_script_times_real_batches_against_their_counted_flops(
+        corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/translation_mfu.py: the recipe's model on its first batches; the FLOPs are counted with PyTorch's
+    operations in place of the compiled kernels, whose arithmetic the counter cannot see."""
+    import importlib.util
+    import os
+
+    from gatedformer.backbones import _attention_kernel, _cross_entropy_kernel
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "translation_mfu.py"
+    spec = importlib.util.spec_from_file_location("translation_mfu", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    cpu = torch.device("cpu")
+    before = {name: os.environ.get(name) for name in script._BACKEND_SWITCHES}
+    with script._pytorch_operations():
+        assert _attention_kernel.KERNEL.pick_backend(cpu) == "torch"
+        assert _cross_entropy_kernel.KERNEL.pick_backend(cpu) == "torch"
+    assert {name: os.environ.get(name) for name in script._BACKEND_SWITCHES} == before
+
+    out = tmp_path / "mfu.json"
+    overrides = ["model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.d_ffn=32", "data.batch_size=16",
+                 "translation.max_len=12", "translation.min_freq=1"]
+    assert script.main(["--data-dir", str(corpus_dir), "--threads", "1", "--batches", "3", "--repeats", "1",
+                        "--warmup", "0", "--json", str(out), "--set", *overrides]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["recipe"] == "multi30k-tiny" and figures["batches"] == 3
+    assert figures["target_positions"] > 0 and 0 <= figures["padding_share"] < 1
+    assert figures["step_q1_ms"] <= figures["step_ms"] <= figures["step_q3_ms"]
+    assert figures["gflop_per_step"] > 0 and figures["peak_gflops"] > 0 and 0 < figures["train_mfu"] < 1.5
+    if _attention_kernel.KERNEL.pick_backend(cpu) == "native":  # counted through the kernels, FLOPs go missing
+        monkeypatch.setattr(script, "_pytorch_operations", contextlib.nullcontext)
+        assert script.main(["--data-dir", str(corpus_dir), "--threads", "1", "--batches", "3", "--repeats", "1",
+                            "--warmup", "0", "--json", str(out), "--set", *overrides]) == 0
+        assert json.loads(out.read_text())["gflop_per_step"] < figures["gflop_per_step"]
 
 
 def test_eval_and_generate_on_a_translation_run(trained_run: Path, corpus_dir: Path,

@@ -1,0 +1,121 @@
+"""The translation recipe's training-step MFU: ``multi30k-tiny``'s model, optimiser and real batches, as
+``gatedformer train`` runs them, timed in one loop with the float32 matrix product that gives the peak.
+
+    python benchmarks/translation_mfu.py --threads 2 [--data-dir ../shared/data] [--batches 8] [--repeats 5]
+
+One timed call trains on the first ``--batches`` batches of the recipe's first epoch (length-bucketed, so their
+shapes vary). Its FLOPs are counted by ``torch.utils.flop_counter`` over the same batches' forward and backward
+passes, with the PyTorch operations in place of the compiled CPU kernels (which the counter cannot see): the
+arithmetic is the same. Padded positions count, as the model computes them; the share of padding is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from gatedformer.analysis.bench import BenchOptions, _cpu_model, _peak_contenders, _peaks, time_round_robin
+from gatedformer.config import build_config, load_recipe
+from gatedformer.data.translation import PAD_ID, collate, length_batches
+from gatedformer.train.init import initialise
+from gatedformer.train.optim import build_optimizer, build_scheduler
+from gatedformer.train.translation import build_seq2seq, load_data
+
+_BACKEND_SWITCHES = ("GATEDFORMER_ATTENTION_BACKEND", "GATEDFORMER_DROPOUT_BACKEND",
+                     "GATEDFORMER_CROSS_ENTROPY_BACKEND", "GATEDFORMER_GATE_BACKEND")
+
+
+@contextmanager
+def _pytorch_operations() -> Iterator[None]:
+    """Inside, the models run PyTorch's operations instead of the compiled kernels (the switches are read per call)."""
+    saved = {name: os.environ.get(name) for name in _BACKEND_SWITCHES}
+    os.environ.update(dict.fromkeys(_BACKEND_SWITCHES, "torch"))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="multi30k-tiny")
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides, as for gatedformer train")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument("--batches", type=int, default=8, help="batches per timed call")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    config = build_config(load_recipe(args.recipe), args.set)
+    data = load_data(config, args.data_dir)
+    torch.manual_seed(config.train.seed)
+    model = build_seq2seq(config, len(data.src_vocab), len(data.tgt_vocab))
+    initialise(model, config.init)
+    optimizer = build_optimizer(model, config.optim)
+    scheduler = build_scheduler(optimizer, config.optim, config.train.steps, config.model.d_model)
+    tr = config.translation
+    indices = length_batches(data.train, config.data.batch_size, tr.max_tokens, config.train.seed, 0)[:args.batches]
+    batches = [collate(data.train, i) for i in indices]
+
+    def loss_of(src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
+        return model(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID, label_smoothing=tr.label_smoothing)
+
+    def train_batches() -> None:
+        for src, tgt_in, tgt_out in batches:
+            optimizer.zero_grad(set_to_none=True)
+            loss_of(src, tgt_in, tgt_out).backward()
+            optimizer.step()
+            scheduler.step()
+
+    model.train()
+    with _pytorch_operations(), FlopCounterMode(display=False) as counter:
+        for batch in batches:
+            loss_of(*batch).backward()
+    optimizer.zero_grad(set_to_none=True)
+    flops = counter.get_total_flops()
+
+    options = BenchOptions(repeats=args.repeats, warmup=args.warmup, threads=args.threads)
+    contenders, peak_flops = _peak_contenders(torch.device("cpu"), options)
+    contenders["train"] = train_batches
+    times = time_round_robin(contenders, repeats=args.repeats, warmup=args.warmup)
+    peak, _ = _peaks(times, peak_flops)
+    train = times["train"]
+    tokens = sum(int(t.numel()) for _, _, t in batches)
+    real = sum(int((t != PAD_ID).sum()) for _, _, t in batches)
+    result = {
+        "recipe": args.recipe, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": _cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "batches": len(batches), "target_positions": tokens, "padding_share": 1 - real / tokens,
+        "step_ms": 1e3 * train.median / len(batches), "step_q1_ms": 1e3 * train.quartiles[0] / len(batches),
+        "step_q3_ms": 1e3 * train.quartiles[1] / len(batches), "gflop_per_step": flops / len(batches) / 1e9,
+        "peak_gflops": peak / 1e9, "train_mfu": flops / train.median / peak,
+    }
+    print(f"{args.recipe}: {len(batches)} batches, {100 * result['padding_share']:.1f}% of target positions padding; "
+          f"step {result['step_ms']:.1f} ms ({result['step_q1_ms']:.1f}-{result['step_q3_ms']:.1f}), "
+          f"{result['gflop_per_step']:.2f} GFLOP, peak {result['peak_gflops']:.1f} GFLOP/s, "
+          f"MFU {100 * result['train_mfu']:.1f}%  ({result['threads']} threads)")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(result, handle, indent=2)
+            handle.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
