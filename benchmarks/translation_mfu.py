@@ -22,7 +22,9 @@ from contextlib import contextmanager
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from gatedformer.analysis.bench import BenchOptions, _cpu_model, _peak_contenders, _peaks, time_round_robin
+from gatedformer.analysis.bench import BenchOptions, time_round_robin
+from gatedformer.analysis.bench.report import cpu_model
+from gatedformer.analysis.bench.timing import measured_peaks, peak_contenders
 from gatedformer.config import build_config, load_recipe
 from gatedformer.data.translation import PAD_ID, collate, length_batches
 from gatedformer.train.init import initialise
@@ -91,16 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     flops = counter.get_total_flops()
 
     options = BenchOptions(repeats=args.repeats, warmup=args.warmup, threads=args.threads)
-    contenders, peak_flops = _peak_contenders(torch.device("cpu"), options)
+    contenders, peak_flops = peak_contenders(torch.device("cpu"), options)
     contenders["train"] = train_batches
     times = time_round_robin(contenders, repeats=args.repeats, warmup=args.warmup)
-    peak, _ = _peaks(times, peak_flops)
+    peak, _ = measured_peaks(times, peak_flops)
     train = times["train"]
     tokens = sum(int(t.numel()) for _, _, t in batches)
     real = sum(int((t != PAD_ID).sum()) for _, _, t in batches)
     result = {
         "recipe": args.recipe, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": _cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
         "batches": len(batches), "target_positions": tokens, "padding_share": 1 - real / tokens,
         "step_ms": 1e3 * train.median / len(batches), "step_q1_ms": 1e3 * train.quartiles[0] / len(batches),
         "step_q3_ms": 1e3 * train.quartiles[1] / len(batches), "gflop_per_step": flops / len(batches) / 1e9,

@@ -162,11 +162,11 @@ def test_plain_pytorch_reference_has_our_parameter_count() -> None:
 
 def test_x_transformers_peer_is_equally_sized() -> None:
     pytest.importorskip("x_transformers")
-    from gatedformer.analysis.bench import _XTransformersLM
+    from gatedformer.analysis.bench.peers import XTransformersLM
 
     size = BenchSize(d_model=32, n_layers=3, n_heads=4, d_ffn=128, seq_len=16, vocab=50)
     ours = build_model(size.model_config("transformer"), size.vocab)
-    theirs = _XTransformersLM(size)
+    theirs = XTransformersLM(size)
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     # No attention or output biases and bias-free LayerNorms over there: within 2 % of ours.
     assert abs(count(theirs) - count(ours)) <= 0.02 * count(ours)

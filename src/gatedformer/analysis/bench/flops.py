@@ -1,0 +1,111 @@
+"""Model FLOPs, counted analytically per layer (or by torch's counter where no formula exists)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from gatedformer.backbones.placement import SublayerGates, resolve_placement
+from gatedformer.config import ModelConfig
+
+_RNN_GATES = {"gru": 3, "lstm": 4, "rnn": 1}
+
+
+@dataclass
+class FlopCount:
+    """FLOPs of one forward pass over a batch, by component."""
+
+    forward: dict[str, int]
+    method: str = "analytic"
+
+    @property
+    def forward_total(self) -> int:
+        return sum(self.forward.values())
+
+    @property
+    def train_total(self) -> int:
+        """Forward + backward: every product of the forward pass is followed by two of the same size."""
+        return 3 * self.forward_total
+
+
+def _mm(m: int, k: int, n: int) -> int:
+    return 2 * m * k * n
+
+
+def _gate_flops(site: SublayerGates, tokens: int, d: int) -> int:
+    flops = 0
+    if site.unit in ("sdu", "highway", "gated_mhdpa"):
+        flops += _mm(tokens, d, 2 * d)  # gate and transform halves in one product
+    if site.eau:
+        h = d // 2
+        flops += _mm(tokens, d, h) + _mm(tokens, h, d) + _mm(tokens, d, d)
+    if site.grc:
+        flops += _mm(tokens, d, d)
+    return flops
+
+
+def count_flops(cfg: ModelConfig, vocab: int, batch: int, seq_len: int, memory_len: int | None = None) -> FlopCount:
+    """Forward FLOPs of the language model ``cfg`` on one ``(batch, seq_len)`` window, counted per layer.
+
+    See the module docstring for what is counted. ``memory_len`` is the Transformer-XL memory in use
+    (default ``cfg.mem_len``, the steady state). Backbones without a formula here raise ``ValueError``.
+    """
+    b, t, d = batch, seq_len, cfg.d_model
+    n = b * t
+    parts: dict[str, int] = {}
+
+    def add(key: str, value: int) -> None:
+        parts[key] = parts.get(key, 0) + value
+
+    if cfg.backbone in ("transformer", "rtransformer", "transformer-xl", "sru-transformer"):
+        placement = resolve_placement(cfg.gates, cfg.n_layers, backbone=cfg.backbone)
+        f = cfg.d_ffn
+        for i in range(cfg.n_layers):
+            if cfg.backbone == "rtransformer":
+                width = _RNN_GATES[cfg.rnn_type] * d
+                # Input projection once per position, then window - 1 hidden-to-hidden products.
+                add("local_rnn", cfg.rnn_window * _mm(n, d, width))
+            if cfg.backbone == "sru-transformer":
+                add("sru.proj", _mm(n, d, 3 * d))  # the SRU sublayer: [W x, W_f x, W_r x] in one product
+            if cfg.backbone == "transformer-xl":
+                mem = cfg.mem_len if memory_len is None else memory_len
+                keys = mem + t
+                pairs = t * mem + t * (t + 1) // 2
+                add("attn.proj", _mm(n, d, d) + _mm(b * keys, d, 2 * d) + _mm(keys, d, d) + _mm(n, d, d))
+                add("attn.scores", 2 * (2 * b * pairs * d))  # content (a + c) and position (b + d) terms
+                add("attn.values", 2 * b * pairs * d)
+            else:
+                pairs = t * (t + 1) // 2
+                add("attn.proj", _mm(n, d, 3 * d) + _mm(n, d, d))
+                add("attn.scores", 2 * b * pairs * d)
+                add("attn.values", 2 * b * pairs * d)
+            add("ffn", _mm(n, d, 2 * f) + _mm(n, f, d) if cfg.ffn == "glu" else _mm(n, d, f) + _mm(n, f, d))
+            gates = _gate_flops(placement.at(i, "attn"), n, d) + _gate_flops(placement.at(i, "ffn"), n, d)
+            if gates:
+                add("gates", gates)
+    elif cfg.backbone == "gcnn":
+        k, bott = cfg.kernel_size, cfg.bottleneck
+        for _ in range(cfg.n_layers):
+            if bott > 0:
+                add("conv", _mm(n, d, 2 * bott) + _mm(n, bott * k, 2 * bott) + _mm(n, bott, 2 * d))
+            else:
+                add("conv", _mm(n, d * k, 2 * d))
+    elif cfg.backbone == "sru":
+        p = cfg.projection_size
+        for _ in range(cfg.n_layers):
+            add("sru.proj", _mm(n, d, p) + _mm(n, p, 3 * d) if p else _mm(n, d, 3 * d))
+    else:
+        raise ValueError(f"no FLOP formula for backbone {cfg.backbone!r}")
+    add("output", _mm(n, d, vocab))
+    return FlopCount(parts)
+
+
+def measured_flops(model: nn.Module, tokens: Tensor) -> FlopCount:
+    """Fallback for backbones without a formula: torch's operator-level counter on one forward pass."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(tokens)
+    return FlopCount({"all": int(counter.get_total_flops())}, method="torch.utils.flop_counter")
