@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import gc
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,14 @@ from gatedformer.analysis.bench.options import (
 from gatedformer.analysis.bench.peers import TorchReferenceLM, XTransformersLM, import_quietly
 from gatedformer.analysis.bench.report import BenchReport, describe_options, report_meta
 from gatedformer.analysis.bench.runners import LMRunner, count_parameters, initialise_weights, memory_step
-from gatedformer.analysis.bench.timing import bf16_mfu, measured_peaks, paired_ratio, peak_contenders, time_round_robin
+from gatedformer.analysis.bench.timing import (
+    Timing,
+    bf16_mfu,
+    measured_peaks,
+    paired_ratio,
+    peak_contenders,
+    time_round_robin,
+)
 from gatedformer.backbones import BUILDERS, build_model
 from gatedformer.backbones.placement import resolve_placement
 from gatedformer.config import INIT_SCHEMES
@@ -54,6 +61,20 @@ def _gate_capable(backbone: str, n_layers: int) -> bool:
     except ConfigError:
         return False
     return True
+
+
+def _time_steps(runners: Mapping[str, LMRunner], options: BenchOptions, device: torch.device
+                ) -> tuple[dict[str, Timing], dict[str, str], float, dict[str, float]]:
+    """Every runner's training and evaluation steps (``train:NAME``, ``eval:NAME``) and the peak products in one
+    round-robin loop: the timings, the contenders that failed (with why), the float32 peak and every peak."""
+    contenders, peak_flops = peak_contenders(device, options)
+    for name, runner in runners.items():
+        contenders[f"train:{name}"] = runner.train_step
+        contenders[f"eval:{name}"] = runner.eval_step
+    failed: dict[str, str] = {}
+    times = time_round_robin(contenders, options.repeats, options.warmup, device, failed=failed)
+    peak, peaks = measured_peaks(times, peak_flops)
+    return times, failed, peak, peaks
 
 
 def _bench_models(report: BenchReport, size: BenchSize, options: BenchOptions, device: torch.device,
@@ -86,13 +107,7 @@ def _bench_models(report: BenchReport, size: BenchSize, options: BenchOptions, d
                 flops[name] = count_flops(cfg, size.vocab, size.batch, size.seq_len, memory_len=memory_len)
             except ValueError:
                 flops[name] = measured_flops(model.eval(), runners[name].x)
-        contenders, peak_flops = peak_contenders(device, options)
-        for name, runner in runners.items():
-            contenders[f"train:{name}"] = runner.train_step
-            contenders[f"eval:{name}"] = runner.eval_step
-        failed: dict[str, str] = {}
-        times = time_round_robin(contenders, options.repeats, options.warmup, device, failed=failed)
-        peak, peaks = measured_peaks(times, peak_flops)
+        times, failed, peak, peaks = _time_steps(runners, options, device)
         base_time = times.get("train:baseline")
         base_flops = flops.get("baseline")
         for name, runner in runners.items():
@@ -165,13 +180,7 @@ def _bench_transformer_peers(report: BenchReport, size: BenchSize, options: Benc
             skipped[name] = f"skipped: not installed ({err.name or err}); pip install 'gatedformer[bench]'"
         except Exception as err:  # noqa: BLE001 - an optional peer that fails to build is reported
             skipped[name] = f"skipped: {type(err).__name__}: {err}"[:200]
-    contenders, peak_flops = peak_contenders(device, options)
-    for name, runner in runners.items():
-        contenders[f"train:{name}"] = runner.train_step
-        contenders[f"eval:{name}"] = runner.eval_step
-    failed: dict[str, str] = {}
-    times = time_round_robin(contenders, options.repeats, options.warmup, device, failed=failed)
-    peak, peaks = measured_peaks(times, peak_flops)
+    times, failed, peak, peaks = _time_steps(runners, options, device)
     ours = times.get("train:gatedformer TransformerLM")
     ours_eval = times.get("eval:gatedformer TransformerLM")
     for name in builders:
