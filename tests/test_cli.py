@@ -100,6 +100,30 @@ def test_bad_input_is_one_line(args: list[str], fragment: str, tmp_path: Path) -
     assert_one_line_error(run_cli(*args), fragment)
 
 
+def test_an_output_path_blocked_by_a_file_is_one_line(text_corpus: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    blocked = tmp_path / "notes.txt"
+    blocked.write_text("mine")
+    run = tmp_path / "run"
+    overrides = sets(tiny_overrides(text_corpus, steps=2))
+    assert main(["train", "--recipe", "ptb-char-tiny", "--out", str(run), "--quiet", *overrides,
+                 "--set", "model.gates=+σ SDU"]) == 0
+    capsys.readouterr()
+    for args, fragment in [
+        (["train", "--recipe", "ptb-char-tiny", "--out", str(blocked), "--quiet", *overrides],
+         f"{blocked} is a file, not a folder; choose another run folder"),
+        (["train", "--recipe", "ptb-char-tiny", "--out", str(blocked / "run"), "--quiet", *overrides],
+         f"cannot create the run folder {blocked / 'run'} (Not a directory)"),
+        (["compare", "--recipe", "ptb-char-tiny", "--out", str(blocked), "--quiet", *overrides],
+         "is a file, not a folder; choose another comparison folder"),
+        (["analyze", "--run", str(run), "--out", str(blocked)], "is a file, not a folder"),
+    ]:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("gatedformer: error: ") and fragment in err, err
+    assert blocked.read_text() == "mine"
+
+
 def test_missing_corpus(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -646,3 +646,31 @@ def test_atomic_writes_leave_normal_permissions_and_no_temp_files(tmp_path):
     for name in ("report.json", "tokens.bin"):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644  # not mkstemp's 0600
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "tokens.bin"]  # no .part left behind
+
+
+def test_an_unwritable_cache_only_warns(monkeypatch, tmp_path):
+    # The output-folder error is an OSError too, so a cache path blocked by a file still only costs a warning.
+    install_word_corpus(monkeypatch, tmp_path, WORDS)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("GATEDFORMER_CACHE", str(blocked / "cache"))
+    with pytest.warns(UserWarning, match="could not write token cache"):
+        corpus = load_corpus("ptb", tmp_path)
+    assert corpus.train.numel() > 0
+
+
+def test_make_folder_names_the_path_and_the_reason(tmp_path):
+    from gatedformer.errors import OutputError
+    from gatedformer.io import atomic_write_text, make_folder
+
+    assert make_folder(tmp_path / "a" / "b").is_dir()
+    assert make_folder(tmp_path / "a" / "b").is_dir()  # an existing folder is fine
+    blocked = tmp_path / "a-file"
+    blocked.write_text("kept")
+    with pytest.raises(OutputError, match=f"^{blocked} is a file, not a folder; choose another run folder"):
+        make_folder(blocked, "run folder")
+    with pytest.raises(OutputError, match=r"cannot create the output folder .*a-file/x \(Not a directory\)"):
+        make_folder(blocked / "x")
+    with pytest.raises(OutputError, match="folder for report.md"):
+        atomic_write_text(blocked / "report.md", "text")
+    assert blocked.read_text() == "kept"

@@ -28,3 +28,8 @@ class DataError(GatedformerError):
 
 class CheckpointError(GatedformerError):
     """A checkpoint that is truncated, corrupt, unsafe or built for another model."""
+
+
+class OutputError(GatedformerError, OSError):
+    """An output path (run folder, report, figure) that cannot be created or written. It is an ``OSError`` too,
+    so code that tolerates an unwritable cache by catching ``OSError`` still does."""

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from gatedformer.errors import OutputError
+
 
 def _umask() -> int:
     # os.umask can only be read by setting it; restore it at once.
@@ -25,9 +27,26 @@ def publish(tmp: str | Path, path: str | Path) -> None:
     os.replace(tmp, path)
 
 
+def make_folder(path: str | Path, purpose: str = "output folder") -> Path:
+    """Create the folder ``path`` and its parents where missing; raise :class:`OutputError` naming the path and the
+    reason where it cannot be one (a file in the way, no permission, a read-only file system)."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise OutputError(f"{path} is a file, not a folder; choose another {purpose}") from None
+    except OSError as err:
+        raise OutputError(f"cannot create the {purpose} {path} ({err.strerror or err}); "
+                          "choose a path you can write to") from None
+    return path
+
+
 def _temp_beside(path: Path) -> tuple[int, Path]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    make_folder(path.parent, "folder for " + path.name)
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    except OSError as err:
+        raise OutputError(f"cannot write {path} ({err.strerror or err}); choose a path you can write to") from None
     return fd, Path(tmp_name)
 
 

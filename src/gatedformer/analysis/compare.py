@@ -22,7 +22,7 @@ from gatedformer.analysis.report import (
 )
 from gatedformer.config import TRANSLATION_CORPORA, Recipe, RunConfig, Variant, build_config
 from gatedformer.errors import ConfigError, GatedformerError
-from gatedformer.io import atomic_write_text
+from gatedformer.io import atomic_write_text, make_folder
 from gatedformer.train.checkpoint import latest_checkpoint
 from gatedformer.train.loop import RunResult, train
 
@@ -183,7 +183,7 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
     # A translation run loads its own parallel corpus; only language models share a preloaded one.
     translation = plans[0][2].data.corpus in TRANSLATION_CORPORA
     corpus = None if translation else load_corpus(plans[0][2].data.corpus, data_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(out_dir, "comparison folder")
     tracker = _Progress(progress, plans)
     trained = 0
     for index, (_, _, config, run_dir) in enumerate(plans):

@@ -25,7 +25,7 @@ from gatedformer.backbones import build_model
 from gatedformer.config import TRANSLATION_CORPORA, RunConfig, validate
 from gatedformer.data import Corpus, LMStream, load_corpus
 from gatedformer.errors import CheckpointError, ConfigError, GatedformerError
-from gatedformer.io import atomic_write_json, atomic_write_text
+from gatedformer.io import atomic_write_json, atomic_write_text, make_folder
 from gatedformer.train import distributed
 from gatedformer.train.checkpoint import (
     check_architecture,
@@ -282,7 +282,7 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, tcfg.steps, config.model.d_model)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(out_dir, "run folder")
     if ddp.is_main:
         atomic_write_json(out_dir / "config.json", config.to_dict())
     log_path = out_dir / "log.jsonl"

@@ -52,7 +52,7 @@ from gatedformer.data.translation import (
 )
 from gatedformer.data.vocab import Vocab
 from gatedformer.errors import CheckpointError, ConfigError, DataError, GatedformerError
-from gatedformer.io import atomic_write, atomic_write_json, atomic_write_text
+from gatedformer.io import atomic_write, atomic_write_json, atomic_write_text, make_folder
 from gatedformer.train.checkpoint import (
     load_checkpoint,
     load_model_weights,
@@ -330,7 +330,7 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, tcfg.steps, config.model.d_model)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(out_dir, "run folder")
     atomic_write_json(out_dir / "config.json", config.to_dict())
     atomic_write_json(out_dir / "vocab.json", _vocab_record(data))
     log_path = out_dir / "log.jsonl"
