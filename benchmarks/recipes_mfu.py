@@ -14,11 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from gatedformer.analysis.bench import BenchOptions, BenchSize, run_bench
+from gatedformer.analysis.bench.command import json_destination, run_script
 from gatedformer.config import build_config, load_recipe, recipe_names
 from gatedformer.data.corpora import load_corpus
 from gatedformer.errors import DataError
+from gatedformer.io import atomic_write_text
 
 
 def _language_model_recipes() -> list[str]:
@@ -38,17 +41,26 @@ def recipe_size(name: str, data_dir: str | None) -> tuple[str, BenchSize]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--recipes", nargs="+", default=None, help="default: every language-model -tiny recipe")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
+    return run_script(parser.prog, lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
     options = BenchOptions(repeats=args.repeats, threads=args.threads, memory="none")  # MFU only: no memory probe
+    options.check()
+    names = args.recipes or _language_model_recipes()
+    for name in names:
+        load_recipe(name)  # an unknown name stops the run before the first recipe is timed
+    destination = json_destination(args.json)
     rows = []
     print(f"{'recipe':32} {'backbone':15} {'vocab':>6} {'train ms':>9} {'tok/s':>8} {'MFU':>6}")
-    for name in args.recipes or _language_model_recipes():
+    for name in names:
         try:
             backbone, size = recipe_size(name, args.data_dir)
         except DataError as err:
@@ -60,12 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:32} {backbone:15} {size.vocab:>6} {row['train_ms']:>9.1f} {row['train_tokens_per_s']:>8.0f} "
               f"{100 * row['train_mfu']:>5.1f}%")
         rows.append({"recipe": name, "backbone": backbone, "size": vars(size), "meta": report.meta, **row})
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(rows, handle, indent=2)
-            handle.write("\n")
+    if destination is not None:
+        atomic_write_text(destination, json.dumps(rows, indent=2) + "\n")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

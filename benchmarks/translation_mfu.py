@@ -18,15 +18,19 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from gatedformer.analysis.bench import BenchOptions, time_round_robin
+from gatedformer.analysis.bench.command import json_destination, run_script
+from gatedformer.analysis.bench.options import check_at_least
 from gatedformer.analysis.bench.report import cpu_model
 from gatedformer.analysis.bench.timing import measured_peaks, peak_contenders
 from gatedformer.config import build_config, load_recipe
 from gatedformer.data.translation import PAD_ID, collate, length_batches
+from gatedformer.io import atomic_write_text
 from gatedformer.train.init import initialise
 from gatedformer.train.optim import build_optimizer, build_scheduler
 from gatedformer.train.translation import build_seq2seq, load_data
@@ -51,7 +55,7 @@ def _pytorch_operations() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="multi30k-tiny")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides, as for gatedformer train")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
@@ -61,10 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
+    return run_script(parser.prog, lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    options = BenchOptions(repeats=args.repeats, warmup=args.warmup, threads=args.threads)
+    options.check()
+    check_at_least("--batches", args.batches, 1)
+    config = build_config(load_recipe(args.recipe), args.set)
+    destination = json_destination(args.json)
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    config = build_config(load_recipe(args.recipe), args.set)
     data = load_data(config, args.data_dir)
     torch.manual_seed(config.train.seed)
     model = build_seq2seq(config, len(data.src_vocab), len(data.tgt_vocab))
@@ -92,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     optimizer.zero_grad(set_to_none=True)
     flops = counter.get_total_flops()
 
-    options = BenchOptions(repeats=args.repeats, warmup=args.warmup, threads=args.threads)
     contenders, peak_flops = peak_contenders(torch.device("cpu"), options)
     contenders["train"] = train_batches
     times = time_round_robin(contenders, repeats=args.repeats, warmup=args.warmup)
@@ -112,10 +122,8 @@ def main(argv: list[str] | None = None) -> int:
           f"step {result['step_ms']:.1f} ms ({result['step_q1_ms']:.1f}-{result['step_q3_ms']:.1f}), "
           f"{result['gflop_per_step']:.2f} GFLOP, peak {result['peak_gflops']:.1f} GFLOP/s, "
           f"MFU {100 * result['train_mfu']:.1f}%  ({result['threads']} threads)")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(result, handle, indent=2)
-            handle.write("\n")
+    if destination is not None:
+        atomic_write_text(destination, json.dumps(result, indent=2) + "\n")
     return 0
 
 

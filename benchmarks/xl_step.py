@@ -29,7 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recipes_mfu import recipe_size  # noqa: E402
 
 from gatedformer.analysis.bench import BenchOptions, time_round_robin, training_step  # noqa: E402
+from gatedformer.analysis.bench.command import json_destination, run_script  # noqa: E402
+from gatedformer.analysis.bench.options import check_at_least  # noqa: E402
 from gatedformer.backbones import _epilogue_kernel, layer_stack  # noqa: E402
+from gatedformer.errors import ConfigError  # noqa: E402
+from gatedformer.io import atomic_write_text  # noqa: E402
 
 _CALLS = ("relative_stack_forward_f32", "relative_stack_backward_f32")
 
@@ -102,7 +106,7 @@ def _profile(step: Callable[[], None], steps: int, skip: bool) -> dict[str, floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="enwik8-xl12-tiny")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--steps", type=int, default=40, help="steps timed for each profile")
@@ -110,12 +114,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
+    return run_script(parser.prog, lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    BenchOptions(repeats=args.repeats, threads=args.threads).check()
+    check_at_least("--steps", args.steps, 1)
+    backbone, size = recipe_size(args.recipe, args.data_dir)
+    destination = json_destination(args.json)
     if args.threads:
         torch.set_num_threads(args.threads)
-    backbone, size = recipe_size(args.recipe, args.data_dir)
     if backbone != "transformer-xl":
-        print(f"{args.recipe} is a {backbone} recipe; this script looks inside Transformer-XL's step")
-        return 2
+        raise ConfigError(f"{args.recipe} is a {backbone} recipe; this script looks inside Transformer-XL's step: "
+                          "pass --recipe enwik8-xl12-tiny or another transformer-xl recipe")
     step = training_step(size, backbone, BenchOptions(device="cpu"))
     for _ in range(3):
         step()
@@ -146,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     low, high = figures["python_stack_pair_quartiles"]
     print(f"  side by side, {args.repeats} rounds: the compiled stack {figures['python_stack_speedup']:.3f}x as fast "
           f"as the Python layer stack (pair quartiles {low:.3f}-{high:.3f})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+    if destination is not None:
+        atomic_write_text(destination, json.dumps(figures, indent=2) + "\n")
     return 0
 
 

@@ -267,6 +267,46 @@ def test_bad_options_are_config_errors() -> None:
         run_bench(TINY, BenchOptions(optimizer="lion"), sections=["models"])
     with pytest.raises(ConfigError, match="divisible"):
         run_bench(BenchSize(d_model=10, n_heads=4), QUICK, sections=["models"])
+    with pytest.raises(ConfigError, match="kernel_size"):
+        run_bench(BenchSize(kernel_size=0), QUICK, sections=["models"])
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--d-model", "-4"], "--d-model must be at least 1, got -4"),
+    (["--layers", "0"], "--layers must be at least 1"),
+    (["--seq-len", "0"], "--seq-len must be at least 1"),
+    (["--batch", "0"], "--batch must be at least 1"),
+    (["--vocab", "1"], "--vocab must be at least 2"),
+    (["--d-ffn", "-1"], "--d-ffn must be at least 0"),
+    (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+    (["--mem-len", "-3"], "--mem-len must be at least -1"),
+    (["--rnn-window", "0"], "--rnn-window must be at least 1"),
+    (["--rnn-hidden", "0"], "--rnn-hidden must be at least 1"),
+    (["--rnn-layers", "0"], "--rnn-layers must be at least 1"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--warmup", "-1"], "--warmup must be at least 0"),
+    (["--threads", "-1"], "--threads must be at least 0"),
+    (["--mem-lens", "0", "-1"], "--mem-lens must be at least 0, got -1"),
+    (["--windows", "3", "0"], "--windows must be at least 1, got 0"),
+    (["--device", "tpu"], "--device 'tpu' is not a device"),
+    (["--backbones", "transformer", "transfomer"], "unknown --backbones value(s) 'transfomer'; choose from"),
+    (["--variants", "+SDU", "+nonsense"], "--variants '+nonsense': unknown word 'nonsense'"),
+    (["--variants", "+σ L1-9"], "--variants '+σ L1-9' with --layers 2: gate spec '+σ L1-9' names layer 9"),
+])
+def test_bad_command_lines_stop_with_one_error_line_before_anything_runs(
+        capsys: pytest.CaptureFixture, args: list[str], named: str) -> None:
+    # A typo must stop the run with the option named, not become a skipped row in a table that exits 0.
+    assert cli_main(["bench", *TINY_ARGS, "--backbones", "transformer", "--quiet", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("gatedformer: error: ") and named in err
+
+
+def test_variants_are_not_checked_against_backbones_without_gates() -> None:
+    # The SRU LM has no sublayers to gate: it runs its baseline whatever the variants say, as before.
+    report = run_bench(TINY, QUICK, sections=["models"], backbones=["sru"], variants=["+σ L1-9"])
+    assert [(row["variant"], row["status"]) for row in report.rows] == [("baseline", "ok")]
+    assert "models: sru has no sublayers to gate; only its baseline is measured" in report.notes
 
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
@@ -331,6 +371,41 @@ def test_the_recipes_script_benches_each_recipes_baseline_at_its_size(tmp_path, 
     assert rows[0]["recipe"] == "ptb-char-rtransformer-tiny" and 0 < rows[0]["train_mfu"] < 1.5
     assert rows[0]["size"]["vocab"] == 37
     assert rows[1]["status"].startswith("skipped: corpus 'ptb' not found")
+
+
+def _benchmark_script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+@pytest.mark.parametrize("name", ["recipes_mfu", "xl_step", "translation_mfu"])
+def test_the_benchmark_scripts_refuse_bad_input_in_one_line_before_measuring(
+        name: str, tmp_path, capsys: pytest.CaptureFixture) -> None:
+    script = _benchmark_script(name)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("kept")
+    recipe = {"recipes_mfu": "--recipes", "xl_step": "--recipe", "translation_mfu": "--recipe"}[name]
+    cases = [
+        (["--repeats", "0"], "--repeats must be at least 1, got 0"),
+        (["--threads", "-1"], "--threads must be at least 0"),
+        ([recipe, "no-such-recipe"], "unknown recipe 'no-such-recipe'"),
+        (["--json", str(blocked / "out.json")], f"{blocked} is a file, not a folder"),
+    ]
+    if name != "recipes_mfu":
+        count = "--steps" if name == "xl_step" else "--batches"
+        cases.append(([count, "0"], f"{count} must be at least 1, got 0"))
+    for args, fragment in cases:
+        assert script.main(args) == 2, args
+        out, err = capsys.readouterr()
+        assert err.count("\n") == 1 and err.startswith(f"{name}.py: error: ") and fragment in err, err
+        assert out == ""  # nothing measured, not even the table's header
+    assert blocked.read_text() == "kept"
 
 
 def test_the_xl_step_script_splits_the_step_around_the_compiled_stack(tmp_path, monkeypatch) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from gatedformer.analysis.bench.options import (
     GATE_VARIANTS,
@@ -19,7 +20,8 @@ from gatedformer.analysis.bench.report import format_report
 from gatedformer.analysis.bench.sections import run_bench
 from gatedformer.backbones import BUILDERS
 from gatedformer.config import INIT_SCHEMES
-from gatedformer.errors import ConfigError
+from gatedformer.errors import GatedformerError
+from gatedformer.io import make_folder
 
 DESCRIPTION = "Speed and memory benchmarks: throughput, MFU and peak memory of every backbone and gate variant."
 
@@ -85,13 +87,29 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_script(prog: str, body: Callable[[], int]) -> int:
+    """Run a benchmark script's ``body`` as the CLI runs a command: a problem with the user's input is one line
+    on stderr, ``prog: error: ...``, and the error's exit code, not a traceback."""
+    try:
+        return body()
+    except GatedformerError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return err.exit_code
+
+
+def json_destination(path: str | None) -> Path | None:
+    """The ``--json`` file of a script, its folder created now so that a path that cannot be written fails
+    before the measurements rather than after them."""
+    if path is None:
+        return None
+    destination = Path(path)
+    make_folder(destination.parent, f"folder for {destination.name}")
+    return destination
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Stand-alone entry point (``python -m gatedformer.analysis.bench``, the ``benchmarks/`` scripts)."""
     parser = argparse.ArgumentParser(prog="gatedformer bench", description=DESCRIPTION)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run_from_args(args)
-    except ConfigError as err:
-        print(f"gatedformer bench: error: {err}", file=sys.stderr)
-        return err.exit_code
+    return run_script("gatedformer bench", lambda: run_from_args(args))

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from gatedformer.config import ModelConfig
+from gatedformer.backbones import BUILDERS
+from gatedformer.backbones.placement import parse_gate_spec
+from gatedformer.config import INIT_SCHEMES, ModelConfig
 from gatedformer.errors import ConfigError
 
 GATE_VARIANTS: dict[str, str] = {
@@ -27,6 +30,7 @@ GATE_VARIANTS: dict[str, str] = {
 SECTIONS = ("models", "transformer-peers", "rnn-peers", "memory")
 OPTIMIZERS = ("adamw-grouped", "adamw-fused", "adamw", "none")
 MEMORY_METHODS = ("auto", "tensors", "rss", "cuda", "none")
+RNN_TYPES = ("gru", "lstm", "rnn")
 
 GATE_TARGET_SLACK_PCT = 10.0
 """A gate meets the target when its extra step time is at most its extra FLOPs plus this many points."""
@@ -53,6 +57,23 @@ class BenchSize:
     rnn_type: str = "gru"
     """R-Transformer LocalRNN cell: ``gru``, ``lstm`` or ``rnn``."""
     kernel_size: int = 4
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the first option out of range, before anything is built or timed."""
+        for flag, value in (("--d-model", self.d_model), ("--layers", self.n_layers), ("--heads", self.n_heads),
+                            ("--seq-len", self.seq_len), ("--batch", self.batch),
+                            ("--rnn-window", self.rnn_window)):
+            check_at_least(flag, value, 1)
+        check_at_least("--d-ffn", self.d_ffn, 0, "0 means 4 × --d-model")
+        check_at_least("--vocab", self.vocab, 2)
+        check_at_least("--mem-len", self.mem_len, -1, "-1 means --seq-len")
+        _require(self.kernel_size >= 1, f"kernel_size must be at least 1, got {self.kernel_size}")
+        _require(0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}; e.g. --dropout 0.1")
+        _require(self.rnn_type in RNN_TYPES,
+                 f"--rnn-type {self.rnn_type!r} is not one of {', '.join(RNN_TYPES)}; pick one of them")
+        _require(self.d_model % self.n_heads == 0,
+                 f"--d-model {self.d_model} is not divisible by --heads {self.n_heads}; "
+                 "pick a head count that divides it")
 
     @property
     def ffn(self) -> int:
@@ -82,6 +103,12 @@ class RNNSize:
     batch: int = 16
     layers: int = 2
 
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the first size below 1."""
+        for flag, value in (("--rnn-hidden", self.hidden), ("--rnn-len", self.length),
+                            ("--rnn-batch", self.batch), ("--rnn-layers", self.layers)):
+            check_at_least(flag, value, 1)
+
 
 @dataclass
 class BenchOptions:
@@ -99,10 +126,55 @@ class BenchOptions:
     flush_denormal: bool = False
     """Flush denormal floats to zero on the CPU for the run (``torch.set_flush_denormal``)."""
 
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the first option out of range or not among its choices."""
+        check_at_least("--repeats", self.repeats, 1)
+        check_at_least("--warmup", self.warmup, 0)
+        check_at_least("--threads", self.threads, 0, "0 keeps PyTorch's default")
+        for flag, value, choices in (("--optimizer", self.optimizer, OPTIMIZERS), ("--init", self.init, INIT_SCHEMES),
+                                     ("--memory", self.memory, MEMORY_METHODS)):
+            _require(value in choices, f"{flag} {value!r} is not one of {', '.join(choices)}; pick one of them")
+
+
+def check_selection(sections: Sequence[str], backbones: Sequence[str] | None, variants: Sequence[str] | None,
+                    mem_lens: Sequence[int], windows: Sequence[int]) -> None:
+    """Raise :class:`ConfigError` for an unknown section or backbone, a gate spec that does not parse, or a
+    memory sweep value out of range: a typo must stop the run, not become a skipped row."""
+    for flag, names, known in (("--sections", sections, SECTIONS), ("--backbones", backbones or (), BUILDERS)):
+        unknown = [name for name in names if name not in known]
+        _require(not unknown, f"unknown {flag} value(s) {', '.join(map(repr, unknown))}; "
+                              f"choose from {', '.join(known)}")
+    for name in variants or ():
+        try:
+            parse_gate_spec(GATE_VARIANTS.get(name, name))
+        except ConfigError as err:
+            raise ConfigError(f"--variants {name!r}: {err}") from None
+    for value in mem_lens:
+        check_at_least("--mem-lens", value, 0)
+    for value in windows:
+        check_at_least("--windows", value, 1)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_at_least(flag: str, value: int, least: int, meaning: str = "") -> None:
+    """Raise :class:`ConfigError` naming ``flag`` when ``value`` is below ``least`` (``meaning`` explains it)."""
+    hint = f" ({meaning})" if meaning else ""
+    _require(value >= least, f"{flag} must be at least {least}{hint}, got {value}")
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name!r} is not a device the bench runs on; use auto, cpu or cuda[:N]")
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {name} but no CUDA device is available; use --device cpu or auto")
-    return torch.device(name)
+    return device

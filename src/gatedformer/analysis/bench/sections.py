@@ -17,13 +17,12 @@ from gatedformer.analysis.bench.memory import measure_memory, memory_method, rss
 from gatedformer.analysis.bench.options import (
     GATE_TARGET_SLACK_PCT,
     GATE_VARIANTS,
-    MEMORY_METHODS,
     NOISY_SPREAD_PCT,
-    OPTIMIZERS,
     SECTIONS,
     BenchOptions,
     BenchSize,
     RNNSize,
+    check_selection,
     resolve_device,
 )
 from gatedformer.analysis.bench.peers import TorchReferenceLM, XTransformersLM, import_quietly
@@ -39,7 +38,6 @@ from gatedformer.analysis.bench.timing import (
 )
 from gatedformer.backbones import BUILDERS, build_model
 from gatedformer.backbones.placement import resolve_placement
-from gatedformer.config import INIT_SCHEMES
 from gatedformer.errors import ConfigError
 from gatedformer.train.compiling import compile_limits_fail, compile_model
 
@@ -63,6 +61,21 @@ def _gate_capable(backbone: str, n_layers: int) -> bool:
     return True
 
 
+def _check_variants_place(variants: Sequence[str] | None, backbones: Sequence[str] | None, n_layers: int) -> None:
+    """Raise :class:`ConfigError` for a variant that no chosen backbone can take (e.g. a layer beyond
+    ``--layers``); one that only some reject becomes a note on those."""
+    gated = [b for b in backbones or BUILDERS if _gate_capable(b, n_layers)]
+    for name, spec in _variant_specs(variants).items():
+        errors = []
+        for backbone in gated:
+            try:
+                resolve_placement(spec, n_layers, backbone=backbone)
+            except ConfigError as err:
+                errors.append(err)
+        if gated and len(errors) == len(gated):
+            raise ConfigError(f"--variants {name!r} with --layers {n_layers}: {errors[0]}")
+
+
 def _time_steps(runners: Mapping[str, LMRunner], options: BenchOptions, device: torch.device
                 ) -> tuple[dict[str, Timing], dict[str, str], float, dict[str, float]]:
     """Every runner's training and evaluation steps (``train:NAME``, ``eval:NAME``) and the peak products in one
@@ -83,9 +96,6 @@ def _bench_models(report: BenchReport, size: BenchSize, options: BenchOptions, d
     method = memory_method(options.memory, device)
     specs = _variant_specs(variants)
     for backbone in backbones or list(BUILDERS):
-        if backbone not in BUILDERS:
-            report.notes.append(f"models: backbone {backbone!r} is not available (have {', '.join(BUILDERS)})")
-            continue
         gated = _gate_capable(backbone, size.n_layers)
         chosen = specs if gated else {"baseline": ""}
         if not gated and len(specs) > 1:
@@ -376,19 +386,12 @@ def run_bench(size: BenchSize | None = None, options: BenchOptions | None = None
     options = options or BenchOptions()
     rnn = rnn or RNNSize()
     progress = progress or (lambda message: None)
-    unknown = [s for s in sections if s not in SECTIONS]
-    if unknown:
-        raise ConfigError(f"unknown bench section(s) {unknown}; choose from {', '.join(SECTIONS)}")
-    if options.optimizer not in OPTIMIZERS:
-        raise ConfigError(f"unknown optimizer {options.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-    if options.init not in INIT_SCHEMES:
-        raise ConfigError(f"unknown init scheme {options.init!r}; choose one of {', '.join(INIT_SCHEMES)}")
-    if options.memory not in MEMORY_METHODS:
-        raise ConfigError(f"unknown memory method {options.memory!r}; choose one of {', '.join(MEMORY_METHODS)}")
-    if options.repeats < 1 or options.warmup < 0:
-        raise ConfigError("--repeats must be >= 1 and --warmup >= 0")
-    if size.d_model % size.n_heads:
-        raise ConfigError(f"--d-model {size.d_model} is not divisible by --heads {size.n_heads}")
+    size.check()
+    rnn.check()
+    options.check()
+    check_selection(sections, backbones, variants, mem_lens, windows)
+    if "models" in sections:
+        _check_variants_place(variants, backbones, size.n_layers)
     device = resolve_device(options.device)
     threads_were = torch.get_num_threads()
     if options.threads:
