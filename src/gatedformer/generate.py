@@ -20,6 +20,8 @@ def generate(model: nn.Module, vocab, prompt: str, max_tokens: int = 200, temper
         raise ConfigError(f"--tokens must be at least 1, got {max_tokens}")
     if temperature <= 0:
         raise ConfigError(f"--temperature must be positive, got {temperature}")
+    if top_k < 0:
+        raise ConfigError(f"--top-k must be 0 (sample among all tokens) or positive, got {top_k}")
     device = next(model.parameters()).device
     generator = torch.Generator(device="cpu").manual_seed(seed)
     ids = vocab.encode(prompt) if prompt else []

@@ -24,6 +24,7 @@ from torch import nn
 from gatedformer.backbones import build_model
 from gatedformer.config import TRANSLATION_CORPORA, RunConfig, validate
 from gatedformer.data import Corpus, LMStream, load_corpus
+from gatedformer.devices import resolve_device
 from gatedformer.errors import CheckpointError, ConfigError, GatedformerError
 from gatedformer.io import atomic_write_json, atomic_write_text, make_folder
 from gatedformer.train import distributed
@@ -77,14 +78,6 @@ def metric_value(metric: str, loss: float) -> float:
     if metric == "ppl":
         return math.exp(min(loss, 700.0))
     return loss / math.log(2.0)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name} but no CUDA device is available; use train.device=cpu or auto")
-    return torch.device(name)
 
 
 def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -263,7 +256,7 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
     # Under torchrun: join the process group; each rank trains on its share of the batch columns.
-    ddp = distributed.setup(config.data.batch_size, resolve_device(tcfg.device))
+    ddp = distributed.setup(config.data.batch_size, resolve_device(tcfg.device, "train.device"))
     device = ddp.device
 
     corpus = corpus or load_corpus(config.data.corpus, data_dir)
@@ -472,6 +465,7 @@ def load_trained(run_dir: str | Path, data_dir: str | Path | None = None,
                  device: str = "auto") -> tuple[RunConfig, nn.Module, Corpus]:
     """The config, model (final weights, else the latest checkpoint) and corpus of a run directory."""
     run_dir = Path(run_dir)
+    target = resolve_device(device)
     config = read_run_config(run_dir)
     if config.data.corpus in TRANSLATION_CORPORA:
         raise ConfigError(f"{run_dir} is a translation run; use `gatedformer translate --run {run_dir}` "
@@ -479,5 +473,5 @@ def load_trained(run_dir: str | Path, data_dir: str | Path | None = None,
     corpus = load_corpus(config.data.corpus, data_dir)
     model = build_model(config.model, len(corpus.vocab))
     load_run_weights(model, run_dir, config.to_dict())
-    model.to(resolve_device(device)).eval()
+    model.to(target).eval()
     return config, model, corpus

@@ -51,6 +51,7 @@ from gatedformer.data.translation import (
     tokenize,
 )
 from gatedformer.data.vocab import Vocab
+from gatedformer.devices import resolve_device
 from gatedformer.errors import CheckpointError, ConfigError, DataError, GatedformerError
 from gatedformer.io import atomic_write, atomic_write_json, atomic_write_text, make_folder
 from gatedformer.train.checkpoint import (
@@ -74,7 +75,6 @@ from gatedformer.train.loop import (
     count_parameters,
     optimise,
     prepare_run_dir,
-    resolve_device,
     stop_here,
 )
 from gatedformer.train.optim import build_optimizer, build_scheduler
@@ -310,7 +310,7 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
     tcfg, tr = config.train, config.translation
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
-    device = resolve_device(tcfg.device)
+    device = resolve_device(tcfg.device, "train.device")
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -470,6 +470,7 @@ def load_translation_run(run_dir: str | Path, data_dir: str | Path | None = None
                          device: str = "auto") -> tuple[RunConfig, Seq2SeqTransformer, Vocab, Vocab]:
     """The config, model (final weights, else the latest checkpoint) and both vocabularies of a run."""
     run_dir = Path(run_dir)
+    target = resolve_device(device)
     config = read_run_config(run_dir)
     if config.data.corpus not in TRANSLATION_CORPORA:
         raise ConfigError(f"{run_dir} is a {config.data.corpus} language-model run, not a translation run; "
@@ -486,7 +487,7 @@ def load_translation_run(run_dir: str | Path, data_dir: str | Path | None = None
         src_vocab, tgt_vocab = data.src_vocab, data.tgt_vocab
     model = build_seq2seq(config, len(src_vocab), len(tgt_vocab))
     load_run_weights(model, run_dir, config.to_dict())
-    model.to(resolve_device(device)).eval()
+    model.to(target).eval()
     return config, model, src_vocab, tgt_vocab
 
 

@@ -7,8 +7,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from gatedformer.backbones import BUILDERS
 from gatedformer.backbones.placement import parse_gate_spec
 from gatedformer.config import INIT_SCHEMES, ModelConfig
@@ -164,17 +162,3 @@ def check_at_least(flag: str, value: int, least: int, meaning: str = "") -> None
     """Raise :class:`ConfigError` naming ``flag`` when ``value`` is below ``least`` (``meaning`` explains it)."""
     hint = f" ({meaning})" if meaning else ""
     _require(value >= least, f"{flag} must be at least {least}{hint}, got {value}")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {name!r} is not a device the bench runs on; use auto, cpu or cuda[:N]")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {name} but no CUDA device is available; use --device cpu or auto")
-    return device

@@ -12,9 +12,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from gatedformer.analysis.bench.options import OPTIMIZERS, BenchOptions, BenchSize, resolve_device
+from gatedformer.analysis.bench.options import OPTIMIZERS, BenchOptions, BenchSize
 from gatedformer.backbones import build_model
 from gatedformer.config import InitConfig
+from gatedformer.devices import resolve_device
 from gatedformer.errors import ConfigError
 from gatedformer.train.compiling import compile_model
 from gatedformer.train.grouped_adam import GroupedAdam, groupable
@@ -117,7 +118,7 @@ def training_step(size: BenchSize, backbone: str, options: BenchOptions, gates: 
     """One training step of the models table's model for ``backbone`` (with ``gates``) at ``size``, built, seeded,
     initialised and stepped as that table does (Transformer-XL with its memory full): for scripts that look inside
     the step (``benchmarks/xl_step.py``)."""
-    device = resolve_device(options.device)
+    device = resolve_device(options.device, "--device")
     torch.manual_seed(options.seed)
     model = initialise_weights(build_model(size.model_config(backbone, gates), size.vocab), options.init)
     runner = LMRunner(model, size, device, options, memory_len=size.memory if backbone == "transformer-xl" else 0)

@@ -23,7 +23,6 @@ from gatedformer.analysis.bench.options import (
     BenchSize,
     RNNSize,
     check_selection,
-    resolve_device,
 )
 from gatedformer.analysis.bench.peers import TorchReferenceLM, XTransformersLM, import_quietly
 from gatedformer.analysis.bench.report import BenchReport, describe_options, report_meta
@@ -38,6 +37,7 @@ from gatedformer.analysis.bench.timing import (
 )
 from gatedformer.backbones import BUILDERS, build_model
 from gatedformer.backbones.placement import resolve_placement
+from gatedformer.devices import resolve_device
 from gatedformer.errors import ConfigError
 from gatedformer.train.compiling import compile_limits_fail, compile_model
 
@@ -392,7 +392,7 @@ def run_bench(size: BenchSize | None = None, options: BenchOptions | None = None
     check_selection(sections, backbones, variants, mem_lens, windows)
     if "models" in sections:
         _check_variants_place(variants, backbones, size.n_layers)
-    device = resolve_device(options.device)
+    device = resolve_device(options.device, "--device")
     threads_were = torch.get_num_threads()
     if options.threads:
         torch.set_num_threads(options.threads)
