@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import needs_shared, tiny_overrides
 
 from gatedformer.analysis.params import count_by_component
@@ -122,6 +123,29 @@ def test_an_output_path_blocked_by_a_file_is_one_line(text_corpus: str, tmp_path
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("gatedformer: error: ") and fragment in err, err
     assert blocked.read_text() == "mine"
+
+
+def test_bad_sampling_device_and_corpus_names_are_one_line(text_corpus: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    run = tmp_path / "run"
+    assert main(["train", "--recipe", "ptb-char-tiny", "--out", str(run), "--quiet",
+                 *sets(tiny_overrides(text_corpus, steps=2))]) == 0
+    capsys.readouterr()
+    for args, fragment in [
+        (["generate", "--run", str(run), "--top-k", "-3"], "--top-k must be 0 (sample among all tokens) or positive"),
+        (["generate", "--run", str(run), "--device", "tpu"], "device=tpu is not a device gatedformer runs on"),
+        (["eval", "--run", str(run), "--device", "cuda:7" if torch.cuda.is_available() else "cuda"],
+         "device=cuda"),
+        (["train", "--recipe", "ptb-char-tiny", "--out", str(tmp_path / "r2"), "--set", "train.device=cudax",
+          *sets(tiny_overrides(text_corpus, steps=2))], "train.device=cudax is not a device"),
+        (["data", "check", "ptb-chars"], "unknown corpus 'ptb-chars'; check one of: ptb, ptb-char"),
+        (["data", "list", "ptb"], "data list takes no corpus name"),
+        (["data", "fetch", "multi31k"], "fetchable corpora: ptb, ptb-char, wikitext2, wikitext2-char, enwik8, "
+                                        "multi30k"),
+    ]:
+        assert main(args) == 2, args
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and err.startswith("gatedformer: error: ") and fragment in err, err
 
 
 def test_missing_corpus(tmp_path: Path) -> None:

@@ -284,6 +284,7 @@ def test_check_corpora_reports_ok_missing_corrupt(monkeypatch, tmp_path, no_defa
     assert rows["enwik8"]["status"] == "missing" and "gatedformer data fetch enwik8" in rows["enwik8"]["detail"]
     assert set(rows) == set(CORPORA) | {"multi30k"}
     assert rows["multi30k"]["status"] == "missing"
+    assert [row["name"] for row in check_corpora(tmp_path, "PTB")] == ["ptb"]  # one corpus alone, any case
 
 
 # --- text: corpora -----------------------------------------------------------------------------------------
@@ -487,6 +488,101 @@ def test_fetch_network_errors(monkeypatch, tmp_path, mirror):
         fetch_corpus("ptb", tmp_path / "d2", base_url=dead, progress=False)
     assert dead in one_line(err)
     assert leftovers(tmp_path / "d1") == [] and leftovers(tmp_path / "d2") == []
+
+
+def _small_multi30k(monkeypatch, root: Path) -> dict[str, bytes]:
+    """Small Multi30K files laid out as the dataset's repository serves them under ``root``: the tokenised files
+    as they are, the raw references gzip-compressed; the loader's hashes and address pointed at them."""
+    import gzip
+
+    from gatedformer.data import translation as mt
+
+    files: dict[str, bytes] = {}
+    for spec_file in mt.multi30k_download_spec().files:
+        lang = spec_file.path.rsplit(".", 1)[1]
+        files[spec_file.path] = f"a {lang} line of {spec_file.split}\nanother one\n".encode()
+    for rel, data in files.items():
+        served = root / "data" / "task1" / ("tok" if "/tok/" in rel else "raw") / Path(rel).name
+        served.parent.mkdir(parents=True, exist_ok=True)
+        if "/tok/" in rel:
+            served.write_bytes(data)
+        else:
+            served.with_name(served.name + ".gz").write_bytes(gzip.compress(data))
+    monkeypatch.setattr(mt, "MULTI30K_SHA256", {rel: sha(data) for rel, data in files.items()})
+    return files
+
+
+def test_fetch_multi30k_from_its_address_gunzips_the_raw_references(monkeypatch, tmp_path, mirror):
+    from gatedformer.data import translation as mt
+
+    root, url = mirror
+    files = _small_multi30k(monkeypatch, root)
+    monkeypatch.setattr(mt, "_MULTI30K_BASE", f"{url}/data/task1")
+    monkeypatch.delenv("GATEDFORMER_MIRROR", raising=False)
+    dest = tmp_path / "dest"
+    assert fetch_corpus("multi30k", dest, progress=False) == dest
+    assert len(files) == 10  # tokenised train/valid/test of en and de, raw valid/test references of both
+    for rel, data in files.items():
+        assert (dest / rel).read_bytes() == data, rel
+    assert leftovers(dest) == sorted(Path(rel).name for rel in files)
+    for pair in mt.PAIRS:  # both directions load from what was fetched
+        assert mt.locate_multi30k(*pair, dest)[0] == dest
+    assert sum(r.endswith(".gz") for r in _QuietHandler.requests) == 4
+    requests = len(_QuietHandler.requests)
+    fetch_corpus("multi30k", dest, progress=False)  # all there and verified: nothing downloaded
+    assert len(_QuietHandler.requests) == requests
+
+
+@pytest.mark.parametrize("bad", ["not-gzip", "other-text"])
+def test_fetch_multi30k_refuses_a_bad_reference_and_keeps_nothing_of_it(monkeypatch, tmp_path, mirror, bad):
+    import gzip
+
+    from gatedformer.data import translation as mt
+
+    root, url = mirror
+    _small_multi30k(monkeypatch, root)
+    served = root / "data" / "task1" / "raw" / "val.de.gz"
+    served.write_bytes(b"<html>rate limited</html>" if bad == "not-gzip" else gzip.compress(b"changed\n"))
+    monkeypatch.setattr(mt, "_MULTI30K_BASE", f"{url}/data/task1")
+    monkeypatch.delenv("GATEDFORMER_MIRROR", raising=False)
+    dest = tmp_path / "dest"
+    with pytest.raises(DataError) as err:
+        fetch_corpus("multi30k", dest, progress=False)
+    msg = one_line(err)
+    assert f"{url}/data/task1/raw/val.de.gz" in msg and "nothing was saved" in msg
+    assert ("not a readable gzip file" if bad == "not-gzip" else "checksum mismatch") in msg
+    assert "val.de" not in leftovers(dest) and not any(".part" in name for name in leftovers(dest))
+
+
+def test_fetch_multi30k_from_a_mirror_of_a_data_root(monkeypatch, tmp_path, mirror):
+    root, url = mirror
+    files = _small_multi30k(monkeypatch, tmp_path / "unused")
+    for rel, data in files.items():  # a mirror holds the files as a data root stores them: decompressed
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    dest = tmp_path / "dest"
+    fetch_corpus("multi30k", dest, base_url=url, progress=False)
+    assert all((dest / rel).read_bytes() == data for rel, data in files.items())
+    assert not any(r.endswith(".gz") for r in _QuietHandler.requests)
+
+
+def test_multi30k_downloads_are_pinned_and_hashed():
+    from gatedformer.data import translation as mt
+
+    files = mt.multi30k_download_spec().files
+    assert all(f.sha256 and f.url and "/a3d2e0d26b56f3846f66a952536ffed4e401d05a/" in f.url for f in files)
+    assert {f.url.rsplit("/", 2)[1] for f in files if f.gzipped} == {"raw"} and sum(f.gzipped for f in files) == 4
+    with pytest.raises(DataError, match="fetchable corpora: .*multi30k"):
+        fetch_corpus("multi31k")
+
+
+@pytest.mark.skipif(not (SHARED / "multi30k" / "tok").is_dir(), reason=f"Multi30K not available at {SHARED}")
+def test_multi30k_download_hashes_match_the_real_files():
+    from gatedformer.data import translation as mt
+    from gatedformer.data.verify import verify_file
+
+    for f in mt.multi30k_download_spec().files:
+        verify_file(SHARED / f.path, f, SHARED, "multi30k")
 
 
 # --- vocab -------------------------------------------------------------------------------------------------

@@ -83,12 +83,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_data(args: argparse.Namespace) -> int:
     from gatedformer import data
 
+    if args.action == "list" and args.name:
+        raise GatedformerError(f"data list takes no corpus name (got {args.name!r}); "
+                               f"use `gatedformer data check {args.name}` for one corpus's files")
     if args.action == "list":
         for entry in data.list_corpora():
             print(f"{entry['name']:<16} {entry['level']:<5} {entry['metric']:<4} {entry['description']}")
         return 0
     if args.action == "check":
-        results = data.check_corpora(args.data_dir)
+        results = data.check_corpora(args.data_dir, args.name)
         for entry in results:
             print(f"{entry['name']:<16} {entry['status']:<8} {entry.get('path') or ''} {entry.get('detail') or ''}")
         return 0 if all(e["status"] in ("ok", "missing") for e in results) else 1
@@ -209,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = commands.add_parser("data", help="list, check or fetch corpora")
     data.add_argument("action", choices=("list", "check", "fetch"))
-    data.add_argument("name", nargs="?", help="corpus to fetch")
+    data.add_argument("name", nargs="?", help="corpus to fetch, or to check alone")
     data.add_argument("--data-dir")
     data.add_argument("--mirror", help="fetch from this base URL instead of the canonical address")
     data.add_argument("--quiet", action="store_true")

@@ -204,10 +204,17 @@ def list_corpora() -> list[dict]:
     return out
 
 
-def check_corpora(data_dir: str | Path | None = None) -> list[dict]:
-    """Status of every registered corpus: ``name``, ``status`` (ok|missing|corrupt), ``path``, ``detail``."""
+def check_corpora(data_dir: str | Path | None = None, name: str | None = None) -> list[dict]:
+    """Status of every registered corpus, or of ``name`` alone: ``name``, ``status`` (ok|missing|corrupt),
+    ``path``, ``detail``."""
+    specs = _all_specs()
+    if name is not None:
+        specs = [spec for spec in specs if spec.name == name.strip().lower()]
+        if not specs:
+            known = ", ".join(spec.name for spec in _all_specs())
+            raise DataError(f"unknown corpus {name!r}; check one of: {known} (or none, to check them all)")
     report = []
-    for spec in _all_specs():
+    for spec in specs:
         try:
             root = _locate(spec, data_dir)
         except DataError as err:

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
 import hashlib
 import os
 import tempfile
 import urllib.parse
 import urllib.request
+import zlib
 from pathlib import Path
 
 from gatedformer.io import publish
 
 from ..errors import DataError
 from .paths import ENV_MIRROR, fetch_target_dir, find_file
-from .registry import FileSpec, get_spec, is_text_corpus
+from .registry import CORPORA, CorpusSpec, FileSpec, get_spec, is_text_corpus
 from .verify import MANIFEST, decoded_size, read_manifest, record_facts, verify_file
 
 _CHUNK = 1 << 16
+MULTI30K = "multi30k"  # fetched here, loaded by .translation (which imports torch)
 TIMEOUT_S = 60
 
 
@@ -78,6 +81,8 @@ def _fetch_file(name: str, f: FileSpec, dest: Path, base_url: str | None, progre
         except OSError as err:  # URLError, HTTPError, timeouts and disk errors are all OSErrors
             reason = getattr(err, "reason", None) or err.strerror or err
             raise DataError(f"could not download {url} ({reason}); {manual}") from None
+        if f.gzipped and url == f.url:
+            sha = _gunzip_in_place(Path(tmp), url, manual)
         wants = [(f.sha256, "known hash")] if f.sha256 else []
         listed = read_manifest(dest).get(f.path)
         if listed:
@@ -107,6 +112,40 @@ def _fetch_file(name: str, f: FileSpec, dest: Path, base_url: str | None, progre
             os.unlink(tmp)
 
 
+def _gunzip_in_place(path: Path, url: str, manual: str) -> str:
+    """Replace the downloaded gzip file at ``path`` by its content; return the content's sha256."""
+    plain = path.with_name(path.name + ".plain")
+    digest = hashlib.sha256()
+    try:
+        with gzip.open(path, "rb") as source, open(plain, "wb") as out:
+            while chunk := source.read(_CHUNK):
+                out.write(chunk)
+                digest.update(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(plain, path)
+    except (OSError, EOFError, zlib.error):  # gzip.BadGzipFile is an OSError
+        raise DataError(f"download of {url} is not a readable gzip file; nothing was saved; retry, or {manual}") \
+            from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(plain)
+    return digest.hexdigest()
+
+
+def _download_spec(name: str) -> CorpusSpec:
+    if name.strip().lower() == MULTI30K:
+        from .translation import multi30k_download_spec
+
+        return multi30k_download_spec()
+    try:
+        return get_spec(name)
+    except DataError:
+        fetchable = ", ".join([*CORPORA, MULTI30K])
+        raise DataError(f"unknown corpus {name!r}; fetchable corpora: {fetchable} (see `gatedformer data list`)") \
+            from None
+
+
 def fetch_corpus(
     name: str, data_dir: str | Path | None = None, base_url: str | None = None, progress: bool = True
 ) -> Path:
@@ -117,7 +156,7 @@ def fetch_corpus(
     """
     if is_text_corpus(name):
         raise DataError(f"{name!r} is a local file, so there is nothing to fetch; load it directly")
-    spec = get_spec(name)
+    spec = _download_spec(name)
     dest = fetch_target_dir(data_dir)
     base = base_url or os.environ.get(ENV_MIRROR) or None
     for f in spec.files:

@@ -39,6 +39,8 @@ class FileSpec:
     alternatives: tuple[str, ...] = ()
     # Exact size after decompression, checked where no sha256 is known.
     decoded_size: int | None = None
+    # The download address serves the file gzip-compressed; it is stored (and mirrored) decompressed.
+    gzipped: bool = False
 
     @property
     def candidates(self) -> tuple[str, ...]:

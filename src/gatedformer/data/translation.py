@@ -47,6 +47,11 @@ UNK_ID, PAD_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 PAIRS = (("en", "de"), ("de", "en"))
 SPLIT_FILES = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
 
+# Downloads are pinned to a commit of the dataset's repository, so the bytes cannot drift from the hashes below.
+# The tokenised files are served as they are; the raw references only gzip-compressed.
+_MULTI30K_BASE = ("https://raw.githubusercontent.com/multi30k/dataset/"
+                  "a3d2e0d26b56f3846f66a952536ffed4e401d05a/data/task1")
+
 # sha256 of the files used, as listed in shared/data/MANIFEST.sha256. Mutable on purpose: tests
 # point the loader at small synthetic files and empty this.
 MULTI30K_SHA256: dict[str, str] = {
@@ -168,11 +173,28 @@ def multi30k_spec(src_lang: str, tgt_lang: str) -> CorpusSpec:
     """The files one translation direction needs: tokenised train/valid/test of both sides, and the
     raw valid/test references of the target side."""
     check_pair(src_lang, tgt_lang)
-    paths = [(tok_file(split, lang), split) for split in SPLIT_FILES for lang in (src_lang, tgt_lang)]
-    paths += [(raw_file(split, tgt_lang), split) for split in ("valid", "test")]
-    files = tuple(FileSpec(rel, split, MULTI30K_SHA256.get(rel), None) for rel, split in paths)
+    files = (*_tok_files((src_lang, tgt_lang)), *_raw_references((tgt_lang,)))
     return CorpusSpec(CORPUS, "word", "bleu", f"Multi30K {src_lang}→{tgt_lang} (WMT16 multimodal task 1)",
                       "multi30k", files)
+
+
+def multi30k_download_spec() -> CorpusSpec:
+    """Every file either direction needs (``gatedformer data fetch multi30k``): the tokenised splits of both
+    languages and the raw validation and test references of both."""
+    languages = tuple(dict.fromkeys(lang for pair in PAIRS for lang in pair))
+    files = (*_tok_files(languages), *_raw_references(languages))
+    return CorpusSpec(CORPUS, "word", "bleu", "Multi30K en↔de (WMT16 multimodal task 1)", "multi30k", files)
+
+
+def _tok_files(languages: Sequence[str]) -> tuple[FileSpec, ...]:
+    return tuple(FileSpec(rel, split, MULTI30K_SHA256.get(rel), f"{_MULTI30K_BASE}/tok/{Path(rel).name}")
+                 for split in SPLIT_FILES for lang in languages for rel in (tok_file(split, lang),))
+
+
+def _raw_references(languages: Sequence[str]) -> tuple[FileSpec, ...]:
+    return tuple(FileSpec(rel, split, MULTI30K_SHA256.get(rel), f"{_MULTI30K_BASE}/raw/{Path(rel).name}.gz",
+                          gzipped=True)
+                 for split in ("valid", "test") for lang in languages for rel in (raw_file(split, lang),))
 
 
 def locate_multi30k(src_lang: str, tgt_lang: str, data_dir: str | Path | None = None) -> tuple[Path, CorpusSpec]:
@@ -191,7 +213,8 @@ def locate_multi30k(src_lang: str, tgt_lang: str, data_dir: str | Path | None = 
     dirs = ", ".join(str(p) for p in candidates)
     raise DataError(
         f"corpus {CORPUS!r} not found: missing {where} (data dirs searched: {dirs}); "
-        "pass --data-dir or set GATEDFORMER_DATA to the folder holding multi30k/"
+        "pass --data-dir, set GATEDFORMER_DATA to the folder holding multi30k/, "
+        "or run `gatedformer data fetch multi30k`"
     )
 
 
