@@ -288,7 +288,7 @@ def test_bad_options_are_config_errors() -> None:
     (["--threads", "-1"], "--threads must be at least 0"),
     (["--mem-lens", "0", "-1"], "--mem-lens must be at least 0, got -1"),
     (["--windows", "3", "0"], "--windows must be at least 1, got 0"),
-    (["--device", "tpu"], "--device 'tpu' is not a device"),
+    (["--device", "tpu"], "--device tpu is not a device gatedformer runs on"),
     (["--backbones", "transformer", "transfomer"], "unknown --backbones value(s) 'transfomer'; choose from"),
     (["--variants", "+SDU", "+nonsense"], "--variants '+nonsense': unknown word 'nonsense'"),
     (["--variants", "+σ L1-9"], "--variants '+σ L1-9' with --layers 2: gate spec '+σ L1-9' names layer 9"),
