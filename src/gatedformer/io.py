@@ -72,7 +72,7 @@ def atomic_open(path: str | Path, mode: str = "wb", durable: bool = False) -> It
         _fsync_dir(path.parent)
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
+def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:
     """Call ``write(tmp)`` on a temporary path beside ``path``, fsync it, then rename it into place."""
     path = Path(path)
     fd, tmp = _temp_beside(path)

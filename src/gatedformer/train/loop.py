@@ -160,7 +160,7 @@ class NonFiniteLoss(GatedformerError):
     exit_code = 3
 
 
-def stop_here(step: int, final: bool, signal: str | None, stop_after: int | None, out_dir: Path,
+def stop_here(step: int, final: bool, signal: int | str | None, stop_after: int | None, out_dir: Path,
               checkpoint_now: Callable[[], None], bar: Any) -> bool:
     """After optimisation step ``step``: on a stop ``signal``, checkpoint and raise :class:`TrainingInterrupted`;
     at ``stop_after`` (before the last step), checkpoint and return True so the loop ends without results."""

@@ -44,7 +44,7 @@ class Timing:
         q1, q3 = self.quartiles
         return 100.0 * (q3 - q1) / self.median
 
-    def as_dict(self, prefix: str) -> dict[str, float]:
+    def as_dict(self, prefix: str) -> dict[str, float | None]:
         q1, q3 = self.quartiles
         return {f"{prefix}_ms": 1e3 * self.median, f"{prefix}_q1_ms": 1e3 * q1, f"{prefix}_q3_ms": 1e3 * q3,
                 f"{prefix}_spread_pct": self.spread_pct, f"{prefix}_first_call_s": self.first_call}
