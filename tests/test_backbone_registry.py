@@ -44,6 +44,30 @@ def test_module_argument_errors_become_config_errors() -> None:
         build_model(validate(config).model, 11)
 
 
+@pytest.mark.parametrize("backbone", sorted(BUILDERS))
+def test_an_empty_vocabulary_is_refused_before_any_layer_is_built(backbone: str) -> None:
+    # torch builds an nn.Embedding of 0 rows with only a warning; the model then fails at its first forward.
+    config = apply_overrides(RunConfig(), [f"model.backbone={backbone}", "model.d_model=16", "model.n_heads=2",
+                                           "model.d_ffn=32", "model.n_layers=2"])
+    with pytest.raises(ConfigError, match="vocab_size must be an integer >= 1, got 0"):
+        build_model(validate(config).model, 0)
+
+
+@pytest.mark.parametrize(("sizes", "named"), [
+    ({"d_model": 0}, "d_model must be an integer >= 1, got 0"),
+    ({"n_layers": -1}, "n_layers must be an integer >= 1, got -1"),
+    ({"n_heads": 0}, "n_heads must be an integer >= 1, got 0"),
+    ({"d_ffn": 2.5}, "d_ffn must be an integer >= 1, got 2.5"),
+])
+def test_transformer_style_sizes_are_checked_by_name(sizes: dict, named: str) -> None:
+    from gatedformer.backbones.rtransformer import RTransformerLM
+    from gatedformer.backbones.transformer_xl import TransformerXLLM
+
+    for model_class in (TransformerLM, TransformerXLLM, RTransformerLM):
+        with pytest.raises(ValueError, match=named):
+            model_class(**{"vocab_size": 11, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ffn": 32, **sizes})
+
+
 def test_top_level_exports() -> None:
     model = Seq2SeqTransformer(13, 17, layers=1, d_model=16, ffn=32, heads=2, max_len=16, eau=True, grc=True)
     logits = model(torch.randint(4, 13, (2, 5)), torch.randint(4, 17, (2, 6)))

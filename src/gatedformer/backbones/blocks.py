@@ -38,6 +38,7 @@ from gatedformer.backbones.fused_linear import (
 )
 from gatedformer.backbones.placement import SublayerGates
 from gatedformer.gates import EAU, SDU, GatedMHDPA, GatedResidual, GLUFeedForward, HighwayGate
+from gatedformer.gates._checks import check_size
 
 
 class FeedForward(nn.Module):
@@ -72,6 +73,14 @@ class FeedForward(nn.Module):
         applies
         (:func:`~gatedformer.backbones.fused_linear.feed_forward_add_norm`), else ``None``."""
         return feed_forward_add_norm(x, self.inner, self.outer, self.dropout.p, p, norm, self.training, gate, unit, eau)
+
+
+def check_lm_sizes(vocab_size: int, d_model: int, n_layers: int, n_heads: int, d_ffn: int) -> None:
+    """A ValueError naming the first size of a Transformer-style language model that is not an integer >= 1,
+    before any layer is built (an empty vocabulary would otherwise build and fail at the first forward)."""
+    for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("n_layers", n_layers),
+                        ("n_heads", n_heads), ("d_ffn", d_ffn)):
+        check_size(name, value)
 
 
 def make_ffn(kind: str, d_model: int, d_ffn: int, dropout: float) -> nn.Module:

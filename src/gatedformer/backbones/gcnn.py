@@ -63,6 +63,7 @@ from gatedformer.backbones.fused_gates import glu_residual
 from gatedformer.backbones.fused_linear import unhooked
 from gatedformer.backbones.output_loss import logits_or_loss
 from gatedformer.gates import GLU
+from gatedformer.gates._checks import check_size
 
 __all__ = ["GatedConvBlock", "GatedConvLM", "GatedConvLayer", "causal_conv1d", "glu_init_std"]
 
@@ -75,12 +76,6 @@ def glu_init_std(fan_in: int, dropout: float = 0.0, gated: bool = True) -> float
     keep probability ``p = 1 - dropout``."""
     keep = 1.0 - dropout
     return math.sqrt((4.0 if gated else 1.0) * keep / fan_in)
-
-
-def _check_int(name: str, value: int, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 class _CausalConv1d(torch.autograd.Function):
@@ -157,7 +152,7 @@ class GatedConvLayer(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dropout: float = 0.0,
                  weight_norm: bool = False) -> None:
         super().__init__()
-        self.kernel_size = _check_int("kernel_size", kernel_size, 1)
+        self.kernel_size = check_size("kernel_size", kernel_size, 1)
         self.dropout = Dropout(dropout)
         self.conv = nn.Conv1d(in_channels, 2 * out_channels, kernel_size)
         self.fan_in = in_channels * kernel_size
@@ -214,11 +209,11 @@ class GatedConvLM(nn.Module):
     def __init__(self, vocab_size: int, d_model: int, n_layers: int, kernel_size: int = 4, dropout: float = 0.0,
                  bottleneck: int = 0, weight_norm: bool = False, tie_embeddings: bool = False) -> None:
         super().__init__()
-        self.vocab_size = _check_int("vocab_size", vocab_size, 1)
-        self.d_model = _check_int("d_model", d_model, 1)
-        self.n_layers = _check_int("n_layers", n_layers, 1)
-        self.kernel_size = _check_int("kernel_size", kernel_size, 1)
-        self.bottleneck = _check_int("bottleneck", bottleneck, 0)
+        self.vocab_size = check_size("vocab_size", vocab_size, 1)
+        self.d_model = check_size("d_model", d_model, 1)
+        self.n_layers = check_size("n_layers", n_layers, 1)
+        self.kernel_size = check_size("kernel_size", kernel_size, 1)
+        self.bottleneck = check_size("bottleneck", bottleneck, 0)
         if isinstance(dropout, bool) or not 0.0 <= float(dropout) < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         self.dropout_p = float(dropout)

@@ -25,7 +25,7 @@ from gatedformer.backbones import _local_rnn_kernel
 from gatedformer.backbones._gru_kernel import gru_step
 from gatedformer.backbones._lstm_kernel import lstm_step
 from gatedformer.backbones.attention import CausalSelfAttention
-from gatedformer.backbones.blocks import Sublayer, make_ffn
+from gatedformer.backbones.blocks import Sublayer, check_lm_sizes, make_ffn
 from gatedformer.backbones.dropout import Dropout
 from gatedformer.backbones.output_loss import logits_or_loss
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
@@ -208,6 +208,7 @@ class RTransformerLM(nn.Module):
                  tie_embeddings: bool = False, gates: str = "", rnn_type: str = "gru",
                  rnn_window: int = 7, rnn_recompute: bool = False) -> None:
         super().__init__()
+        check_lm_sizes(vocab_size, d_model, n_layers, n_heads, d_ffn)
         placement = resolve_placement(gates, n_layers, backbone="rtransformer")
         self.d_model = d_model
         self.embedding = nn.Embedding(vocab_size, d_model)

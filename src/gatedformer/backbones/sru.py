@@ -18,6 +18,7 @@ from gatedformer.backbones._sru_kernel import kernel_backend, sru_recurrence, sr
 from gatedformer.backbones.dropout import Dropout, dropout
 from gatedformer.backbones.output_loss import logits_or_loss
 from gatedformer.backbones.token_embedding import embed_tokens
+from gatedformer.gates._checks import check_size
 
 __all__ = [
     "SRU",
@@ -31,12 +32,6 @@ __all__ = [
 
 _V_INIT_RANGE = 0.5
 """``v_f`` and ``v_r`` start uniform in ``[-0.5, 0.5]``: zero mean, variance 1/12."""
-
-
-def _int_arg(name: str, value: int, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 def _dropout_arg(value: float) -> float:
@@ -80,8 +75,8 @@ class SRULayer(nn.Module):
         bidirectional: bool = False,
     ) -> None:
         super().__init__()
-        self.input_size = _int_arg("input_size", input_size, 1)
-        self.hidden_size = _int_arg("hidden_size", hidden_size, 1)
+        self.input_size = check_size("input_size", input_size, 1)
+        self.hidden_size = check_size("hidden_size", hidden_size, 1)
         if isinstance(projection_size, bool) or not isinstance(projection_size, int):
             raise ValueError(f"projection_size must be an integer, got {projection_size!r}")
         self.highway_bias = float(highway_bias)
@@ -240,9 +235,9 @@ class SRU(nn.Module):
         variational_dropout: bool = False,
     ) -> None:
         super().__init__()
-        self.input_size = _int_arg("input_size", input_size, 1)
-        self.hidden_size = _int_arg("hidden_size", hidden_size, 1)
-        self.num_layers = _int_arg("num_layers", num_layers, 1)
+        self.input_size = check_size("input_size", input_size, 1)
+        self.hidden_size = check_size("hidden_size", hidden_size, 1)
+        self.num_layers = check_size("num_layers", num_layers, 1)
         self.dropout = _dropout_arg(dropout)
         self.variational_dropout = bool(variational_dropout)
         self.bidirectional = bool(bidirectional)
@@ -323,8 +318,8 @@ class SRULanguageModel(nn.Module):
         tie_embeddings: bool = False,
     ) -> None:
         super().__init__()
-        self.vocab_size = _int_arg("vocab_size", vocab_size, 1)
-        self.d_model = _int_arg("d_model", d_model, 1)
+        self.vocab_size = check_size("vocab_size", vocab_size, 1)
+        self.d_model = check_size("d_model", d_model, 1)
         self.embedding = nn.Embedding(vocab_size, d_model)
         self.dropout = Dropout(_dropout_arg(dropout))
         self.sru = SRU(

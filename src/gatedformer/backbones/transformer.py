@@ -7,7 +7,7 @@ import math
 from torch import Tensor, nn
 
 from gatedformer.backbones.attention import CausalSelfAttention, sinusoidal_positions
-from gatedformer.backbones.blocks import Sublayer, make_ffn
+from gatedformer.backbones.blocks import Sublayer, check_lm_sizes, make_ffn
 from gatedformer.backbones.dropout import Dropout
 from gatedformer.backbones.output_loss import logits_or_loss
 from gatedformer.backbones.placement import SublayerGates, resolve_placement
@@ -65,6 +65,7 @@ class TransformerLM(nn.Module):
                  attn_dropout: float = 0.0, norm: str = "post", ffn: str = "relu",
                  tie_embeddings: bool = False, gates: str = "", sru_sublayer: bool = False) -> None:
         super().__init__()
+        check_lm_sizes(vocab_size, d_model, n_layers, n_heads, d_ffn)
         placement = resolve_placement(gates, n_layers)
         self.d_model = d_model
         self.embedding = nn.Embedding(vocab_size, d_model)

@@ -31,7 +31,7 @@ from torch.nn import functional as F
 
 from gatedformer.backbones._relative_attention_kernel import kernel_takes, relative_attention
 from gatedformer.backbones.attention import sinusoidal_positions
-from gatedformer.backbones.blocks import Sublayer, make_ffn
+from gatedformer.backbones.blocks import Sublayer, check_lm_sizes, make_ffn
 from gatedformer.backbones.dropout import Dropout
 from gatedformer.backbones.layer_stack import layer_stack
 from gatedformer.backbones.output_loss import logits_or_loss
@@ -233,6 +233,7 @@ class TransformerXLLM(nn.Module):
                  attn_dropout: float = 0.0, norm: str = "post", ffn: str = "relu",
                  tie_embeddings: bool = False, gates: str = "", mem_len: int = 0) -> None:
         super().__init__()
+        check_lm_sizes(vocab_size, d_model, n_layers, n_heads, d_ffn)
         if isinstance(mem_len, bool) or not isinstance(mem_len, int) or mem_len < 0:
             raise ValueError(f"mem_len must be an integer >= 0, got {mem_len!r}")
         placement = resolve_placement(gates, n_layers, backbone="transformer-xl")
