@@ -17,6 +17,7 @@ from gatedformer.analysis.compare import run_comparison, slug
 from gatedformer.analysis.report import VariantSummary, format_table
 from gatedformer.cli import main
 from gatedformer.config import build_config, load_recipe, recipe_names
+from gatedformer.errors import CheckpointError, ConfigError
 from gatedformer.train.loop import RunResult, train
 
 RECIPE = """
@@ -115,6 +116,35 @@ def test_two_variants_two_seeds_report_and_resume(text_corpus: str, tmp_path: Pa
     assert "t-SNE skipped" in text  # two bias vectors are too few for t-SNE
     for figure in report.figures:
         assert f"]({figure.relative_to(out).as_posix()})" in text
+
+
+def test_a_finished_run_is_kept_only_for_the_same_experiment(text_corpus: str, tmp_path: Path) -> None:
+    recipe_file = tmp_path / "two.toml"
+    recipe_file.write_text(RECIPE, encoding="utf-8")
+    recipe = load_recipe(str(recipe_file))
+    overrides = [*tiny_overrides(text_corpus, steps=2), "train.eval_every=2"]
+    out = tmp_path / "cmp"
+    run = out / "baseline" / "seed-0"
+    run_comparison(recipe, out, overrides=overrides, only=["baseline"], progress=False)
+    before = snapshot(run)
+
+    # Where and how fast it ran does not change the experiment: kept as it is.
+    run_comparison(recipe, out, overrides=[*overrides, "train.threads=1", "train.log_every=2"], only=["baseline"],
+                   progress=False)
+    assert snapshot(run) == before
+    # Other settings would put another experiment's numbers in the table: refused, the run left alone.
+    with pytest.raises(ConfigError, match=re.escape(f"{run} finished with other settings: train.steps (2 saved, "
+                                                    "3 now); delete it to train it with these")):
+        run_comparison(recipe, out, overrides=[*overrides, "train.steps=3"], only=["baseline"], progress=False)
+    assert snapshot(run) == before
+    # A damaged file of a finished run is named, with the fix.
+    for name in ("results.json", "config.json"):
+        saved = (run / name).read_bytes()
+        (run / name).write_bytes(saved[: len(saved) // 2])
+        with pytest.raises(CheckpointError, match=re.escape(f"{run / name} is damaged (JSONDecodeError); "
+                                                            f"delete {run} to train that run again")):
+            run_comparison(recipe, out, overrides=overrides, only=["baseline"], progress=False)
+        (run / name).write_bytes(saved)
 
 
 def _summary(name: str, test_metric: float, published: float | None) -> VariantSummary:

@@ -24,7 +24,7 @@ from gatedformer.config import TRANSLATION_CORPORA, Recipe, RunConfig, Variant, 
 from gatedformer.errors import ConfigError, GatedformerError
 from gatedformer.io import atomic_write_text, make_folder
 from gatedformer.train.checkpoint import latest_checkpoint
-from gatedformer.train.loop import RunResult, train
+from gatedformer.train.loop import FINISHED_RUN_CHANGES, RunResult, saved_config_differences, train
 
 __all__ = ["ComparisonReport", "VariantSummary", "format_table", "run_comparison", "slug"]
 
@@ -173,6 +173,12 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
             config = build_config(recipe, overrides, variant)
             config.train.seed += seed
             plans.append((variant, seed, config, out_dir / slug(variant.name) / f"seed-{seed}"))
+    for _, _, config, run_dir in plans:
+        if (run_dir / "results.json").is_file():
+            differences = saved_config_differences(run_dir, config, FINISHED_RUN_CHANGES)
+            if differences:
+                raise ConfigError(f"{run_dir} finished with other settings: {'; '.join(differences[:3])}; "
+                                  "delete it to train it with these, or choose another --out")
     if any(config.train.tensorboard for _, _, config, _ in plans):
         from gatedformer.train.tensorboard import require_tensorboard
 

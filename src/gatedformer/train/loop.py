@@ -48,6 +48,9 @@ from gatedformer.train.optim import build_optimizer, build_scheduler, clip_gradi
 # Fields that may change between a run and its resumption without changing what is computed.
 RESUMABLE_CHANGES = {"train.steps", "train.eval_every", "train.log_every", "train.device", "train.threads",
                      "train.eval_windows", "data.eval_batch_size", "data.eval_seq_len", "train.tensorboard"}
+FINISHED_RUN_CHANGES = {"train.device", "train.threads", "train.log_every", "train.tensorboard", "train.compile"}
+"""Fields a finished run may differ in and still be the same experiment: where and how fast it ran, how often it
+logged. ``compare`` keeps such a run rather than training it again."""
 
 
 @dataclass
@@ -69,8 +72,15 @@ class RunResult:
 
     @classmethod
     def load(cls, run_dir: Path) -> RunResult:
-        data = json.loads((Path(run_dir) / "results.json").read_text(encoding="utf-8"))
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        """The results a finished run wrote; a damaged file is a :class:`CheckpointError` naming it and the fix."""
+        path = Path(run_dir) / "results.json"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            reason = f"missing {err}" if isinstance(err, KeyError) else type(err).__name__
+            raise CheckpointError(f"{path} is damaged ({reason}); delete {Path(run_dir)} to train that run "
+                                  "again") from None
 
 
 def metric_value(metric: str, loss: float) -> float:
@@ -213,14 +223,28 @@ def prepare_run_dir(out_dir: Path, config: RunConfig, resume: bool) -> Path | No
     if checkpoint is not None and not resume:
         raise ConfigError(f"{out_dir} holds an unfinished run; pass --resume to continue it or choose another --out")
     if checkpoint is not None and saved_config.is_file():
-        saved = json.loads(saved_config.read_text(encoding="utf-8"))
-        differences = config_mismatch(saved, config.to_dict(), RESUMABLE_CHANGES)
+        differences = saved_config_differences(out_dir, config, RESUMABLE_CHANGES)
         if differences:
             raise CheckpointError(
                 f"cannot resume {out_dir}: the config differs from the saved one in "
                 f"{'; '.join(differences[:5])}; resume with the same recipe and --set values"
             )
     return checkpoint
+
+
+def saved_config_differences(run_dir: Path, config: RunConfig, ignore: set[str]) -> list[str]:
+    """The fields (outside ``ignore``) in which ``config`` differs from the one ``run_dir`` was started with,
+    each as ``section.field (saved, now)``; a damaged ``config.json`` is a :class:`CheckpointError`."""
+    path = Path(run_dir) / "config.json"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        saved, reason = None, type(err).__name__
+    else:
+        reason = "not a config"
+    if not isinstance(saved, dict) or not all(isinstance(section, dict) for section in saved.values()):
+        raise CheckpointError(f"{path} is damaged ({reason}); delete {Path(run_dir)} to train that run again")
+    return config_mismatch(saved, config.to_dict(), ignore)
 
 
 def _cycle_windows(stream: LMStream, start_step: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
