@@ -247,16 +247,14 @@ def _safe_torch_load(path: Path) -> dict[str, Any]:
         ) from None
 
 
-def _safe_load_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _safe_load_tensors(path: Path, fix: str = "delete the run's ckpt folder or resume from another run"
+                       ) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise CheckpointError(f"{path} is missing; the checkpoint is incomplete — start a new run")
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise CheckpointError(
-            f"{path} is truncated or corrupt ({str(err).splitlines()[0][:120]}); "
-            "delete the run's ckpt folder or resume from another run"
-        ) from None
+        raise CheckpointError(f"{path} is truncated or corrupt ({str(err).splitlines()[0][:120]}); {fix}") from None
 
 
 def read_run_config(run_dir: Path) -> RunConfig:
@@ -276,7 +274,9 @@ def load_run_weights(model: nn.Module, run_dir: Path, config: dict[str, Any]) ->
     recorded with another architecture than ``config`` asks for are refused, naming the differing fields."""
     final = run_dir / "model.safetensors"
     if final.is_file():
-        state, where, recorded = _safe_load_tensors(final), str(final), recorded_config(final)
+        fix = (f"delete it to use the run's latest checkpoint ({run_dir / CHECKPOINT_DIR}) instead"
+               if latest_checkpoint(run_dir) is not None else "train the run again")
+        state, where, recorded = _safe_load_tensors(final, fix), str(final), recorded_config(final)
     else:
         checkpoint = latest_checkpoint(run_dir)
         if checkpoint is None:
