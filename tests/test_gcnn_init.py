@@ -299,3 +299,10 @@ def test_cli_init_check(text_corpus: str, capsys: pytest.CaptureFixture[str]) ->
 
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 2 and rows[0]["forward_predicted"] == 1.0
+
+
+def test_cli_init_check_refuses_a_translation_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    # It measures language models on LM windows; a translation recipe once got "unknown corpus 'multi30k'".
+    assert main(["init-check", "--recipe", "multi30k-tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "multi30k is a translation corpus: pick a language-model recipe" in err
