@@ -80,6 +80,15 @@ def test_ungated_layers_carry_no_gate_parameters() -> None:
         ("+σ L3-1", "count from 1"),
         ("+σ Lx", "bad layer set|unknown word"),
         ("+σ \\attn \\ffn", "leaves no sublayer"),
+        # Two of a kind inside one item: refused rather than resolved as "the last one wins".
+        ("sdu L1 L2", r"names layers twice \(L1 and L2\)"),
+        ("eau grc", r"names two units \(eau and grc\).*'\+EAU\+GRC'"),
+        ("grc highway", "names two units"),
+        ("highway gated mhdpa", "names two units"),
+        ("+tanh σ SDU", r"two gate functions \(tanh and sigmoid\)"),
+        ("L1-2 tanh sigmoid", "two gate functions"),
+        ("sdu sdu", "names sdu twice"),
+        ("σ sigmoid", "names sigmoid twice"),
     ],
 )
 def test_nonsense_combinations_fail_loudly(spec: str, fragment: str) -> None:

@@ -135,20 +135,36 @@ def _parse_item(item: str, spec: str) -> GateItem:
     layers: tuple[int, ...] | None = None
     keep: list[str] = []
     drop: list[str] = []
+    written = item.strip()
+    layer_word: str | None = None
     for word in _tokenise(item):
         if word in _UNIT_WORDS:
+            if unit == _UNIT_WORDS[word]:
+                raise ConfigError(f"gate spec item {written!r} names {unit} twice; name it once")
+            if unit is not None:
+                raise ConfigError(f"gate spec item {written!r} names two units ({unit} and {_UNIT_WORDS[word]}); "
+                                  "give each unit its own item, joined by '+', e.g. '+EAU+GRC'")
             unit = _UNIT_WORDS[word]
         elif word in _FN_WORDS:
+            if fn == _FN_WORDS[word]:
+                raise ConfigError(f"gate spec item {written!r} names {fn} twice; name it once")
+            if fn is not None:
+                raise ConfigError(f"gate spec item {written!r} names two gate functions ({fn} and "
+                                  f"{_FN_WORDS[word]}); keep one of σ and tanh")
             fn = _FN_WORDS[word]
         elif word[0] in "\\/" and word[1:] in _SUBLAYER_WORDS:
             (drop if word[0] == "\\" else keep).append(_SUBLAYER_WORDS[word[1:]])
         elif re.fullmatch(r"l(all|[\d,\-]+)", word):
+            if layer_word is not None:
+                raise ConfigError(f"gate spec item {written!r} names layers twice (L{layer_word[1:]} and "
+                                  f"L{word[1:]}); write one set, e.g. L1,2 or L1-3")
+            layer_word = word
             layers = _parse_layers(word[1:], spec)
         else:
             raise ConfigError(f"unknown word {word!r} in gate spec {spec!r}; {_HELP}")
     if unit is None:
         if fn is None:
-            raise ConfigError(f"gate spec item {item.strip()!r} names no unit; {_HELP}")
+            raise ConfigError(f"gate spec item {written!r} names no unit; {_HELP}")
         unit = "sdu"
     if fn is not None and unit != "sdu":
         raise ConfigError(f"a gate function ({fn}) applies to SDU only, not {unit}; drop it from {spec!r}")
@@ -156,7 +172,7 @@ def _parse_item(item: str, spec: str) -> GateItem:
     sublayers = tuple(s for s in (keep or default) if s not in drop)
     reaches_cross = ("cross" in keep if keep else True) and "cross" not in drop
     if not sublayers and not reaches_cross:
-        raise ConfigError(f"gate spec item {item.strip()!r} leaves no sublayer to gate; {_HELP}")
+        raise ConfigError(f"gate spec item {written!r} leaves no sublayer to gate; {_HELP}")
     if unit == "eau" and "ffn" in sublayers:
         raise ConfigError("EAU goes after multi-head attention only; drop /ffn from the EAU item")
     return GateItem(unit, fn or "sigmoid", layers, sublayers, reaches_cross)
