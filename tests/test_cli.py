@@ -217,3 +217,26 @@ def test_main_job_on_real_data_in_miniature(tmp_path: Path, capsys: pytest.Captu
         assert name in table
     assert (tmp_path / "cmp" / "report.md").is_file()
     assert (tmp_path / "cmp" / "convergence.png").stat().st_size > 5000
+
+
+@pytest.mark.parametrize("command", ["params", "compare"])
+def test_a_set_of_what_the_variants_set_is_refused(command: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    # --set applies after each variant's own settings: every row would train these gates under its own name.
+    out = tmp_path / "comparison"
+    args = [command, "--recipe", "ptb-char-tiny", "--set", "model.gates=+tanh L1-2"]
+    assert main(args + (["--out", str(out), "--quiet"] if command == "compare" else [])) == 2
+    error = capsys.readouterr().err
+    assert "--set model.gates would replace what variant '+σ SDU' of ptb-char-tiny sets" in error
+    assert "[[variants]]" in error and not out.exists()
+    # A field no variant sets is still the user's to change.
+    assert main(["params", "--recipe", "ptb-char-tiny", "--set", "model.d_model=32", "--set", "model.n_heads=2"]) == 0
+
+
+def test_params_output_cut_short_by_its_reader_is_no_traceback() -> None:
+    reader = subprocess.Popen([sys.executable, "-m", "gatedformer", "params", "--recipe", "ptb-char-tiny"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert reader.stdout is not None and reader.stderr is not None
+    reader.stdout.close()  # as `| head -0` would
+    assert b"Traceback" not in reader.stderr.read()
+    assert reader.wait(timeout=300) != 0

@@ -480,6 +480,25 @@ def load_recipe(name: str) -> Recipe:
     return Recipe(recipe_name, description, config, variants, published_source, published_metric)
 
 
+def check_overrides_spare_variants(recipe: Recipe, overrides: list[str]) -> None:
+    """Refuse a ``--set`` of a field that the recipe's variants set themselves.
+
+    The user's overrides apply after each variant's, so such a ``--set`` would give every variant the same
+    value while its row kept the variant's name (a "baseline" row carrying gates, say).
+    """
+    owner: dict[str, str] = {}
+    for variant in recipe.variants:
+        for text in variant.overrides:
+            owner.setdefault(parse_override(text)[0], variant.name)
+    for text in overrides:
+        key = parse_override(text)[0]
+        if key in owner:
+            raise ConfigError(
+                f"--set {key} would replace what variant {owner[key]!r} of {recipe.name} sets, and every row would "
+                f"carry it under its own name; to compare other values of {key}, write them as [[variants]] in a "
+                "recipe file and pass it with --recipe FILE")
+
+
 def build_config(recipe: Recipe, overrides: list[str] | None = None, variant: Variant | None = None) -> RunConfig:
     """The validated config of ``recipe``, with a variant's overrides and then the user's applied."""
     config = config_from_dict(recipe.config.to_dict())

@@ -20,7 +20,14 @@ from gatedformer.analysis.report import (
     format_table,
     render_report,
 )
-from gatedformer.config import TRANSLATION_CORPORA, Recipe, RunConfig, Variant, build_config
+from gatedformer.config import (
+    TRANSLATION_CORPORA,
+    Recipe,
+    RunConfig,
+    Variant,
+    build_config,
+    check_overrides_spare_variants,
+)
 from gatedformer.errors import ConfigError, GatedformerError
 from gatedformer.io import atomic_write_text, make_folder
 from gatedformer.train.checkpoint import latest_checkpoint
@@ -161,6 +168,7 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
     """Train (or pick up) every variant × seed, then write ``report.md`` and its figures."""
     if seeds < 1:
         raise ConfigError(f"--seeds must be at least 1, got {seeds}")
+    check_overrides_spare_variants(recipe, list(overrides or []))
     variants = _select(recipe, only)
     if len({slug(v.name) for v in variants}) != len(variants):
         raise ConfigError(f"recipe {recipe.name} has two variants with the same folder name; rename one")

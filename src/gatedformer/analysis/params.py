@@ -8,7 +8,14 @@ from typing import Any
 from torch import nn
 
 from gatedformer.backbones import build_model
-from gatedformer.config import TRANSLATION_CORPORA, Recipe, RunConfig, build_config, load_recipe
+from gatedformer.config import (
+    TRANSLATION_CORPORA,
+    Recipe,
+    RunConfig,
+    build_config,
+    check_overrides_spare_variants,
+    load_recipe,
+)
 
 GATE_KINDS = {"sdu": "SDU", "highway": "highway gate", "gated_mix": "gated MHDPA", "eau": "EAU",
               "residual_gate": "GRC"}
@@ -57,6 +64,7 @@ def parameter_report(recipe_name: str, overrides: list[str], data_dir: str | Non
                      vocab_size: int | None = None) -> dict[str, Any]:
     """Counts for the recipe's config and for each of its variants, with a printable table."""
     recipe = load_recipe(recipe_name)
+    check_overrides_spare_variants(recipe, overrides)
     if build_config(recipe, overrides).data.corpus in TRANSLATION_CORPORA:
         return translation_parameter_report(recipe, overrides, data_dir, vocab_size)
     rows = []
