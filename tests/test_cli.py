@@ -240,3 +240,34 @@ def test_params_output_cut_short_by_its_reader_is_no_traceback() -> None:
     reader.stdout.close()  # as `| head -0` would
     assert b"Traceback" not in reader.stderr.read()
     assert reader.wait(timeout=300) != 0
+
+
+def test_a_model_too_big_for_memory_is_one_line(text_corpus: str, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
+    # A feed-forward weight of 16 x 10^11 floats: the allocator refuses it at once.
+    args = ["train", "--recipe", "ptb-char-tiny", "--out", str(tmp_path / "run"), "--quiet",
+            *sets(tiny_overrides(text_corpus)), "--set", "model.d_ffn=100000000000"]
+    assert main(args) == 1
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("gatedformer: error: out of memory (") and "\n" not in error
+    assert "lower the model's sizes" in error
+    # Counting parameters builds no weights, so it still answers.
+    assert main(["params", "--recipe", "ptb-char-tiny", "--vocab-size", "50", "--set", "model.d_ffn=100000000000"]) == 0
+    assert "baseline" in capsys.readouterr().out
+
+
+def test_params_reads_data_and_vocab_size(text_corpus: str, capsys: pytest.CaptureFixture) -> None:
+    def report(*args: str) -> dict:
+        assert main(["params", "--recipe", "ptb-char-tiny", "--json", *args]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    from gatedformer.data import load_corpus
+
+    assert report("--data", text_corpus)["variants"][0]["vocab_size"] == len(load_corpus(text_corpus).vocab)
+    small, large = (report("--vocab-size", str(n))["variants"][0] for n in (50, 60))
+    d_model = 128  # the recipe's: ten more rows of the input embedding, ten more outputs with their biases
+    assert large["total"] - small["total"] == 10 * d_model + 10 * (d_model + 1)
+    assert main(["params", "--recipe", "ptb-char-tiny", "--vocab-size", "0"]) == 2
+    assert "--vocab-size must be a positive number" in capsys.readouterr().err
+    assert main(["params", "--recipe", "multi30k-tiny", "--vocab-size", "100", "--set", "translation.src_lang=fr"]) == 2
+    assert "multi30k has no fr→de pair" in capsys.readouterr().err

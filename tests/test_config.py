@@ -75,6 +75,8 @@ def test_bad_overrides_name_the_problem(override: str, fragment: str) -> None:
         ("model.gates=+σ L7", "names layer 7 but the model has 3 layers"),
         ("model.gates=+wibble", "unknown word"),
         ("model.backbone=lstm", "model.backbone='lstm' is not one of"),
+        ("model.highway_bias=1000", "model.highway_bias=1000.0 must be a finite number of at most 170"),
+        ("model.highway_bias=170.5", "at most 170"),
     ],
 )
 def test_validation_names_the_field_and_fix(override: str, fragment: str) -> None:

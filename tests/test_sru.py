@@ -257,8 +257,7 @@ def test_projection_parameter_counts() -> None:
     assert _n_params(skip) == 32 * 128 + 4 * 256 * 32 + 4 * 256
     bi = SRULayer(d, H // 2, bidirectional=True, projection_size=p)
     assert _n_params(bi) == p * d + 2 * 3 * (H // 2) * p + 4 * H
-    for off in (0, -5):
-        assert SRULayer(d, H, projection_size=off).weight_proj is None
+    assert SRULayer(d, H, projection_size=0).weight_proj is None
 
 
 @pytest.mark.parametrize(
@@ -268,6 +267,7 @@ def test_projection_parameter_counts() -> None:
         (dict(input_size=64, hidden_size=64, projection_size=100), "cannot reduce"),
         (dict(input_size=300, hidden_size=4, projection_size=12), "cannot reduce"),  # >= 3 * hidden
         (dict(input_size=64, hidden_size=64, projection_size=60), "does not save parameters"),
+        (dict(input_size=64, hidden_size=64, projection_size=-5), "0 \\(no projection\\) or a positive integer"),
     ],
 )
 def test_useless_projection_is_a_value_error(kwargs: dict, match: str) -> None:
@@ -275,6 +275,15 @@ def test_useless_projection_is_a_value_error(kwargs: dict, match: str) -> None:
         SRULayer(**kwargs)
     with pytest.raises(ValueError, match="SRU layer 0"):
         SRU(kwargs["input_size"], kwargs["hidden_size"], projection_size=kwargs["projection_size"])
+
+
+@pytest.mark.parametrize("bias, match", [(float("nan"), "finite"), (float("inf"), "finite"), (-math.inf, "finite"),
+                                         (1000.0, "overflow float32"), (171.0, "overflow float32")])
+def test_a_highway_bias_without_a_finite_alpha_is_a_value_error(bias: float, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SRULayer(8, 8, highway_bias=bias)
+    layer = SRULayer(8, 8, highway_bias=170.0)  # the largest allowed: alpha is still a float32
+    assert math.isfinite(layer.alpha) and torch.isfinite(torch.tensor(layer.alpha, dtype=torch.float32))
 
 
 def test_carrying_c_across_two_halves_equals_one_pass() -> None:

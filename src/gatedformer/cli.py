@@ -106,7 +106,7 @@ def cmd_data(args: argparse.Namespace) -> int:
 def cmd_params(args: argparse.Namespace) -> int:
     from gatedformer.analysis.params import parameter_report
 
-    report = parameter_report(args.recipe, list(args.overrides), data_dir=args.data_dir)
+    report = parameter_report(args.recipe, _overrides(args), data_dir=args.data_dir, vocab_size=args.vocab_size)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -221,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     params = commands.add_parser("params", help="parameter counts, total and per component")
     _add_config_args(params)
+    params.add_argument("--vocab-size", type=int, metavar="N",
+                        help="count for this vocabulary size instead of reading the corpus")
     params.add_argument("--json", action="store_true")
     params.set_defaults(handler=cmd_params)
 
@@ -265,6 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation failure (CPU allocator, CUDA out of memory or Python's MemoryError)."""
+    text = str(err).lower()
+    return isinstance(err, MemoryError) or "out of memory" in text or "can't allocate memory" in text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -276,6 +284,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gatedformer: interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, RuntimeError) as err:
+        if not _out_of_memory(err):
+            raise
+        reason = (str(err).strip().splitlines() or ["no detail"])[0][:200]
+        print(f"gatedformer: error: out of memory ({reason}); lower the model's sizes (model.d_model, model.d_ffn, "
+              "model.n_layers) or data.batch_size / data.seq_len", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         # The reader of our output went away (``| head``): nothing is left to say, and nobody to say it to.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -347,6 +347,11 @@ def validate(config: RunConfig) -> RunConfig:
     _positive("model.kernel_size", model.kernel_size)
     _check(model.bottleneck >= 0, "model.bottleneck must be 0 (off) or positive")
     _check(model.projection_size >= 0, "model.projection_size must be 0 (off) or positive")
+    from gatedformer.backbones.sru import MAX_HIGHWAY_BIAS
+
+    _check(math.isfinite(model.highway_bias) and model.highway_bias <= MAX_HIGHWAY_BIAS,
+           f"model.highway_bias={model.highway_bias} must be a finite number of at most {MAX_HIGHWAY_BIAS:g} "
+           "(alpha = sqrt(1 + 2e^b) overflows beyond); the SRU paper uses 0 or below")
 
     _one_of("optim.name", optim.name, OPTIMIZERS)
     _positive("optim.lr", optim.lr)
@@ -389,7 +394,10 @@ def validate(config: RunConfig) -> RunConfig:
 
 
 def _validate_translation(config: RunConfig) -> None:
+    from gatedformer.data.translation import check_pair
+
     tr = config.translation
+    check_pair(tr.src_lang, tr.tgt_lang, config.data.corpus)
     _check(config.model.backbone == "transformer",
            f"data.corpus={config.data.corpus} trains the encoder-decoder Transformer; set model.backbone=transformer")
     _check(tr.max_len >= 3, f"translation.max_len={tr.max_len} leaves no room between <bos> and <eos>; raise it")

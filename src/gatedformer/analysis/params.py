@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+import torch
 from torch import nn
 
 from gatedformer.backbones import build_model
@@ -16,6 +17,7 @@ from gatedformer.config import (
     check_overrides_spare_variants,
     load_recipe,
 )
+from gatedformer.errors import ConfigError
 
 GATE_KINDS = {"sdu": "SDU", "highway": "highway gate", "gated_mix": "gated MHDPA", "eau": "EAU",
               "residual_gate": "GRC"}
@@ -63,6 +65,8 @@ def count_by_component(model: nn.Module) -> dict[str, int]:
 def parameter_report(recipe_name: str, overrides: list[str], data_dir: str | None = None,
                      vocab_size: int | None = None) -> dict[str, Any]:
     """Counts for the recipe's config and for each of its variants, with a printable table."""
+    if vocab_size is not None and vocab_size < 1:
+        raise ConfigError(f"--vocab-size must be a positive number of tokens, got {vocab_size}")
     recipe = load_recipe(recipe_name)
     check_overrides_spare_variants(recipe, overrides)
     if build_config(recipe, overrides).data.corpus in TRANSLATION_CORPORA:
@@ -71,8 +75,8 @@ def parameter_report(recipe_name: str, overrides: list[str], data_dir: str | Non
     for variant in recipe.variants:
         config = build_config(recipe, overrides, variant)
         size = vocab_size or _vocab_size(config.data.corpus, data_dir)
-        model = build_model(config.model, size)
-        components = count_by_component(model)
+        with torch.device("meta"):  # shapes only: counting needs no memory for the weights
+            components = count_by_component(build_model(config.model, size))
         rows.append({"variant": variant.name, "total": sum(components.values()), "components": components,
                      "vocab_size": size})
     base = rows[0]["total"]
@@ -109,7 +113,8 @@ def translation_parameter_report(recipe: Recipe, overrides: list[str], data_dir:
     rows = []
     for variant in recipe.variants:
         variant_config = build_config(recipe, overrides, variant)
-        components = count_by_component(build_seq2seq(variant_config, src_size, tgt_size))
+        with torch.device("meta"):
+            components = count_by_component(build_seq2seq(variant_config, src_size, tgt_size))
         rows.append({"variant": variant.name, "total": sum(components.values()), "components": components,
                      "vocab_size": [src_size, tgt_size]})
     sizes = []
@@ -120,7 +125,8 @@ def translation_parameter_report(recipe: Recipe, overrides: list[str], data_dir:
                                           f"model.d_model={width}", f"model.d_ffn={ffn}",
                                           f"model.n_heads={_heads_for(width, config.model.n_heads)}",
                                           f"model.gates={spec}"])
-            counts[name] = sum(count_by_component(build_seq2seq(sized, src_size, tgt_size)).values())
+            with torch.device("meta"):
+                counts[name] = sum(count_by_component(build_seq2seq(sized, src_size, tgt_size)).values())
         sizes.append({"l": layers, "n": max_len, "k": width, "f": ffn, **counts})
 
     tr = config.translation

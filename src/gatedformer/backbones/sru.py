@@ -40,13 +40,25 @@ def _dropout_arg(value: float) -> float:
     return float(value)
 
 
+# The largest b whose alpha = sqrt(1 + 2e^b) is finite in float32: 2 ln(3.4e38) - ln 2 is about 176.
+MAX_HIGHWAY_BIAS = 170.0
+
+
 def highway_scale(highway_bias: float, rescale: bool = True) -> float:
     r"""The constant :math:`\alpha = \sqrt{1 + 2 e^{b}}` that scales the skip input (1 without ``rescale``).
 
     With weights of variance ``1/d`` and the reset gate starting around :math:`\sigma(b)`, this keeps
     the variance of ``h`` near that of ``x`` through deep stacks (SRU paper, appendix).
     """
-    return math.sqrt(1.0 + 2.0 * math.exp(highway_bias)) if rescale else 1.0
+    if not math.isfinite(highway_bias):
+        raise ValueError(f"highway_bias must be a finite number, got {highway_bias}")
+    if not rescale:
+        return 1.0
+    # sqrt(1 + 2e^b) overflows float32 long before math.exp overflows float64.
+    if highway_bias > MAX_HIGHWAY_BIAS:
+        raise ValueError(f"highway_bias={highway_bias} makes alpha = sqrt(1 + 2e^b) overflow float32; keep it at "
+                         f"most {MAX_HIGHWAY_BIAS} (the paper uses 0 or below)")
+    return math.sqrt(1.0 + 2.0 * math.exp(highway_bias))
 
 
 class SRULayer(nn.Module):
@@ -77,8 +89,9 @@ class SRULayer(nn.Module):
         super().__init__()
         self.input_size = check_size("input_size", input_size, 1)
         self.hidden_size = check_size("hidden_size", hidden_size, 1)
-        if isinstance(projection_size, bool) or not isinstance(projection_size, int):
-            raise ValueError(f"projection_size must be an integer, got {projection_size!r}")
+        if isinstance(projection_size, bool) or not isinstance(projection_size, int) or projection_size < 0:
+            raise ValueError(f"projection_size must be 0 (no projection) or a positive integer, "
+                             f"got {projection_size!r}")
         self.highway_bias = float(highway_bias)
         self.rescale = bool(rescale)
         self.bidirectional = bool(bidirectional)
