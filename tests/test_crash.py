@@ -29,7 +29,7 @@ from gatedformer.train.checkpoint import latest_checkpoint, load_checkpoint, sav
 
 RECIPE = "ptb-char-tiny"
 STEPS = 40  # 40 train records and 5 eval records (every 8 steps) in the log
-TIMING = ("run_dir", "seconds_per_step", "train_seconds", "tokens_per_second")
+TIMING = ("run_dir", "seconds_per_step", "train_seconds", "tokens_per_second", "setup_seconds", "wall_seconds")
 
 # A training process that stops inside its second checkpoint write: after the weights file, before the
 # carried state, trainer state and meta.json. It tells the test so by writing the file named in argv[1].

@@ -26,7 +26,7 @@ from gatedformer.train.checkpoint import latest_checkpoint, load_checkpoint
 from gatedformer.train.loop import train
 
 RECIPE = "ptb-char-tiny"
-TIMING = ("run_dir", "seconds_per_step", "train_seconds", "tokens_per_second")
+TIMING = ("run_dir", "seconds_per_step", "train_seconds", "tokens_per_second", "setup_seconds", "wall_seconds")
 
 # Runs inside each torchrun worker: ``gatedformer train`` with dropout off (compared with one process), then
 # an uninterrupted run with dropout and carried memory, and the same run stopped after 6 of 8 steps (the test

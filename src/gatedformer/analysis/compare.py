@@ -73,8 +73,8 @@ class _Progress:
     The time left is the steps left in every unfinished run times the wall-clock seconds per step of
     its variant, measured in this invocation (evaluations included; once a run has finished, its
     final evaluation on the whole valid and test splits too). Until a variant has been timed, the
-    mean of the variants timed so far stands in, then the ``seconds_per_step`` of runs finished
-    earlier.
+    mean of the variants timed so far stands in, then the wall-clock seconds per step of runs
+    finished earlier.
     """
 
     def __init__(self, enabled: bool, plans: list[tuple[Variant, int, RunConfig, Path]]) -> None:
@@ -86,7 +86,9 @@ class _Progress:
         self.earlier: dict[str, float] = {}
         for variant, _, _, run_dir in plans:
             if (run_dir / "results.json").is_file() and variant.name not in self.earlier:
-                self.earlier[variant.name] = RunResult.load(run_dir).seconds_per_step
+                done = RunResult.load(run_dir)
+                self.earlier[variant.name] = (done.wall_seconds / done.steps if done.wall_seconds and done.steps
+                                              else done.seconds_per_step)
         self.current = -1
         self.started = time.perf_counter()
         self.run_started = 0.0
@@ -147,7 +149,8 @@ class _Progress:
             self.rates[variant] = (time.perf_counter() - self.run_started) / (step - self.run_first_step)
         if record["event"] == "eval":
             values = [f"{k[len('valid_'):]} {v:.3f}" for k, v in record.items()
-                      if k.startswith("valid_") and k != "valid_loss" and isinstance(v, int | float)]
+                      if k.startswith("valid_") and k not in ("valid_loss", "valid_windows")
+                      and isinstance(v, int | float)]
             total = self.plans[self.current][2].train.steps
             self.say(f"  {self._tag(self.current)}: step {step}/{total}, valid {', '.join(values) or '—'}"
                      f"{self.eta()}")

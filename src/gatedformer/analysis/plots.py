@@ -6,8 +6,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gatedformer.analysis.runlog import read_log, series
+from gatedformer.analysis.runlog import eval_series, read_log, series
 from gatedformer.io import atomic_write
+
+# The legend entry of a last evaluation that scored the whole validation split, where the curve scored a part.
+WHOLE_SPLIT = "end of run, whole valid split"
 
 
 def _pyplot():
@@ -34,12 +37,17 @@ def plot_run(run_dir: Path, metric: str | None = None) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     steps, losses = series(records, "train", "train_loss")
     left.plot(steps, losses, label="train")
-    vsteps, vlosses = series(records, "eval", "valid_loss")
+    (vsteps, vlosses), whole = eval_series(records, "valid_loss")
     left.plot(vsteps, vlosses, marker="o", label="valid")
+    if whole:
+        left.plot(*whole, marker="*", markersize=12, linestyle="none", color="tab:orange", label=WHOLE_SPLIT)
     left.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
     left.legend()
-    msteps, values = series(records, "eval", f"valid_{metric}")
+    (msteps, values), whole = eval_series(records, f"valid_{metric}")
     right.plot(msteps, values, marker="o", color="tab:orange")
+    if whole:
+        right.plot(*whole, marker="*", markersize=12, linestyle="none", color="tab:red", label=WHOLE_SPLIT)
+        right.legend()
     right.set(xlabel="step", ylabel=f"valid {metric}", title=f"valid {metric}")
     for axis in (left, right):
         axis.grid(alpha=0.3)
@@ -50,9 +58,17 @@ def plot_run(run_dir: Path, metric: str | None = None) -> Path:
 def _metric_of(records: list[dict]) -> str:
     for record in records:
         for key in record:
-            if key.startswith("valid_") and key != "valid_loss":
+            if key.startswith("valid_") and key not in ("valid_loss", "valid_windows"):
                 return key[len("valid_"):]
     return "loss"
+
+
+def _whole_split(axis, points: list[tuple[float, float] | None], color) -> None:
+    """The seeds' mean last evaluation on the whole split, where the curve scored a part of it."""
+    known = [p for p in points if p is not None]
+    if known:
+        axis.plot(np.mean([p[0] for p in known]), np.mean([p[1] for p in known]), marker="*", markersize=12,
+                  linestyle="none", color=color)
 
 
 def _band(axis, runs: list[tuple[list[float], list[float]]], label: str, color) -> None:
@@ -74,15 +90,22 @@ def plot_convergence(runs: dict[str, list[Path]], metric: str, out_path: Path) -
     plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    wholes = False
     for i, (name, run_dirs) in enumerate(runs.items()):
         logs = [read_log(d) for d in run_dirs]
         color = colors[i % len(colors)]
-        _band(axes[0], [series(r, "eval", f"valid_{metric}") for r in logs], name, color)
-        _band(axes[1], [series(r, "eval", f"valid_{metric}", x="time") for r in logs], name, color)
+        for axis, x in ((axes[0], "step"), (axes[1], "time")):
+            curves = [eval_series(r, f"valid_{metric}", x) for r in logs]
+            _band(axis, [curve for curve, _ in curves], name, color)
+            _whole_split(axis, [last for _, last in curves], color)
+            wholes |= any(last is not None for _, last in curves)
         _band(axes[2], [series(r, "train", "train_loss") for r in logs], name, color)
     axes[0].set(xlabel="step", ylabel=f"valid {metric}", title=f"valid {metric} vs step")
     axes[1].set(xlabel="training time (s)", ylabel=f"valid {metric}", title=f"valid {metric} vs time")
     axes[2].set(xlabel="step", ylabel="train loss (nats/token)", title="train loss vs step")
+    if wholes:
+        for axis in axes[:2]:
+            axis.plot([], [], marker="*", markersize=10, linestyle="none", color="gray", label=WHOLE_SPLIT)
     for axis in axes:
         axis.grid(alpha=0.3)
         if axis.get_legend_handles_labels()[0]:  # a run too short to evaluate leaves its panels empty

@@ -35,7 +35,13 @@ class VariantSummary:
 
     @property
     def seconds_per_epoch(self) -> float | None:
-        return None if self.steps_per_epoch is None else self.mean("seconds_per_step") * self.steps_per_epoch
+        steps = self.steps_per_epoch or self.results[0].steps_per_epoch
+        return self.mean("seconds_per_step") * steps if steps else None
+
+
+def _total_seconds(result: RunResult) -> float:
+    """The run's wall-clock time; results from before that was kept have their training steps' time only."""
+    return result.wall_seconds or result.train_seconds + result.setup_seconds
 
 
 @dataclass
@@ -54,9 +60,13 @@ def _markdown(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _pm(summary: VariantSummary, key: str, digits: int = 3) -> str:
-    if len(summary.results) > 1:
-        return f"{summary.mean(key):.{digits}f} ± {summary.std(key):.{digits}f}"
-    return f"{summary.mean(key):.{digits}f}"
+    return _mean_pm([getattr(r, key) for r in summary.results], digits)
+
+
+def _mean_pm(values: list[float], digits: int) -> str:
+    if len(values) > 1:
+        return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+    return f"{values[0]:.{digits}f}"
 
 
 def _change(value: float, base: float) -> str:
@@ -88,18 +98,21 @@ def format_table(summaries: list[VariantSummary], metric: str, recipe: Recipe) -
             row.append("—" if s.published is None else f"{s.published:g}")
             known = s is not base and s.published is not None and base.published is not None
             row.append(_change(s.published, base.published) if known else "—")
-        row += [f"{s.results[0].params:,}", f"{s.mean('seconds_per_step'):.4f}", _pm(s, "train_seconds", 1)]
+        row += [f"{s.results[0].params:,}", f"{s.mean('seconds_per_step'):.4f}",
+                _mean_pm([_total_seconds(r) for r in s.results], 1)]
         rows.append(row)
     return _markdown(header, rows)
 
 
 def timing_table(summaries: list[VariantSummary]) -> str:
     """Training-time cost of each variant (Highway Transformer, Table 7): time per step and per epoch,
-    relative to the baseline, with throughput and the extra parameters that cost buys."""
+    relative to the baseline, with throughput and the extra parameters that cost buys. The time per step
+    leaves out the first step of each run (kernels built on first use, compilation), shown as setup."""
     base = summaries[0]
     base_step = base.mean("seconds_per_step")
     base_params = base.results[0].params
-    header = ["variant", "s/step", "s/epoch", "relative time", "Δ time/step", "tokens/s", "params", "Δ params"]
+    header = ["variant", "s/step", "s/epoch", "relative time", "Δ time/step", "tokens/s", "setup (s)", "params",
+              "Δ params"]
     rows = []
     for s in summaries:
         step = s.mean("seconds_per_step")
@@ -108,7 +121,8 @@ def timing_table(summaries: list[VariantSummary]) -> str:
             s.name, f"{step:.4f}" + (f" ± {s.std('seconds_per_step'):.4f}" if len(s.results) > 1 else ""),
             "—" if epoch is None else f"{epoch:,.1f}", f"×{step / base_step:.2f}" if base_step else "—",
             "—" if s is base else _change(step, base_step), f"{s.mean('tokens_per_second'):,.0f}",
-            f"{s.results[0].params:,}", "—" if s is base else _change(s.results[0].params, base_params),
+            f"{s.mean('setup_seconds'):.2f}", f"{s.results[0].params:,}",
+            "—" if s is base else _change(s.results[0].params, base_params),
         ])
     return _markdown(header, rows)
 
@@ -147,14 +161,19 @@ def render_report(recipe: Recipe, summaries: list[VariantSummary], table: str, *
         parts += [f"Published numbers: {recipe.published_source}.", ""]
     parts += ["## Training-time cost", "",
               "Mean training time per step (evaluation excluded) and per epoch (steps per pass over the "
-              "training split × s/step), relative to the first variant.", "", timing_table(summaries), ""]
+              "training split × s/step), relative to the first variant. Each run's first step is left out of "
+              "s/step and tokens/s and shown as setup: it builds kernels on first use (once per machine, so "
+              "whichever variant runs first pays it) and compiles under `--compile`. The results table's "
+              "total time is the whole run, evaluations included.", "", timing_table(summaries), ""]
     params = parameter_table(summaries)
     if params:
         parts += ["## Parameters", "", params, ""]
     if convergence:
         parts += ["## Convergence", "",
                   "Validation metric against step and against training time, and training loss against step; "
-                  "the shaded band is the spread (min to max) over seeds.", ""]
+                  "the shaded band is the spread (min to max) over seeds. Where evaluations during training "
+                  "score part of the validation split (`train.eval_windows`, `translation.bleu_sentences`), "
+                  "the curve holds those, and a star marks the run's last evaluation, on the whole split.", ""]
         parts += [f"![{f.stem}]({f.relative_to(out_dir).as_posix()})" for f in convergence] + [""]
     if gate_figures:
         parts += ["## Gates", "",

@@ -9,6 +9,7 @@ continues bit for bit where a stopped run left off.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import signal
@@ -40,6 +41,7 @@ from gatedformer.train.checkpoint import (
     save_model_weights,
     weights_metadata,
 )
+from gatedformer.train.clock import TrainingClock
 from gatedformer.train.compiling import compile_model
 from gatedformer.train.gate_stats import GateStatistics, gate_biases
 from gatedformer.train.init import initialise
@@ -67,8 +69,16 @@ class RunResult:
     params: int
     steps: int
     seconds_per_step: float
+    """The mean training step after the first of each start (see :class:`~gatedformer.train.clock.TrainingClock`)."""
     train_seconds: float
+    """Those steps' time: forward, backward and optimiser, no evaluation."""
     tokens_per_second: float
+    setup_seconds: float = 0.0
+    """The first step of each start: kernels built on first use, compilation, allocator warm-up."""
+    wall_seconds: float = 0.0
+    """The whole run, evaluations and checkpoints included (0 in results from before it was kept)."""
+    steps_per_epoch: int = 0
+    """Training steps in one pass over the training split (0: not known)."""
 
     @classmethod
     def load(cls, run_dir: Path) -> RunResult:
@@ -76,7 +86,9 @@ class RunResult:
         path = Path(run_dir) / "results.json"
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+            # Fields with a default came later: results written before them lack them.
+            return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)
+                          if f.name in data or f.default is dataclasses.MISSING})
         except (OSError, ValueError, KeyError, TypeError) as err:
             reason = f"missing {err}" if isinstance(err, KeyError) else type(err).__name__
             raise CheckpointError(f"{path} is damaged ({reason}); delete {Path(run_dir)} to train that run "
@@ -262,15 +274,15 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
           on_record: Callable[[dict[str, Any]], None] | None = None) -> RunResult | None:
     """Train ``config`` into ``out_dir``; return the final results, or ``None`` if ``stop_after``
     ended the run early (it can then be resumed). ``on_record`` sees every log record as it is
-    written (language models only)."""
+    written."""
     if config.train.tensorboard:
         from gatedformer.train.tensorboard import replay_log, require_tensorboard
 
         require_tensorboard()  # fail before any work, not after it
     if config.data.corpus in TRANSLATION_CORPORA:  # translation: the encoder-decoder trainer
         from gatedformer.train.translation import train_translation
-        result = train_translation(config, out_dir, data_dir, resume, progress, stop_after)
-        if config.train.tensorboard:  # that loop has no record hook: its log goes to TensorBoard at the end
+        result = train_translation(config, out_dir, data_dir, resume, progress, stop_after, on_record)
+        if config.train.tensorboard:  # its log goes to TensorBoard once the run ends
             replay_log(out_dir)
         return result
     validate(config)
@@ -303,7 +315,8 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
     if ddp.is_main:
         atomic_write_json(out_dir / "config.json", config.to_dict())
     log_path = out_dir / "log.jsonl"
-    step, tokens_seen, train_seconds, carry = 0, 0, 0.0, None
+    step, tokens_seen, carry = 0, 0, None
+    clock = TrainingClock()
     loss_sum, loss_count, skipped = 0.0, 0, 0
     valid_loss: float | None = None
     if checkpoint_path is not None:
@@ -313,7 +326,8 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
         optimizer.load_state_dict(ckpt.trainer_state["optimizer"])
         scheduler.load_state_dict(ckpt.trainer_state["scheduler"])
         meta = ckpt.meta
-        step, tokens_seen, train_seconds = meta["step"], meta["tokens_seen"], meta["train_seconds"]
+        step, tokens_seen = meta["step"], meta["tokens_seen"]
+        clock = TrainingClock(meta, step, tokens_seen)
         loss_sum, loss_count, skipped = meta["loss_sum"], meta["loss_count"], meta.get("skipped", 0)
         # This rank's RNG states and carried state (each rank saved its own).
         carry = _state_to(distributed.restore_rank_state(ddp, ckpt.trainer_state, meta, ckpt.carry, tcfg.seed), device)
@@ -332,7 +346,7 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
         if ddp.is_main:
             trainer_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                              **distributed.rng_state(device)}
-            meta = {"tokens_seen": tokens_seen, "train_seconds": train_seconds, "loss_sum": loss_sum,
+            meta = {"tokens_seen": tokens_seen, **clock.state(), "loss_sum": loss_sum,
                     "loss_count": loss_count, "skipped": skipped, "config": config.to_dict()}
             trainer_state, saved_carry, extra = distributed.checkpoint_parts(ddp, trainer_state, carry, ranks)
             save_checkpoint(out_dir, step, model, trainer_state, {**meta, **extra}, saved_carry)
@@ -371,9 +385,9 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
             carry = detach_state(new_carry)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            train_seconds += time.perf_counter() - started
             step += 1
             tokens_seen += y.numel() * ddp.world
+            clock.add_step(time.perf_counter() - started, y.numel() * ddp.world)
             if not stepped:
                 skipped += 1
             if math.isfinite(loss_value):
@@ -383,7 +397,7 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
 
             if step % tcfg.log_every == 0:
                 record = {"event": "train", "step": step, "lr": scheduler.get_last_lr()[0], "tokens": tokens_seen,
-                          "time": train_seconds, "tokens_per_s": tokens_seen / max(train_seconds, 1e-9)}
+                          "time": clock.step_seconds, "tokens_per_s": clock.tokens_per_second}
                 if loss_count:
                     record["train_loss"] = loss_sum / loss_count
                     bar.set_postfix(loss=f"{loss_sum / loss_count:.3f}")
@@ -395,11 +409,12 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
             final = step == tcfg.steps
             if step % tcfg.eval_every == 0 or final:
                 if ddp.is_main:  # rank 0 evaluates the whole split; the others wait in checkpoint_now
+                    scored = len(valid_stream) if final or tcfg.eval_windows <= 0 else min(tcfg.eval_windows,
+                                                                                            len(valid_stream))
                     with stats.recording():
-                        valid_loss = evaluate(model, valid_stream, device, tcfg.precision,
-                                              0 if final else tcfg.eval_windows)
-                    log({"event": "eval", "step": step, "tokens": tokens_seen, "time": train_seconds,
-                         "tokens_per_s": tokens_seen / max(train_seconds, 1e-9), "valid_loss": valid_loss,
+                        valid_loss = evaluate(model, valid_stream, device, tcfg.precision, scored)
+                    log({"event": "eval", "step": step, "tokens": tokens_seen, "time": clock.step_seconds,
+                         "tokens_per_s": clock.tokens_per_second, "valid_loss": valid_loss, "valid_windows": scored,
                          f"valid_{corpus.metric}": metric_value(corpus.metric, valid_loss),
                          "gates": stats.summary()})
                     bar.set_postfix(valid=f"{metric_value(corpus.metric, valid_loss):.3f} {corpus.metric}")
@@ -429,8 +444,9 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
         run_dir=str(out_dir), corpus=config.data.corpus, metric=corpus.metric, valid_loss=valid_loss,
         valid_metric=metric_value(corpus.metric, valid_loss), test_loss=test_loss,
         test_metric=metric_value(corpus.metric, test_loss), params=params, steps=step,
-        seconds_per_step=train_seconds / max(step, 1), train_seconds=train_seconds,
-        tokens_per_second=tokens_seen / max(train_seconds, 1e-9),
+        seconds_per_step=clock.seconds_per_step(step), train_seconds=clock.step_seconds,
+        tokens_per_second=clock.tokens_per_second, setup_seconds=clock.setup_seconds,
+        wall_seconds=clock.wall_seconds, steps_per_epoch=len(train_stream),
     )
     log({"event": "test", "step": step, "test_loss": test_loss, f"test_{corpus.metric}": result.test_metric})
     if ddp.is_main:

@@ -25,7 +25,7 @@ import json
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,7 @@ from gatedformer.train.checkpoint import (
     save_model_weights,
     weights_metadata,
 )
+from gatedformer.train.clock import TrainingClock
 from gatedformer.train.compiling import compile_model
 from gatedformer.train.gate_stats import GateStatistics, gate_biases
 from gatedformer.train.init import initialise
@@ -298,9 +299,11 @@ def _beam_of(config: RunConfig) -> int:
 
 
 def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = None,
-                      resume: bool = False, progress: bool = True, stop_after: int | None = None) -> RunResult | None:
+                      resume: bool = False, progress: bool = True, stop_after: int | None = None,
+                      on_record: Callable[[dict[str, Any]], None] | None = None) -> RunResult | None:
     """Train the encoder-decoder of ``config`` into ``out_dir``; return the final results, or ``None``
-    if ``stop_after`` ended the run early (it can then be resumed)."""
+    if ``stop_after`` ended the run early (it can then be resumed). ``on_record`` sees every log record
+    as it is written."""
     validate(config)
     if config.data.corpus not in TRANSLATION_CORPORA:
         raise ConfigError(f"data.corpus={config.data.corpus} is not a translation corpus; use one of "
@@ -334,7 +337,8 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
     atomic_write_json(out_dir / "config.json", config.to_dict())
     atomic_write_json(out_dir / "vocab.json", _vocab_record(data))
     log_path = out_dir / "log.jsonl"
-    step, epoch, position, tokens_seen, train_seconds = 0, 0, 0, 0, 0.0
+    step, epoch, position, tokens_seen = 0, 0, 0, 0
+    clock = TrainingClock()
     loss_sum, loss_count, skipped = 0.0, 0, 0
     if checkpoint_path is not None:
         ckpt = load_checkpoint(checkpoint_path)
@@ -346,7 +350,8 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
             torch.cuda.set_rng_state(ckpt.trainer_state["rng_cuda"], device)
         meta = ckpt.meta
         step, epoch, position = meta["step"], meta["epoch"], meta["batch_in_epoch"]
-        tokens_seen, train_seconds = meta["tokens_seen"], meta["train_seconds"]
+        tokens_seen = meta["tokens_seen"]
+        clock = TrainingClock(meta, step, tokens_seen)
         loss_sum, loss_count, skipped = meta["loss_sum"], meta["loss_count"], meta.get("skipped", 0)
         _truncate_log(log_path, step)
     else:
@@ -355,6 +360,8 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
     def log(record: dict[str, Any]) -> None:
         with open(log_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record, sort_keys=True) + "\n")
+        if on_record is not None:
+            on_record(record)
 
     if checkpoint_path is None:
         log({"event": "data", "step": 0, "corpus": data.corpus, "pair": f"{data.src_lang}-{data.tgt_lang}",
@@ -365,6 +372,7 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
     compiled = compile_model(model) if tcfg.compile else model
     stats = GateStatistics(model)
     batches = length_batches(data.train, config.data.batch_size, tr.max_tokens, tcfg.seed, epoch)
+    steps_per_epoch = len(batches)
     beam, eval_batch = _beam_of(config), config.data.eval_batch_size
 
     def checkpoint_now() -> None:
@@ -373,7 +381,7 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
         if device.type == "cuda":
             trainer_state["rng_cuda"] = torch.cuda.get_rng_state(device)
         meta = {"epoch": epoch, "batch_in_epoch": position, "tokens_seen": tokens_seen,
-                "train_seconds": train_seconds, "loss_sum": loss_sum, "loss_count": loss_count, "skipped": skipped,
+                **clock.state(), "loss_sum": loss_sum, "loss_count": loss_count, "skipped": skipped,
                 "config": config.to_dict()}
         save_checkpoint(out_dir, step, model, trainer_state, meta)
 
@@ -396,9 +404,10 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
             loss_value, stepped = optimise(loss, model, optimizer, scheduler, config, step, out_dir)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            train_seconds += time.perf_counter() - started
             step += 1
-            tokens_seen += int((tgt_out != PAD_ID).sum())
+            tokens = int((tgt_out != PAD_ID).sum())
+            tokens_seen += tokens
+            clock.add_step(time.perf_counter() - started, tokens)
             if not stepped:
                 skipped += 1
             if math.isfinite(loss_value):
@@ -408,8 +417,8 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
 
             if step % tcfg.log_every == 0 and loss_count:
                 record = {"event": "train", "step": step, "epoch": epoch, "train_loss": loss_sum / loss_count,
-                          "lr": scheduler.get_last_lr()[0], "tokens": tokens_seen, "time": train_seconds,
-                          "tokens_per_s": tokens_seen / max(train_seconds, 1e-9)}
+                          "lr": scheduler.get_last_lr()[0], "tokens": tokens_seen, "time": clock.step_seconds,
+                          "tokens_per_s": clock.tokens_per_second}
                 if skipped:
                     record["skipped_steps"] = skipped
                 log(record)
@@ -422,8 +431,8 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
                     valid_loss = evaluate_loss(model, data.valid, eval_batch, device, tcfg.precision)
                 valid_bleu, _ = evaluate_bleu(model, data.valid, data.tgt_vocab, data.tgt_lang, beam,
                                               tr.length_penalty, eval_batch, 0 if final else tr.bleu_sentences)
-                log({"event": "eval", "step": step, "tokens": tokens_seen, "time": train_seconds,
-                     "tokens_per_s": tokens_seen / max(train_seconds, 1e-9), "valid_loss": valid_loss,
+                log({"event": "eval", "step": step, "tokens": tokens_seen, "time": clock.step_seconds,
+                     "tokens_per_s": clock.tokens_per_second, "valid_loss": valid_loss,
                      f"valid_{METRIC}": valid_bleu, "bleu_sentences": len(data.valid) if final or
                      tr.bleu_sentences <= 0 else min(tr.bleu_sentences, len(data.valid)), "gates": stats.summary()})
                 bar.set_postfix(valid=f"{valid_bleu:.2f} {METRIC}")
@@ -449,8 +458,9 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
     result = RunResult(
         run_dir=str(out_dir), corpus=config.data.corpus, metric=METRIC, valid_loss=valid_loss,
         valid_metric=valid_bleu, test_loss=test_loss, test_metric=test_bleu, params=params, steps=step,
-        seconds_per_step=train_seconds / max(step, 1), train_seconds=train_seconds,
-        tokens_per_second=tokens_seen / max(train_seconds, 1e-9),
+        seconds_per_step=clock.seconds_per_step(step), train_seconds=clock.step_seconds,
+        tokens_per_second=clock.tokens_per_second, setup_seconds=clock.setup_seconds,
+        wall_seconds=clock.wall_seconds, steps_per_epoch=steps_per_epoch,
     )
     log({"event": "test", "step": step, "test_loss": test_loss, f"test_{METRIC}": test_bleu})
     atomic_write_json(out_dir / "results.json", result.__dict__)
