@@ -200,7 +200,8 @@ def test_nonfinite_loss_keeps_the_last_good_checkpoint(reference: dict, tmp_path
 
     monkeypatch.setattr(loop, "build_model", poisoned)
     config = build_config(load_recipe(RECIPE), reference["overrides"])
-    with pytest.raises(loop.NonFiniteLoss, match=r"at step 11 \(loss nan\); the last good checkpoint is kept"):
+    with pytest.raises(loop.NonFiniteLoss, match=r"at step 11 \(loss nan\); the last good checkpoint "
+                                                 r"\(step-00000008\) is kept: continue from it with --resume"):
         loop.train(config, tmp_path / "run", progress=False)
     checkpoint = load_checkpoint(latest_checkpoint(tmp_path / "run"))
     assert checkpoint.meta["step"] == 8

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import pickle
 from pathlib import Path
 
@@ -136,6 +137,47 @@ def test_nonfinite_loss_stops_with_the_step_named(text_corpus: str, tmp_path: Pa
     with pytest.raises(NonFiniteLoss, match=r"non-finite loss or gradient at step \d+"):
         train(config_for(text_corpus, "optim.lr=1e30", "optim.name=sgd", steps=40), tmp_path / "run",
               progress=False)
+
+
+def test_a_diverged_run_goes_on_from_its_last_good_checkpoint_with_what_the_error_names(
+        text_corpus: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gatedformer.train import loop
+
+    build_model = loop.build_model
+
+    def diverging(config, vocab_size):  # from the 7th training forward on, the loss is NaN
+        model = build_model(config, vocab_size)
+        forward, calls = model.forward, []
+
+        def nan_forward(x, state=None, **kwargs):
+            loss, new_state = forward(x, state, **kwargs)
+            calls.append(model.training)
+            return (loss * float("nan") if sum(calls) >= 7 else loss), new_state
+
+        model.forward = nan_forward
+        return model
+
+    settings = ("optim.schedule=constant", "train.eval_every=2")
+    run = tmp_path / "run"
+    monkeypatch.setattr(loop, "build_model", diverging)
+    with pytest.raises(NonFiniteLoss, match=r"at step 7 \(loss nan\); the last good checkpoint \(step-00000006\) is "
+                                            r"kept: continue from it with --resume and a lower optim.lr, optim.clip "
+                                            r"set, or train.nonfinite=skip"):
+        train(config_for(text_corpus, *settings), run, progress=False)
+    monkeypatch.undo()
+    # Each way out the message names is accepted on --resume; the schedule goes on from the lower rate.
+    result = train(config_for(text_corpus, *settings, "optim.lr=0.004", "optim.clip=0.5", "train.nonfinite=skip"),
+                   run, resume=True, progress=False)
+    assert result is not None and math.isfinite(result.test_loss)
+    rates = {r["step"]: r["lr"] for r in read_log(run) if r["event"] == "train"}
+    assert rates[6] == pytest.approx(0.01) and all(rates[s] == pytest.approx(0.004) for s in range(7, 13))
+
+
+def test_a_run_that_diverges_before_any_checkpoint_says_so(text_corpus: str, tmp_path: Path) -> None:
+    with pytest.raises(NonFiniteLoss, match="no checkpoint was written before it: train again with a lower optim.lr"):
+        train(config_for(text_corpus, "optim.lr=1e30", "optim.name=sgd", "train.eval_every=40", steps=40),
+              tmp_path / "run", progress=False)
+    assert latest_checkpoint(tmp_path / "run") is None
 
 
 def test_nonfinite_steps_can_be_skipped(text_corpus: str, tmp_path: Path) -> None:

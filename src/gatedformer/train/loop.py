@@ -45,11 +45,14 @@ from gatedformer.train.clock import TrainingClock
 from gatedformer.train.compiling import compile_model
 from gatedformer.train.gate_stats import GateStatistics, gate_biases
 from gatedformer.train.init import initialise
-from gatedformer.train.optim import build_optimizer, build_scheduler, clip_gradients
+from gatedformer.train.optim import build_optimizer, build_scheduler, clip_gradients, follow_changed_lr
 
 # Fields that may change between a run and its resumption without changing what is computed.
 RESUMABLE_CHANGES = {"train.steps", "train.eval_every", "train.log_every", "train.device", "train.threads",
-                     "train.eval_windows", "data.eval_batch_size", "data.eval_seq_len", "train.tensorboard"}
+                     "train.eval_windows", "data.eval_batch_size", "data.eval_seq_len", "train.tensorboard",
+                     # the ways out of a non-finite loss, from the last good checkpoint
+                     "train.nonfinite", "optim.lr", "optim.clip"}
+"""Fields ``--resume`` may change: how long, how often and where the run goes on, and how it steps."""
 FINISHED_RUN_CHANGES = {"train.device", "train.threads", "train.log_every", "train.tensorboard", "train.compile"}
 """Fields a finished run may differ in and still be the same experiment: where and how fast it ran, how often it
 logged. ``compare`` keeps such a run rather than training it again."""
@@ -215,9 +218,12 @@ def optimise(loss: torch.Tensor, model: nn.Module, optimizer: torch.optim.Optimi
     if stepped:
         optimizer.step()
     elif config.train.nonfinite == "stop":
+        fixes = "a lower optim.lr, optim.clip set, or train.nonfinite=skip"
+        kept = latest_checkpoint(out_dir) if out_dir.exists() else None
         raise NonFiniteLoss(
-            f"non-finite loss or gradient at step {step + 1} (loss {value}); the last good checkpoint is kept in "
-            f"{out_dir}; lower optim.lr, set optim.clip, or train.nonfinite=skip"
+            f"non-finite loss or gradient at step {step + 1} (loss {value}); "
+            + (f"the last good checkpoint ({kept.name}) is kept: continue from it with --resume and {fixes}"
+               if kept is not None else f"no checkpoint was written before it: train again with {fixes}")
         )
     else:
         optimizer.zero_grad(set_to_none=True)
@@ -325,6 +331,7 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
         load_model_weights(model, ckpt.model_state, str(checkpoint_path))
         optimizer.load_state_dict(ckpt.trainer_state["optimizer"])
         scheduler.load_state_dict(ckpt.trainer_state["scheduler"])
+        follow_changed_lr(optimizer, scheduler, config.optim.lr)
         meta = ckpt.meta
         step, tokens_seen = meta["step"], meta["tokens_seen"]
         clock = TrainingClock(meta, step, tokens_seen)

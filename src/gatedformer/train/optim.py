@@ -65,3 +65,21 @@ def lr_factor(step: int, total_steps: int, cfg: OptimConfig, d_model: int = 512)
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int,
                     d_model: int = 512) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg, d_model))
+
+
+def follow_changed_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                      lr: float) -> None:
+    """After a resume with another ``optim.lr``: the restored schedule continues from ``lr`` instead.
+
+    The optimiser's and scheduler's saved states carry the learning rate the run started with; every
+    group's rate (base, initial and current) is scaled by the ratio, so the schedule keeps its shape.
+    """
+    saved = scheduler.base_lrs[0]
+    if saved == lr or saved <= 0:
+        return
+    ratio = lr / saved
+    scheduler.base_lrs = [base * ratio for base in scheduler.base_lrs]
+    for group in optimizer.param_groups:
+        group["lr"] *= ratio
+        if "initial_lr" in group:
+            group["initial_lr"] *= ratio

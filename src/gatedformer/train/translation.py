@@ -78,7 +78,7 @@ from gatedformer.train.loop import (
     prepare_run_dir,
     stop_here,
 )
-from gatedformer.train.optim import build_optimizer, build_scheduler
+from gatedformer.train.optim import build_optimizer, build_scheduler, follow_changed_lr
 
 METRIC = "bleu"
 
@@ -345,6 +345,7 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
         load_model_weights(model, ckpt.model_state, str(checkpoint_path))
         optimizer.load_state_dict(ckpt.trainer_state["optimizer"])
         scheduler.load_state_dict(ckpt.trainer_state["scheduler"])
+        follow_changed_lr(optimizer, scheduler, config.optim.lr)
         torch.set_rng_state(ckpt.trainer_state["rng_cpu"])
         if device.type == "cuda" and "rng_cuda" in ckpt.trainer_state:
             torch.cuda.set_rng_state(ckpt.trainer_state["rng_cuda"], device)
