@@ -271,3 +271,12 @@ def test_params_reads_data_and_vocab_size(text_corpus: str, capsys: pytest.Captu
     assert "--vocab-size must be a positive number" in capsys.readouterr().err
     assert main(["params", "--recipe", "multi30k-tiny", "--vocab-size", "100", "--set", "translation.src_lang=fr"]) == 2
     assert "multi30k has no fr→de pair" in capsys.readouterr().err
+
+
+def test_resume_with_nothing_to_resume_says_it_starts_afresh(text_corpus: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "new"
+    args = ["train", "--recipe", "ptb-char-tiny", "--out", str(out), "--quiet", "--resume",
+            *sets(tiny_overrides(text_corpus, steps=2))]
+    assert main(args) == 0
+    assert f"note: {out} holds no checkpoint to resume; starting a new run" in capsys.readouterr().err

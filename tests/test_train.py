@@ -75,6 +75,84 @@ def test_truncated_checkpoint_is_refused(text_corpus: str, tmp_path: Path) -> No
         train(config_for(text_corpus), tmp_path / "run", progress=False, resume=True)
 
 
+def _damage_meta(key: str, value: object):
+    def damage(checkpoint: Path) -> None:
+        meta = json.loads((checkpoint / "meta.json").read_text())
+        if value is None:
+            del meta[key]
+        else:
+            meta[key] = value
+        (checkpoint / "meta.json").write_text(json.dumps(meta))
+    return damage
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (lambda c: (c / "trainer.pt").write_bytes(b""), r"trainer.pt is truncated or corrupt \("),
+    (_damage_meta("step", None), "'step' is None, not a count"),
+    (_damage_meta("step", "x"), "'step' is 'x', not a count"),
+    (_damage_meta("tokens_seen", -3), "'tokens_seen' is -3, not a count"),
+    (_damage_meta("loss_sum", None), r"is damaged \(KeyError: 'loss_sum'\)"),
+    (_damage_meta("carry", {"kind": "nonsense"}), "does not describe its carried state"),
+    (lambda c: torch.save({"scheduler": {}}, c / "trainer.pt"), "trainer.pt is damaged: no optimizer state"),
+    (lambda c: torch.save({"optimizer": {}, "scheduler": {}}, c / "trainer.pt"), r"is damaged \("),
+])
+def test_a_damaged_checkpoint_is_one_clear_error(text_corpus: str, tmp_path: Path, damage, fragment: str) -> None:
+    train(config_for(text_corpus), tmp_path / "run", progress=False, stop_after=4)
+    damage(latest_checkpoint(tmp_path / "run"))
+    with pytest.raises(CheckpointError, match=fragment) as raised:
+        train(config_for(text_corpus), tmp_path / "run", progress=False, resume=True)
+    assert "\n" not in str(raised.value) and ("delete" in str(raised.value) or "resume from" in str(raised.value))
+
+
+def test_a_lost_latest_pointer_resumes_from_the_newest_complete_checkpoint(text_corpus: str, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(config_for(text_corpus), run, progress=False, stop_after=8)
+    kept = latest_checkpoint(run)
+    (run / "ckpt" / "LATEST").unlink()
+    (run / "ckpt" / ".step-00000009.partial").mkdir()  # a write the crash cut short is no checkpoint
+    assert latest_checkpoint(run) == kept
+    resumed = train(config_for(text_corpus), run, progress=False, resume=True)
+    reference = train(config_for(text_corpus), tmp_path / "reference", progress=False)
+    assert resumed is not None and reference is not None and resumed.test_loss == reference.test_loss
+    (run / "log.jsonl").write_bytes((run / "log.jsonl").read_bytes() + b"\xff\xfe not text\n")
+    assert len(read_log(run)) > 0
+
+
+def test_a_latest_pointer_that_is_a_folder_is_one_clear_error(text_corpus: str, tmp_path: Path) -> None:
+    train(config_for(text_corpus), tmp_path / "run", progress=False, stop_after=4)
+    pointer = tmp_path / "run" / "ckpt" / "LATEST"
+    pointer.unlink()
+    pointer.mkdir()
+    with pytest.raises(CheckpointError, match="LATEST cannot be read .*; delete it and resume"):
+        train(config_for(text_corpus), tmp_path / "run", progress=False, resume=True)
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_last_checkpoint(
+        text_corpus: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from safetensors import SafetensorError
+
+    from gatedformer.errors import OutputError
+    from gatedformer.train import checkpoint
+
+    run = tmp_path / "run"
+    train(config_for(text_corpus), run, progress=False, stop_after=4)
+    kept = latest_checkpoint(run)
+    save_file = checkpoint.save_file
+
+    def full_after_the_first(tensors, path, metadata=None):
+        if "step-00000004" not in str(path):
+            raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                                  "message: \"No space left on device\" })")
+        save_file(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(checkpoint, "save_file", full_after_the_first)
+    with pytest.raises(OutputError, match=r"cannot write .*step-00000008 \(Error while serializing.*No space left"):
+        train(config_for(text_corpus), run, progress=False, resume=True)
+    assert latest_checkpoint(run) == kept and not list((run / "ckpt").glob(".*partial"))
+    monkeypatch.undo()
+    assert train(config_for(text_corpus), run, progress=False, resume=True) is not None
+
+
 class _Exploit:
     def __reduce__(self):
         return (print, ("this ran code",))

@@ -40,6 +40,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gatedformer.train.loop import train
 
     config = build_config(load_recipe(args.recipe), _overrides(args) + _train_flags(args))
+    if args.resume and is_main_process() and _nothing_to_resume(Path(args.out)):
+        print(f"note: {args.out} holds no checkpoint to resume; starting a new run", file=sys.stderr)
     result = train(config, args.out, data_dir=args.data_dir, resume=args.resume, progress=not args.quiet)
     if not is_main_process():
         return 0  # under torchrun, rank 0 alone prints and plots
@@ -52,6 +54,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ImportError:
         print("loss curve skipped: install the 'plot' extra (pip install 'gatedformer[plot]')")
     return 0
+
+
+def _nothing_to_resume(out: Path) -> bool:
+    from gatedformer.train.checkpoint import latest_checkpoint
+
+    if (out / "results.json").is_file():
+        return False  # the trainer says the run is finished
+    try:
+        return latest_checkpoint(out) is None
+    except GatedformerError:
+        return False  # a damaged pointer: the trainer names it
 
 
 def _print_result(result: dict) -> None:

@@ -65,11 +65,22 @@ def atomic_open(path: str | Path, mode: str = "wb", durable: bool = False) -> It
                 handle.flush()
                 os.fsync(handle.fileno())
         publish(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise cannot_write(path, err) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     if durable:
         _fsync_dir(path.parent)
+
+
+def cannot_write(path: Path, err: OSError) -> OutputError:
+    """The one-line error of a write that failed (disk full, no permission), naming the file and the fix."""
+    if isinstance(err, OutputError):
+        return err
+    return OutputError(f"cannot write {path} ({err.strerror or err}); free space there or choose a folder you "
+                       "can write to; what was written before is intact")
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:
@@ -82,6 +93,9 @@ def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         publish(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise cannot_write(path, err) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

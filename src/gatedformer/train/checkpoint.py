@@ -18,10 +18,12 @@ names the fields that differ.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ from torch import nn
 from gatedformer import __version__
 from gatedformer.config import RunConfig, config_from_dict
 from gatedformer.errors import CheckpointError, ConfigError
-from gatedformer.io import _fsync_dir, atomic_write_text
+from gatedformer.io import _fsync_dir, atomic_write, atomic_write_text, cannot_write, make_folder
 
 CHECKPOINT_DIR = "ckpt"
 FORMAT_VERSION = 1
@@ -95,11 +97,26 @@ def model_state_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_model_weights(model: nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
-    from gatedformer.io import atomic_write
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
 
-    state = model_state_for_saving(model)
-    atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata=metadata))
+
+def write_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors``' ``save_file``, failing as an :class:`OSError` (a full disk, say) like any other write."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as err:
+        raise OSError(_first_line(err)) from None
+
+
+def save_tensors_atomically(tensors: dict[str, torch.Tensor], path: Path,
+                            metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` to ``path`` as safetensors, atomically; a failed write is one :class:`OutputError`."""
+    atomic_write(path, lambda tmp: write_tensors(tensors, tmp, metadata))
+
+
+def save_model_weights(model: nn.Module, path: Path, metadata: dict[str, str] | None = None) -> None:
+    save_tensors_atomically(model_state_for_saving(model), path, metadata)
 
 
 def weights_metadata(config: dict[str, Any] | None) -> dict[str, str]:
@@ -169,8 +186,7 @@ def _is_tied_copy(model: nn.Module, key: str, state: dict[str, torch.Tensor]) ->
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: dict[str, Any],
                     meta: dict[str, Any], carry: Any = None, keep: int = 1) -> Path:
     """Write a complete checkpoint for ``step`` and make it the latest, atomically."""
-    root = Path(run_dir) / CHECKPOINT_DIR
-    root.mkdir(parents=True, exist_ok=True)
+    root = make_folder(Path(run_dir) / CHECKPOINT_DIR, "checkpoint folder")
     name = f"step-{step:08d}"
     final = root / name
     if final.is_dir() and _pointer_name(root) == name:
@@ -179,18 +195,22 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: d
         return final
     staging = root / f".{name}.partial"
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    save_file(model_state_for_saving(model), str(staging / "model.safetensors"),
-              metadata=weights_metadata(meta.get("config")))
-    carried: dict[str, torch.Tensor] = {}
-    layout = _flatten(carry, carried)
-    save_file(carried, str(staging / "carry.safetensors"))
-    torch.save(trainer_state, staging / "trainer.pt")
-    full_meta = {**meta, "step": step, "format": FORMAT_VERSION, "version": __version__, "carry": layout}
-    (staging / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True), encoding="utf-8")
-    for file in staging.iterdir():
-        with open(file, "rb") as handle:
-            os.fsync(handle.fileno())
+    try:
+        staging.mkdir()
+        write_tensors(model_state_for_saving(model), staging / "model.safetensors",
+                      weights_metadata(meta.get("config")))
+        carried: dict[str, torch.Tensor] = {}
+        layout = _flatten(carry, carried)
+        write_tensors(carried, staging / "carry.safetensors")
+        torch.save(trainer_state, staging / "trainer.pt")
+        full_meta = {**meta, "step": step, "format": FORMAT_VERSION, "version": __version__, "carry": layout}
+        (staging / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True), encoding="utf-8")
+        for file in staging.iterdir():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+    except (OSError, RuntimeError) as err:  # torch.save reports a failed write as a RuntimeError
+        shutil.rmtree(staging, ignore_errors=True)
+        raise cannot_write(final, err if isinstance(err, OSError) else OSError(_first_line(err))) from None
     _fsync_dir(staging)
     shutil.rmtree(final, ignore_errors=True)  # a stale folder of this step that LATEST does not name
     os.replace(staging, final)
@@ -217,12 +237,22 @@ def _pointer_name(root: Path) -> str | None:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint folder of a run, or ``None`` if it has none."""
+    """The newest complete checkpoint folder of a run, or ``None`` if it has none.
+
+    ``ckpt/LATEST`` names it. Without that file, the newest ``step-*`` folder is the one: a folder gets
+    its name only once complete, and LATEST is written after it, so a lost pointer loses no checkpoint.
+    """
     root = Path(run_dir) / CHECKPOINT_DIR
     pointer = root / "LATEST"
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text(encoding="utf-8").strip()
+    if not pointer.exists():
+        complete = sorted(p for p in root.glob("step-*") if (p / "meta.json").is_file()) if root.is_dir() else []
+        return complete[-1] if complete else None
+    try:
+        name = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else type(err).__name__
+        raise CheckpointError(f"{pointer} cannot be read ({reason}); delete it and resume: the newest "
+                              "complete checkpoint is then used") from None
     path = root / name
     if not name or not path.is_dir():
         raise CheckpointError(
@@ -238,12 +268,12 @@ def _safe_torch_load(path: Path) -> dict[str, Any]:
     except pickle.UnpicklingError as err:
         raise CheckpointError(
             f"refused to load {path}: it holds objects other than tensors and plain data, which could "
-            f"run code ({str(err).splitlines()[0][:120]}); only load checkpoints gatedformer wrote"
+            f"run code ({_first_line(err)}); only load checkpoints gatedformer wrote"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
         raise CheckpointError(
-            f"{path} is truncated or corrupt ({str(err).splitlines()[0][:120]}); "
-            "delete the run's ckpt folder or resume from another run"
+            f"{path} is truncated or corrupt ({_first_line(err)}); delete the run's ckpt folder or resume from "
+            "another run"
         ) from None
 
 
@@ -254,7 +284,19 @@ def _safe_load_tensors(path: Path, fix: str = "delete the run's ckpt folder or r
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise CheckpointError(f"{path} is truncated or corrupt ({str(err).splitlines()[0][:120]}); {fix}") from None
+        raise CheckpointError(f"{path} is truncated or corrupt ({_first_line(err)}); {fix}") from None
+
+
+@contextlib.contextmanager
+def restoring(path: Path) -> Iterator[None]:
+    """Around a trainer's restore from checkpoint ``path``: state that loaded but does not fit (a key missing,
+    a value of the wrong type) is one :class:`CheckpointError` rather than a traceback."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        raise CheckpointError(
+            f"{path} is damaged ({type(err).__name__}: {_first_line(err)}); delete it to resume from the run's "
+            "previous checkpoint, or start a new run") from None
 
 
 def read_run_config(run_dir: Path) -> RunConfig:
@@ -299,9 +341,22 @@ def load_checkpoint(path: Path, with_trainer: bool = True) -> Checkpoint:
         ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{meta_file} is not a gatedformer checkpoint of format {FORMAT_VERSION}")
+    damaged = f"; delete {path} to resume from the run's previous checkpoint, or start a new run"
+    for key in ("step", "tokens_seen"):
+        if isinstance(meta.get(key), bool) or not isinstance(meta.get(key), int) or meta[key] < 0:
+            raise CheckpointError(f"{meta_file} is damaged: {key!r} is {meta.get(key)!r}, not a count{damaged}")
     model_state = _safe_load_tensors(path / "model.safetensors")
-    carry = _unflatten(meta.get("carry"), _safe_load_tensors(path / "carry.safetensors"))
+    try:
+        carry = _unflatten(meta.get("carry"), _safe_load_tensors(path / "carry.safetensors"))
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        raise CheckpointError(
+            f"{meta_file} does not describe its carried state ({_first_line(err)}){damaged}") from None
     trainer_state = _safe_torch_load(path / "trainer.pt") if with_trainer else None
+    if with_trainer:
+        missing = [k for k in ("optimizer", "scheduler")
+                   if not isinstance(trainer_state, dict) or not isinstance(trainer_state.get(k), dict)]
+        if missing:
+            raise CheckpointError(f"{path / 'trainer.pt'} is damaged: no {' or '.join(missing)} state{damaged}")
     return Checkpoint(path, meta, model_state, trainer_state, carry)
 
 

@@ -37,8 +37,10 @@ from gatedformer.train.checkpoint import (
     load_model_weights,
     load_run_weights,
     read_run_config,
+    restoring,
     save_checkpoint,
     save_model_weights,
+    save_tensors_atomically,
     weights_metadata,
 )
 from gatedformer.train.clock import TrainingClock
@@ -329,15 +331,17 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
         ckpt = load_checkpoint(checkpoint_path)
         check_architecture(ckpt.meta.get("config"), config.to_dict(), str(checkpoint_path))
         load_model_weights(model, ckpt.model_state, str(checkpoint_path))
-        optimizer.load_state_dict(ckpt.trainer_state["optimizer"])
-        scheduler.load_state_dict(ckpt.trainer_state["scheduler"])
-        follow_changed_lr(optimizer, scheduler, config.optim.lr)
-        meta = ckpt.meta
-        step, tokens_seen = meta["step"], meta["tokens_seen"]
-        clock = TrainingClock(meta, step, tokens_seen)
-        loss_sum, loss_count, skipped = meta["loss_sum"], meta["loss_count"], meta.get("skipped", 0)
-        # This rank's RNG states and carried state (each rank saved its own).
-        carry = _state_to(distributed.restore_rank_state(ddp, ckpt.trainer_state, meta, ckpt.carry, tcfg.seed), device)
+        with restoring(checkpoint_path):
+            optimizer.load_state_dict(ckpt.trainer_state["optimizer"])
+            scheduler.load_state_dict(ckpt.trainer_state["scheduler"])
+            follow_changed_lr(optimizer, scheduler, config.optim.lr)
+            meta = ckpt.meta
+            step, tokens_seen = meta["step"], meta["tokens_seen"]
+            clock = TrainingClock(meta, step, tokens_seen)
+            loss_sum, loss_count, skipped = meta["loss_sum"], meta["loss_count"], meta.get("skipped", 0)
+            # This rank's RNG states and carried state (each rank saved its own).
+            carry = _state_to(distributed.restore_rank_state(ddp, ckpt.trainer_state, meta, ckpt.carry, tcfg.seed),
+                              device)
         if ddp.is_main:
             _truncate_log(log_path, step)
     elif ddp.is_main:
@@ -439,11 +443,7 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
         save_model_weights(model, out_dir / "model.safetensors", weights_metadata(config.to_dict()))
         biases = gate_biases(model)
         if biases:
-            from safetensors.torch import save_file
-
-            from gatedformer.io import atomic_write
-
-            atomic_write(out_dir / "gate_biases.safetensors", lambda tmp: save_file(biases, str(tmp)))
+            save_tensors_atomically(biases, out_dir / "gate_biases.safetensors")
     else:
         valid_loss = test_loss = math.nan
     valid_loss, test_loss = distributed.broadcast_floats(ddp, [valid_loss, test_loss])
@@ -469,11 +469,13 @@ def _truncate_log(log_path: Path, step: int) -> None:
     if not log_path.is_file():
         return
     kept = []
-    for line in log_path.read_text(encoding="utf-8").splitlines():
+    for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             record = json.loads(line)
         except ValueError:
-            continue  # a line cut short by a crash
+            continue  # a line cut short by a crash (or damaged)
+        if not isinstance(record, dict):
+            continue
         if record.get("step", 0) <= step and record.get("event") != "test":  # test: written after the loop
             kept.append(line)
     atomic_write_text(log_path, "".join(line + "\n" for line in kept))

@@ -53,14 +53,16 @@ from gatedformer.data.translation import (
 from gatedformer.data.vocab import Vocab
 from gatedformer.devices import resolve_device
 from gatedformer.errors import CheckpointError, ConfigError, DataError, GatedformerError
-from gatedformer.io import atomic_write, atomic_write_json, atomic_write_text, make_folder
+from gatedformer.io import atomic_write_json, atomic_write_text, make_folder
 from gatedformer.train.checkpoint import (
     load_checkpoint,
     load_model_weights,
     load_run_weights,
     read_run_config,
+    restoring,
     save_checkpoint,
     save_model_weights,
+    save_tensors_atomically,
     weights_metadata,
 )
 from gatedformer.train.clock import TrainingClock
@@ -343,17 +345,18 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
     if checkpoint_path is not None:
         ckpt = load_checkpoint(checkpoint_path)
         load_model_weights(model, ckpt.model_state, str(checkpoint_path))
-        optimizer.load_state_dict(ckpt.trainer_state["optimizer"])
-        scheduler.load_state_dict(ckpt.trainer_state["scheduler"])
-        follow_changed_lr(optimizer, scheduler, config.optim.lr)
-        torch.set_rng_state(ckpt.trainer_state["rng_cpu"])
-        if device.type == "cuda" and "rng_cuda" in ckpt.trainer_state:
-            torch.cuda.set_rng_state(ckpt.trainer_state["rng_cuda"], device)
-        meta = ckpt.meta
-        step, epoch, position = meta["step"], meta["epoch"], meta["batch_in_epoch"]
-        tokens_seen = meta["tokens_seen"]
-        clock = TrainingClock(meta, step, tokens_seen)
-        loss_sum, loss_count, skipped = meta["loss_sum"], meta["loss_count"], meta.get("skipped", 0)
+        with restoring(checkpoint_path):
+            optimizer.load_state_dict(ckpt.trainer_state["optimizer"])
+            scheduler.load_state_dict(ckpt.trainer_state["scheduler"])
+            follow_changed_lr(optimizer, scheduler, config.optim.lr)
+            torch.set_rng_state(ckpt.trainer_state["rng_cpu"])
+            if device.type == "cuda" and "rng_cuda" in ckpt.trainer_state:
+                torch.cuda.set_rng_state(ckpt.trainer_state["rng_cuda"], device)
+            meta = ckpt.meta
+            step, epoch, position = meta["step"], meta["epoch"], meta["batch_in_epoch"]
+            tokens_seen = meta["tokens_seen"]
+            clock = TrainingClock(meta, step, tokens_seen)
+            loss_sum, loss_count, skipped = meta["loss_sum"], meta["loss_count"], meta.get("skipped", 0)
         _truncate_log(log_path, step)
     else:
         log_path.unlink(missing_ok=True)
@@ -453,9 +456,7 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
     save_model_weights(model, out_dir / "model.safetensors", weights_metadata(config.to_dict()))
     biases = gate_biases(model)
     if biases:
-        from safetensors.torch import save_file
-
-        atomic_write(out_dir / "gate_biases.safetensors", lambda tmp: save_file(biases, str(tmp)))
+        save_tensors_atomically(biases, out_dir / "gate_biases.safetensors")
     result = RunResult(
         run_dir=str(out_dir), corpus=config.data.corpus, metric=METRIC, valid_loss=valid_loss,
         valid_metric=valid_bleu, test_loss=test_loss, test_metric=test_bleu, params=params, steps=step,
