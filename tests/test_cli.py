@@ -280,3 +280,12 @@ def test_resume_with_nothing_to_resume_says_it_starts_afresh(text_corpus: str, t
             *sets(tiny_overrides(text_corpus, steps=2))]
     assert main(args) == 0
     assert f"note: {out} holds no checkpoint to resume; starting a new run" in capsys.readouterr().err
+
+
+def test_data_check_of_one_missing_corpus_fails(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEDFORMER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # no ../shared/data beside it
+    assert main(["data", "check", "enwik8", "--data-dir", str(tmp_path / "empty")]) == 1
+    assert "missing" in capsys.readouterr().out
+    assert main(["data", "check", "--data-dir", str(tmp_path / "empty")]) == 0  # all: not fetched yet is fine

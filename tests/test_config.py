@@ -77,6 +77,9 @@ def test_bad_overrides_name_the_problem(override: str, fragment: str) -> None:
         ("model.backbone=lstm", "model.backbone='lstm' is not one of"),
         ("model.highway_bias=1000", "model.highway_bias=1000.0 must be a finite number of at most 170"),
         ("model.highway_bias=170.5", "at most 170"),
+        ("train.seed=99999999999999999999999", "train.seed=99999999999999999999999 must be in 0 .. 4294967295"),
+        ("train.seed=-1", "must be in 0 .."),
+        ("train.threads=100000", r"train.threads=100000 must be 0 \(torch's default\) or 1 to 1024"),
     ],
 )
 def test_validation_names_the_field_and_fix(override: str, fragment: str) -> None:

@@ -241,7 +241,9 @@ def test_checksum_mismatch_after_tampering(monkeypatch, tmp_path):
     with pytest.raises(DataError) as err:
         load_corpus("ptb", tmp_path)
     msg = one_line(err)
-    assert "checksum mismatch" in msg and str(path) in msg and "gatedformer data fetch ptb" in msg
+    assert "checksum mismatch" in msg and str(path) in msg
+    # Loading reads the first folder holding the files: the fix must refill that one, not the user cache.
+    assert f"gatedformer data fetch ptb --data-dir {tmp_path}" in msg
 
 
 def test_truncated_file_is_a_mismatch(monkeypatch, tmp_path):
@@ -480,7 +482,7 @@ def test_fetch_network_errors(monkeypatch, tmp_path, mirror):
     with pytest.raises(DataError) as err:  # 404
         fetch_corpus("ptb", tmp_path / "d1", base_url=url + "/nowhere", progress=False)
     msg = one_line(err)
-    assert f"{url}/nowhere/ptb/train.txt" in msg and "by hand" in msg and "mirror" in msg
+    assert f"{url}/nowhere/ptb/train.txt" in msg and "by hand" in msg and "--mirror URL" in msg
     with socket.socket() as s:  # a port with nobody listening
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"

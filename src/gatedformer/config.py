@@ -22,6 +22,8 @@ import tomllib
 
 from gatedformer.errors import ConfigError
 
+# More threads than any machine's cores: torch crashes (not errs) on very large counts.
+MAX_THREADS = 1024
 BACKBONES = ("transformer", "rtransformer", "transformer-xl", "gcnn", "sru", "sru-transformer")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "linear", "cosine", "noam")
@@ -289,13 +291,18 @@ def config_from_dict(data: dict[str, Any], *, where: str = "config") -> RunConfi
     config = RunConfig()
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a table of sections, got {type(data).__name__}")
-    for section_name, values in data.items():
-        if section_name not in _sections():
-            raise _unknown_key(section_name, list(_sections()))
-        if not isinstance(values, dict):
-            raise ConfigError(f"{where}: [{section_name}] must be a table of key = value lines")
-        for field_name, value in values.items():
-            set_value(config, f"{section_name}.{field_name}", value)
+    try:
+        for section_name, values in data.items():
+            if section_name not in _sections():
+                raise _unknown_key(section_name, list(_sections()))
+            if not isinstance(values, dict):
+                raise ConfigError(f"[{section_name}] must be a table of key = value lines")
+            for field_name, value in values.items():
+                set_value(config, f"{section_name}.{field_name}", value)
+    except ConfigError as err:
+        if where == "config":
+            raise
+        raise ConfigError(f"{where}: {err}") from None
     return config
 
 
@@ -375,7 +382,10 @@ def validate(config: RunConfig) -> RunConfig:
     _positive("train.eval_every", train.eval_every)
     _check(train.eval_windows >= 0, "train.eval_windows must be 0 (whole split) or positive")
     _positive("train.log_every", train.log_every)
-    _check(train.threads >= 0, "train.threads must be 0 (default) or positive")
+    _check(0 <= train.threads <= MAX_THREADS,
+           f"train.threads={train.threads} must be 0 (torch's default) or 1 to {MAX_THREADS}")
+    # Seeds reach torch.manual_seed plus per-rank and per-seed offsets: keep them well inside 64 bits.
+    _check(0 <= train.seed < 2**32, f"train.seed={train.seed} must be in 0 .. {2**32 - 1}")
     _check(
         train.device == "auto" or train.device == "cpu" or train.device.startswith("cuda"),
         f"train.device={train.device!r} is not auto, cpu or cuda[:N]",

@@ -145,7 +145,7 @@ def _find_text_file(raw: str, data_dir: str | Path | None) -> Path:
 def _load_text(name: str, data_dir: str | Path | None) -> Corpus:
     raw = name[len(TEXT_PREFIX) :]
     if not raw.strip():
-        raise DataError("corpus 'text:' needs a file path; use e.g. --corpus text:notes.txt")
+        raise DataError("corpus 'text:' needs a file path; use e.g. --data text:notes.txt")
     path = _find_text_file(raw, data_dir)
     st = path.stat()
     if st.st_size == 0:

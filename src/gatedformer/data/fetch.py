@@ -64,7 +64,7 @@ def _download(url: str, tmp_fd: int, label: str, progress: bool) -> tuple[str, i
 def _fetch_file(name: str, f: FileSpec, dest: Path, base_url: str | None, progress: bool) -> None:
     target = dest / f.path
     url = _url_for(f, base_url)
-    manual = f"place the file at {target} by hand, or use a mirror (--base-url / {ENV_MIRROR})"
+    manual = f"place the file at {target} by hand, or use a mirror (--mirror URL / {ENV_MIRROR})"
     if url is None:
         raise DataError(f"corpus {name!r} has no download address for {f.path}; {manual}")
     try:

@@ -167,7 +167,8 @@ def expected_hashes(root: Path, path: Path, fspec: FileSpec) -> list[tuple[str, 
 
 def verify_file(path: Path, fspec: FileSpec, root: Path, corpus: str) -> dict:
     """Check ``path`` against everything known about it; return its facts. Raises DataError if corrupt."""
-    fix = f"re-download with `gatedformer data fetch {corpus}`"
+    # Loading reads the first folder that holds the files, so the fresh copy must go to this one.
+    fix = f"re-download it there with `gatedformer data fetch {corpus} --data-dir {root}`"
     st = path.stat()
     if st.st_size == 0:
         raise DataError(f"corpus file {path} is empty; {fix}")
