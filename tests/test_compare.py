@@ -282,3 +282,21 @@ def test_tiny_recipes_mirror_their_paper_recipe(tiny: str, paper: str) -> None:
     small, full = load_recipe(tiny), load_recipe(paper)
     assert arms(small) == arms(full)
     assert build_config(small).model.backbone == build_config(full).model.backbone
+
+
+def test_a_signal_during_compare_says_to_run_compare_again(text_corpus: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    from gatedformer.train.loop import TrainingInterrupted
+
+    def stopped(config, run_dir, **kwargs):
+        raise TrainingInterrupted(15, 3, Path(run_dir))
+
+    monkeypatch.setattr(compare_module, "train", stopped)
+    args = ["compare", "--recipe", "ptb-char-tiny", "--out", str(tmp_path / "cmp"), "--quiet"]
+    for override in tiny_overrides(text_corpus, steps=4):
+        args += ["--set", override]
+    assert main(args) == 130
+    error = capsys.readouterr().err.strip()
+    assert "stopped by signal 15 at step 3 of" in error and "run the same compare command again" in error
+    assert "--resume" not in error and "\n" not in error

@@ -358,6 +358,34 @@ def test_translate_cli_prints_one_line_per_input_line(trained_run: Path, tmp_pat
     assert "no config.json" in capsys.readouterr().err
 
 
+def test_translate_cli_reads_stdin_strictly_and_takes_a_length_penalty(
+        trained_run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from gatedformer.cli import main
+
+    def stdin(data: bytes) -> None:
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+
+    stdin(b"A man sits on the grass.\nA small cat.\n")
+    assert main(["translate", "--run", str(trained_run), "--beam", "3", "--length-penalty", "2"]) == 0
+    wanted = translate_lines(trained_run, ["A man sits on the grass.", "A small cat."], beam=3, length_penalty=2.0)
+    assert capsys.readouterr().out.splitlines() == wanted
+    from gatedformer.train import translation
+
+    decode, penalties = translation.translate_ids, []
+    monkeypatch.setattr(translation, "translate_ids", lambda *a: penalties.append(a[3]) or decode(*a))
+    stdin(b"A small cat.\n")
+    assert main(["translate", "--run", str(trained_run), "--length-penalty", "1.5"]) == 0
+    assert penalties == [1.5]
+    stdin(b"a dog \xff\xfe runs\n")  # not UTF-8: refused, not translated as <unk>
+    assert main(["translate", "--run", str(trained_run)]) == 2
+    assert "standard input is not UTF-8 text" in capsys.readouterr().err
+    stdin(b"a dog\n")
+    assert main(["translate", "--run", str(trained_run), "--length-penalty", "-1"]) == 2
+    assert "--length-penalty must be a finite number >= 0" in capsys.readouterr().err
+
+
 def test_translation_weights_of_another_architecture_are_refused_by_name(trained_run: Path) -> None:
     assert recorded_config(trained_run / "model.safetensors")["model"]["d_model"] == 16
     config = json.loads((trained_run / "config.json").read_text())

@@ -175,8 +175,13 @@ def cmd_translate(args: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as err:
             raise GatedformerError(f"cannot read --input {args.input} ({err}); give a UTF-8 text file") from None
     else:
-        lines = sys.stdin.read().splitlines()
-    for line in translate_lines(args.run, lines, beam=args.beam, data_dir=args.data_dir, device=args.device):
+        try:
+            lines = sys.stdin.buffer.read().decode("utf-8").splitlines()
+        except UnicodeDecodeError as err:
+            raise GatedformerError(f"standard input is not UTF-8 text ({err}); give UTF-8 source sentences, "
+                                   "one a line") from None
+    for line in translate_lines(args.run, lines, beam=args.beam, data_dir=args.data_dir, device=args.device,
+                                length_penalty=args.length_penalty):
         print(line)
     return 0
 
@@ -269,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     translate.add_argument("--run", required=True, help="a translation run directory written by train")
     translate.add_argument("--input", help="UTF-8 file of source sentences, one a line (default: stdin)")
     translate.add_argument("--beam", type=int, help="beam size (1: greedy; default: the run's translation.decode)")
+    translate.add_argument("--length-penalty", type=float, metavar="ALPHA",
+                           help="beam scores divided by ((5 + length) / 6)^ALPHA (0: none; default: the run's "
+                                "translation.length_penalty)")
     translate.add_argument("--data-dir", help="corpus folder, needed only if the run has no vocab.json")
     translate.add_argument("--device", default="auto")
     translate.set_defaults(handler=cmd_translate)

@@ -31,7 +31,13 @@ from gatedformer.config import (
 from gatedformer.errors import ConfigError, GatedformerError
 from gatedformer.io import atomic_write_text, make_folder
 from gatedformer.train.checkpoint import latest_checkpoint
-from gatedformer.train.loop import FINISHED_RUN_CHANGES, RunResult, saved_config_differences, train
+from gatedformer.train.loop import (
+    FINISHED_RUN_CHANGES,
+    RunResult,
+    TrainingInterrupted,
+    saved_config_differences,
+    train,
+)
 
 __all__ = ["ComparisonReport", "VariantSummary", "format_table", "run_comparison", "slug"]
 
@@ -165,6 +171,12 @@ class _Progress:
         self.say(f"{self._tag(index)}: done in {_duration(took)}{score}{self.eta()}")
 
 
+class ComparisonInterrupted(GatedformerError):
+    """A signal stopped a comparison; its current run kept a checkpoint."""
+
+    exit_code = 130
+
+
 def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: list[str] | None = None,
                    data_dir: str | Path | None = None, progress: bool = True,
                    only: list[str] | None = None, tensorboard: bool = False) -> ComparisonReport:
@@ -209,8 +221,13 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
             continue
         resuming = run_dir.exists() and latest_checkpoint(run_dir) is not None
         tracker.start(index, resuming)
-        result = train(config, run_dir, data_dir=data_dir, resume=resuming, progress=progress, corpus=corpus,
-                       on_record=tracker.record)
+        try:
+            result = train(config, run_dir, data_dir=data_dir, resume=resuming, progress=progress, corpus=corpus,
+                           on_record=tracker.record)
+        except TrainingInterrupted as stop:
+            raise ComparisonInterrupted(
+                f"stopped by signal {stop.signal} at step {stop.step} of {run_dir}; checkpoint saved — run the same "
+                "compare command again to continue: finished runs are kept and this one resumes") from None
         tracker.finish(index, result)
         trained += 1
     if trained:

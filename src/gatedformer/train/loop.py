@@ -180,6 +180,11 @@ class TrainingInterrupted(GatedformerError):
 
     exit_code = 130
 
+    def __init__(self, signal: int | str, step: int, out_dir: Path) -> None:
+        super().__init__(f"stopped by signal {signal} at step {step}; checkpoint saved — "
+                         f"continue with --resume --out {out_dir}")
+        self.signal, self.step, self.out_dir = signal, step, out_dir
+
 
 class NonFiniteLoss(GatedformerError):
     """The loss or the gradients stopped being finite."""
@@ -194,8 +199,7 @@ def stop_here(step: int, final: bool, signal: int | str | None, stop_after: int 
     if signal is not None:
         checkpoint_now()
         bar.close()
-        raise TrainingInterrupted(f"stopped by signal {signal} at step {step}; checkpoint saved — "
-                                  f"continue with --resume --out {out_dir}")
+        raise TrainingInterrupted(signal, step, out_dir)
     if stop_after is not None and step >= stop_after and not final:
         checkpoint_now()
         bar.close()

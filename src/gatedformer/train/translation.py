@@ -515,6 +515,8 @@ def translate_lines(run_dir: str | Path, lines: Sequence[str], beam: int | None 
     """
     if beam is not None and beam < 1:
         raise ConfigError(f"--beam must be at least 1, got {beam}")
+    if length_penalty is not None and not (math.isfinite(length_penalty) and length_penalty >= 0):
+        raise ConfigError(f"--length-penalty must be a finite number >= 0 (0: none), got {length_penalty}")
     config, model, src_vocab, tgt_vocab = load_translation_run(run_dir, data_dir, device)
     tr = config.translation
     longest = tr.max_len - 2
