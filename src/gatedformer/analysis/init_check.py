@@ -59,6 +59,9 @@ def predict_sru_ratio(highway_bias: float, alpha: float) -> float:
     return r * r + (1.0 - r) ** 2 * alpha * alpha
 
 
+_LAYER_KINDS = {"RTransformerLayer": "R-Transformer layer", "TransformerXLLayer": "Transformer-XL layer"}
+
+
 def _describe(name: str, module: nn.Module) -> dict[str, Any]:
     """The site dict of a layer found in a ``layers`` list, with what theory predicts for its type."""
     site: dict[str, Any] = {"name": name, "module": module, "kind": type(module).__name__}
@@ -69,12 +72,13 @@ def _describe(name: str, module: nn.Module) -> dict[str, Any]:
         return site
     sub = getattr(module, "ffn", None)
     pre_norm = getattr(sub, "pre_norm", None)
+    layer = _LAYER_KINDS.get(type(module).__name__, "Transformer layer")
     if pre_norm is False and isinstance(getattr(sub, "norm", None), nn.LayerNorm):
-        site["kind"] = "Transformer layer (post-LN)"
+        site["kind"] = f"{layer} (post-LN)"
         site["forward_out_var"] = 1.0
         site["note"] = "LayerNorm: Var[out] = 1"
     elif pre_norm is True:
-        site["kind"] = "Transformer layer (pre-LN)"
+        site["kind"] = f"{layer} (pre-LN)"
         site["note"] = "residual stream grows; no fixed ratio"
     return site
 

@@ -11,7 +11,9 @@ LayerNorm and whatever gates the placement spec puts there. With post-LN (the pa
 * EAU:            ``F(X) ← EAU(F(X))`` on attention outputs                (Dhayalkar 2024)
 * GRC:            ``X + S ← X + σ(Wg X + bg)⊙S`` for the residual sum
 
-With pre-LN the body and the gates read ``LN(X)`` while the residual stream stays ``X``.
+With pre-LN the body reads ``LN(X)`` while the residual stream stays ``X``: ``Y = X + F(LN(X))``. SDU and
+gated MHDPA read ``LN(X)`` too; the highway gate carries the residual stream itself, so ``T``, ``f`` and the
+carry read the raw ``X``: ``Y = o(X) + F(LN(X))``.
 Sublayers that carry no gate hold no gate parameters.
 """
 
