@@ -285,6 +285,10 @@ def test_layer_sites_falls_back_to_layers_list() -> None:
     sites = layer_sites(TransformerLM(V, d_model=8, n_layers=2, n_heads=2, d_ffn=16))
     assert [s["name"] for s in sites] == ["layers.0", "layers.1"]
     assert sites[0]["kind"] == "Transformer layer (post-LN)"
+    from gatedformer.backbones.rtransformer import RTransformerLM
+
+    recurrent = layer_sites(RTransformerLM(V, d_model=8, n_layers=1, n_heads=2, d_ffn=16))
+    assert recurrent[0]["kind"] == "R-Transformer layer (post-LN)"
 
 
 def test_cli_init_check(text_corpus: str, capsys: pytest.CaptureFixture[str]) -> None:
