@@ -342,7 +342,7 @@ def load_checkpoint(path: Path, with_trainer: bool = True) -> Checkpoint:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{meta_file} is not a gatedformer checkpoint of format {FORMAT_VERSION}")
     damaged = f"; delete {path} to resume from the run's previous checkpoint, or start a new run"
-    for key in ("step", "tokens_seen"):
+    for key in ("step", "tokens_seen") if with_trainer else ("step",):  # what a trainer resumes from
         if isinstance(meta.get(key), bool) or not isinstance(meta.get(key), int) or meta[key] < 0:
             raise CheckpointError(f"{meta_file} is damaged: {key!r} is {meta.get(key)!r}, not a count{damaged}")
     model_state = _safe_load_tensors(path / "model.safetensors")
