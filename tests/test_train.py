@@ -153,6 +153,32 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_last_checkpoi
     assert train(config_for(text_corpus), run, progress=False, resume=True) is not None
 
 
+def test_a_signal_while_the_finished_run_is_scored_stops_and_resume_scores_it(
+        text_corpus: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import signal
+
+    from gatedformer.train import loop
+    from gatedformer.train.loop import TrainingInterrupted
+
+    save = loop.save_model_weights
+
+    def terminated_while_saving(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` during the test evaluation or the final writes
+        save(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "save_model_weights", terminated_while_saving)
+    run = tmp_path / "run"
+    with pytest.raises(TrainingInterrupted, match=r"stopped by signal 15 at step 12; checkpoint saved"):
+        train(config_for(text_corpus), run, progress=False)
+    assert not (run / "results.json").exists() and latest_checkpoint(run).name == "step-00000012"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are given back
+    monkeypatch.undo()
+    resumed = train(config_for(text_corpus), run, progress=False, resume=True)
+    reference = train(config_for(text_corpus), tmp_path / "reference", progress=False)
+    assert resumed is not None and reference is not None and resumed.test_loss == reference.test_loss
+
+
 class _Exploit:
     def __reduce__(self):
         return (print, ("this ran code",))

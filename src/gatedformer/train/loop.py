@@ -154,10 +154,15 @@ def count_parameters(model: nn.Module) -> int:
 
 
 class _StopSignal:
-    """Turns SIGINT/SIGTERM into a flag the loop checks, so it can checkpoint before leaving."""
+    """Turns SIGINT/SIGTERM into a flag the loop checks, so it can checkpoint before leaving.
 
-    def __init__(self) -> None:
+    With ``interrupt=(step, out_dir)`` (the checkpoint of ``step`` already written) a signal raises
+    :class:`TrainingInterrupted` at once instead.
+    """
+
+    def __init__(self, interrupt: tuple[int, Path] | None = None) -> None:
         self.received: int | None = None
+        self._interrupt = interrupt
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _StopSignal:
@@ -169,6 +174,8 @@ class _StopSignal:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = signum
+        if self._interrupt is not None:
+            raise TrainingInterrupted(signum, *self._interrupt)
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
@@ -440,28 +447,30 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
                 return None
     bar.close()
 
-    if ddp.is_main:
-        if valid_loss is None:  # resumed from the final checkpoint of a run stopped before writing its results
-            valid_loss = evaluate(model, valid_stream, device, tcfg.precision)
-        test_loss = evaluate(model, test_stream, device, tcfg.precision)
-        save_model_weights(model, out_dir / "model.safetensors", weights_metadata(config.to_dict()))
-        biases = gate_biases(model)
-        if biases:
-            save_tensors_atomically(biases, out_dir / "gate_biases.safetensors")
-    else:
-        valid_loss = test_loss = math.nan
-    valid_loss, test_loss = distributed.broadcast_floats(ddp, [valid_loss, test_loss])
-    result = RunResult(
-        run_dir=str(out_dir), corpus=config.data.corpus, metric=corpus.metric, valid_loss=valid_loss,
-        valid_metric=metric_value(corpus.metric, valid_loss), test_loss=test_loss,
-        test_metric=metric_value(corpus.metric, test_loss), params=params, steps=step,
-        seconds_per_step=clock.seconds_per_step(step), train_seconds=clock.step_seconds,
-        tokens_per_second=clock.tokens_per_second, setup_seconds=clock.setup_seconds,
-        wall_seconds=clock.wall_seconds, steps_per_epoch=len(train_stream),
-    )
-    log({"event": "test", "step": step, "test_loss": test_loss, f"test_{corpus.metric}": result.test_metric})
-    if ddp.is_main:
-        atomic_write_json(out_dir / "results.json", result.__dict__)
+    # The last checkpoint is on disk: a signal while the run is scored stops at once, and --resume scores it.
+    with _StopSignal(interrupt=(step, out_dir)):
+        if ddp.is_main:
+            if valid_loss is None:  # resumed from the final checkpoint of a run stopped before writing its results
+                valid_loss = evaluate(model, valid_stream, device, tcfg.precision)
+            test_loss = evaluate(model, test_stream, device, tcfg.precision)
+            save_model_weights(model, out_dir / "model.safetensors", weights_metadata(config.to_dict()))
+            biases = gate_biases(model)
+            if biases:
+                save_tensors_atomically(biases, out_dir / "gate_biases.safetensors")
+        else:
+            valid_loss = test_loss = math.nan
+        valid_loss, test_loss = distributed.broadcast_floats(ddp, [valid_loss, test_loss])
+        result = RunResult(
+            run_dir=str(out_dir), corpus=config.data.corpus, metric=corpus.metric, valid_loss=valid_loss,
+            valid_metric=metric_value(corpus.metric, valid_loss), test_loss=test_loss,
+            test_metric=metric_value(corpus.metric, test_loss), params=params, steps=step,
+            seconds_per_step=clock.seconds_per_step(step), train_seconds=clock.step_seconds,
+            tokens_per_second=clock.tokens_per_second, setup_seconds=clock.setup_seconds,
+            wall_seconds=clock.wall_seconds, steps_per_epoch=len(train_stream),
+        )
+        log({"event": "test", "step": step, "test_loss": test_loss, f"test_{corpus.metric}": result.test_metric})
+        if ddp.is_main:
+            atomic_write_json(out_dir / "results.json", result.__dict__)
     distributed.barrier(ddp)  # every rank returns once the results are written
     if board:
         board.close()

@@ -445,27 +445,29 @@ def train_translation(config: RunConfig, out_dir: str | Path, data_dir: str | Pa
                 return None
     bar.close()
 
-    if not math.isfinite(valid_loss):  # resumed from the final checkpoint: score valid again
-        valid_loss = evaluate_loss(model, data.valid, eval_batch, device, tcfg.precision)
-        valid_bleu, _ = evaluate_bleu(model, data.valid, data.tgt_vocab, data.tgt_lang, beam, tr.length_penalty,
-                                      eval_batch)
-    test_loss = evaluate_loss(model, data.test, eval_batch, device, tcfg.precision)
-    test_bleu, hypotheses = evaluate_bleu(model, data.test, data.tgt_vocab, data.tgt_lang, beam, tr.length_penalty,
+    # The last checkpoint is on disk: a signal while the run is scored stops at once, and --resume scores it.
+    with _StopSignal(interrupt=(step, out_dir)):
+        if not math.isfinite(valid_loss):  # resumed from the final checkpoint: score valid again
+            valid_loss = evaluate_loss(model, data.valid, eval_batch, device, tcfg.precision)
+            valid_bleu, _ = evaluate_bleu(model, data.valid, data.tgt_vocab, data.tgt_lang, beam, tr.length_penalty,
                                           eval_batch)
-    atomic_write_text(out_dir / "test.hyp.txt", "".join(h + "\n" for h in hypotheses))
-    save_model_weights(model, out_dir / "model.safetensors", weights_metadata(config.to_dict()))
-    biases = gate_biases(model)
-    if biases:
-        save_tensors_atomically(biases, out_dir / "gate_biases.safetensors")
-    result = RunResult(
-        run_dir=str(out_dir), corpus=config.data.corpus, metric=METRIC, valid_loss=valid_loss,
-        valid_metric=valid_bleu, test_loss=test_loss, test_metric=test_bleu, params=params, steps=step,
-        seconds_per_step=clock.seconds_per_step(step), train_seconds=clock.step_seconds,
-        tokens_per_second=clock.tokens_per_second, setup_seconds=clock.setup_seconds,
-        wall_seconds=clock.wall_seconds, steps_per_epoch=steps_per_epoch,
-    )
-    log({"event": "test", "step": step, "test_loss": test_loss, f"test_{METRIC}": test_bleu})
-    atomic_write_json(out_dir / "results.json", result.__dict__)
+        test_loss = evaluate_loss(model, data.test, eval_batch, device, tcfg.precision)
+        test_bleu, hypotheses = evaluate_bleu(model, data.test, data.tgt_vocab, data.tgt_lang, beam, tr.length_penalty,
+                                              eval_batch)
+        atomic_write_text(out_dir / "test.hyp.txt", "".join(h + "\n" for h in hypotheses))
+        save_model_weights(model, out_dir / "model.safetensors", weights_metadata(config.to_dict()))
+        biases = gate_biases(model)
+        if biases:
+            save_tensors_atomically(biases, out_dir / "gate_biases.safetensors")
+        result = RunResult(
+            run_dir=str(out_dir), corpus=config.data.corpus, metric=METRIC, valid_loss=valid_loss,
+            valid_metric=valid_bleu, test_loss=test_loss, test_metric=test_bleu, params=params, steps=step,
+            seconds_per_step=clock.seconds_per_step(step), train_seconds=clock.step_seconds,
+            tokens_per_second=clock.tokens_per_second, setup_seconds=clock.setup_seconds,
+            wall_seconds=clock.wall_seconds, steps_per_epoch=steps_per_epoch,
+        )
+        log({"event": "test", "step": step, "test_loss": test_loss, f"test_{METRIC}": test_bleu})
+        atomic_write_json(out_dir / "results.json", result.__dict__)
     return result
 
 
