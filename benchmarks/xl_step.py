@@ -31,9 +31,10 @@ from recipes_mfu import recipe_size  # noqa: E402
 from gatedformer.analysis.bench import BenchOptions, time_round_robin, training_step  # noqa: E402
 from gatedformer.analysis.bench.command import json_destination, run_script  # noqa: E402
 from gatedformer.analysis.bench.options import check_at_least  # noqa: E402
-from gatedformer.backbones import _epilogue_kernel, layer_stack  # noqa: E402
 from gatedformer.errors import ConfigError  # noqa: E402
 from gatedformer.io import atomic_write_text  # noqa: E402
+from gatedformer.kernels import epilogue as _epilogue_kernel  # noqa: E402
+from gatedformer.ops import layer_stack  # noqa: E402
 
 _CALLS = ("relative_stack_forward_f32", "relative_stack_backward_f32")
 

@@ -8,15 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from gatedformer.backbones import _attention_kernel, _native
-from gatedformer.backbones._attention_kernel import (
+from gatedformer.kernels import attention as _attention_kernel
+from gatedformer.kernels import build as _native
+from gatedformer.kernels.attention import (
     SUPPORTED_HEAD_SIZES,
     causal_attention_packed,
     causal_attention_reference,
     kernel_applies,
     supported_head_sizes,
 )
-from gatedformer.backbones.transformer import TransformerLM
+from gatedformer.models.transformer import TransformerLM
 
 
 def _native_or_skip() -> None:

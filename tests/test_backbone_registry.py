@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from gatedformer import SRU, Seq2SeqTransformer, TransformerLM
-from gatedformer.backbones import BUILDERS, build_model
 from gatedformer.config import BACKBONES, RunConfig, apply_overrides, validate
 from gatedformer.errors import ConfigError
+from gatedformer.models import BUILDERS, build_model
 
 
 def test_every_configurable_backbone_is_registered() -> None:
@@ -60,8 +60,8 @@ def test_an_empty_vocabulary_is_refused_before_any_layer_is_built(backbone: str)
     ({"d_ffn": 2.5}, "d_ffn must be an integer >= 1, got 2.5"),
 ])
 def test_transformer_style_sizes_are_checked_by_name(sizes: dict, named: str) -> None:
-    from gatedformer.backbones.rtransformer import RTransformerLM
-    from gatedformer.backbones.transformer_xl import TransformerXLLM
+    from gatedformer.models.rtransformer import RTransformerLM
+    from gatedformer.models.transformer_xl import TransformerXLLM
 
     for model_class in (TransformerLM, TransformerXLLM, RTransformerLM):
         with pytest.raises(ValueError, match=named):

@@ -11,12 +11,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from gatedformer.backbones import BUILDERS, RTransformerLM, TransformerXLLM, build_model
-from gatedformer.backbones.rtransformer import RNN_TYPES, LocalRNN, RecurrentWeights
-from gatedformer.backbones.transformer_xl import RelativeMultiHeadAttention, rel_shift, relative_positions
 from gatedformer.config import ModelConfig, RunConfig, apply_overrides, validate
 from gatedformer.data import LMStream
 from gatedformer.gates import SDU
+from gatedformer.models import BUILDERS, RTransformerLM, TransformerXLLM, build_model
+from gatedformer.models.rtransformer import RNN_TYPES, LocalRNN, RecurrentWeights
+from gatedformer.models.transformer_xl import RelativeMultiHeadAttention, rel_shift, relative_positions
 from gatedformer.train.checkpoint import load_checkpoint, save_checkpoint
 from gatedformer.train.loop import train
 

@@ -29,10 +29,10 @@ from gatedformer.analysis.bench import (
     run_bench,
     time_round_robin,
 )
-from gatedformer.backbones import BUILDERS, TransformerLM, build_model
 from gatedformer.cli import main as cli_main
 from gatedformer.config import ModelConfig
 from gatedformer.errors import ConfigError
+from gatedformer.models import BUILDERS, TransformerLM, build_model
 
 TINY = BenchSize(d_model=16, n_layers=2, n_heads=2, d_ffn=32, seq_len=8, batch=2, vocab=11, mem_len=8, rnn_window=3)
 QUICK = BenchOptions(repeats=2, warmup=1, memory="tensors", threads=1)  # one thread: no waits on a busy machine
@@ -414,7 +414,10 @@ def test_the_xl_step_script_splits_the_step_around_the_compiled_stack(tmp_path, 
     import importlib.util
     from pathlib import Path
 
-    from gatedformer.backbones import _blas, _epilogue_kernel, _relative_attention_kernel, layer_stack
+    from gatedformer.kernels import blas as _blas
+    from gatedformer.kernels import epilogue as _epilogue_kernel
+    from gatedformer.kernels import relative_attention as _relative_attention_kernel
+    from gatedformer.ops import layer_stack
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "xl_step.py"
     spec = importlib.util.spec_from_file_location("xl_step", path)

@@ -13,9 +13,9 @@ import torch
 from conftest import needs_shared, tiny_overrides
 
 from gatedformer.analysis.params import count_by_component
-from gatedformer.backbones import build_model
 from gatedformer.cli import main
 from gatedformer.config import ModelConfig
+from gatedformer.models import build_model
 
 
 def sets(overrides: list[str]) -> list[str]:

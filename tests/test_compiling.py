@@ -14,9 +14,10 @@ from conftest import tiny_overrides
 from torch import nn
 
 from gatedformer.analysis.runlog import read_log, series
-from gatedformer.backbones import _sru_kernel, build_model
-from gatedformer.backbones._sru_kernel import sru_recurrence
 from gatedformer.config import ModelConfig, RunConfig, apply_overrides, validate
+from gatedformer.kernels import sru as _sru_kernel
+from gatedformer.kernels.sru import sru_recurrence
+from gatedformer.models import build_model
 from gatedformer.train.compiling import compile_limits_fail, compile_model
 from gatedformer.train.loop import train
 

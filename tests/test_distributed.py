@@ -16,11 +16,11 @@ from safetensors.torch import load_file
 from torch.nn import functional as F
 
 from gatedformer.analysis.runlog import read_log, series
-from gatedformer.backbones import build_model
 from gatedformer.cli import _train_flags, build_parser, main
 from gatedformer.config import build_config, load_recipe
 from gatedformer.data import LMStream, load_corpus
 from gatedformer.errors import ConfigError
+from gatedformer.models import build_model
 from gatedformer.train import distributed
 from gatedformer.train.checkpoint import latest_checkpoint, load_checkpoint
 from gatedformer.train.loop import train

@@ -7,9 +7,11 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from gatedformer.backbones import _dropout_kernel, _native
-from gatedformer.backbones import dropout as dropout_module
-from gatedformer.backbones.dropout import Dropout, dropout, dropout_add, keep_mask, relu_dropout
+from gatedformer.kernels import build as _native
+from gatedformer.kernels import dropout as _dropout_kernel
+from gatedformer.nn.dropout import Dropout
+from gatedformer.ops import dropout as dropout_module
+from gatedformer.ops.dropout import dropout, dropout_add, keep_mask, relu_dropout
 
 
 def test_masks_follow_torch_seed_and_keep_probability() -> None:

@@ -8,8 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from gatedformer.backbones import _gate_kernel, _native, fused_gates
 from gatedformer.gates import EAU, SDU, GatedMHDPA, GatedResidual, HighwayGate
+from gatedformer.kernels import build as _native
+from gatedformer.kernels import gate as _gate_kernel
+from gatedformer.ops import fused_gates
 from gatedformer.train.gate_stats import GateStatistics
 
 

@@ -9,30 +9,27 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from gatedformer.backbones import (
-    _attention_kernel,
-    _blas,
-    _dropout_kernel,
-    _epilogue_kernel,
-    _gate_kernel,
-    _native,
-    build_model,
-    fused_gates,
-    fused_linear,
-)
-from gatedformer.backbones.attention import CausalSelfAttention
-from gatedformer.backbones.blocks import FeedForward
-from gatedformer.backbones.dropout import dropout, dropout_add, relu_dropout
-from gatedformer.backbones.fused_linear import (
+from gatedformer.config import ModelConfig
+from gatedformer.gates import EAU, SDU, GatedMHDPA, GatedResidual, HighwayGate
+from gatedformer.kernels import attention as _attention_kernel
+from gatedformer.kernels import blas as _blas
+from gatedformer.kernels import build as _native
+from gatedformer.kernels import dropout as _dropout_kernel
+from gatedformer.kernels import epilogue as _epilogue_kernel
+from gatedformer.kernels import gate as _gate_kernel
+from gatedformer.models import build_model
+from gatedformer.models.transformer import TransformerLM
+from gatedformer.nn.attention import CausalSelfAttention
+from gatedformer.nn.sublayer import FeedForward
+from gatedformer.ops import fused_gates, fused_linear
+from gatedformer.ops.dropout import dropout, dropout_add, relu_dropout
+from gatedformer.ops.fused_linear import (
     _wide_weight_grad,
     fusion_applies,
     linear_dropout_add,
     linear_relu_dropout,
     registered,
 )
-from gatedformer.backbones.transformer import TransformerLM
-from gatedformer.config import ModelConfig
-from gatedformer.gates import EAU, SDU, GatedMHDPA, GatedResidual, HighwayGate
 
 
 def _kernel_or_skip() -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gatedformer.backbones.placement import resolve_placement
 from gatedformer.config import (
     BACKBONES,
     RunConfig,
@@ -27,6 +26,7 @@ from gatedformer.config import (
 )
 from gatedformer.data import LMStream, load_corpus
 from gatedformer.errors import GatedformerError
+from gatedformer.gates.spec import resolve_placement
 
 FAST = settings(max_examples=150, deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.too_slow])
 SECTIONS = {s.name: [f.name for f in dataclasses.fields(getattr(RunConfig(), s.name))]

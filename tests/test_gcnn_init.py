@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from gatedformer.analysis.init_check import format_init_check, init_check, layer_sites, measure_layers
-from gatedformer.backbones import BUILDERS, build_model
-from gatedformer.backbones.gcnn import EMBEDDING_STD, GatedConvLayer, GatedConvLM, causal_conv1d, glu_init_std
 from gatedformer.cli import main
 from gatedformer.config import InitConfig, ModelConfig, RunConfig, build_config, load_recipe
+from gatedformer.models import BUILDERS, build_model
+from gatedformer.models.gcnn import EMBEDDING_STD, GatedConvLayer, GatedConvLM, causal_conv1d, glu_init_std
 from gatedformer.train.init import initialise
 
 V = 50
@@ -74,7 +74,7 @@ def test_causal_conv1d_matches_conv1d(batch: int, length: int, channels: int, ou
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_fused_glu_residual_matches_the_modules(dropout: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """A plain block's ``x + GLU(conv(x))`` in one pass (no hooks) against the modules (a hook forces them)."""
-    from gatedformer.backbones import fused_gates
+    from gatedformer.ops import fused_gates
 
     fused_calls = []
     split_tail = fused_gates._SplitTail.apply
@@ -246,7 +246,7 @@ def test_init_check_transformer_post_ln(text_corpus: str) -> None:
 
 
 def test_sru_alpha_keeps_deep_stack_variance(monkeypatch: pytest.MonkeyPatch) -> None:
-    sru = pytest.importorskip("gatedformer.backbones.sru")
+    sru = pytest.importorskip("gatedformer.nn.sru")
     monkeypatch.setenv("GATEDFORMER_SRU_BACKEND", "torch")  # same numbers; no kernel build in a fresh cache
     results = {}
     for rescale in (True, False):
@@ -280,12 +280,12 @@ def test_init_check_sru_backbone(text_corpus: str, monkeypatch: pytest.MonkeyPat
 
 
 def test_layer_sites_falls_back_to_layers_list() -> None:
-    from gatedformer.backbones.transformer import TransformerLM
+    from gatedformer.models.transformer import TransformerLM
 
     sites = layer_sites(TransformerLM(V, d_model=8, n_layers=2, n_heads=2, d_ffn=16))
     assert [s["name"] for s in sites] == ["layers.0", "layers.1"]
     assert sites[0]["kind"] == "Transformer layer (post-LN)"
-    from gatedformer.backbones.rtransformer import RTransformerLM
+    from gatedformer.models.rtransformer import RTransformerLM
 
     recurrent = layer_sites(RTransformerLM(V, d_model=8, n_layers=1, n_heads=2, d_ffn=16))
     assert recurrent[0]["kind"] == "R-Transformer layer (post-LN)"

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from gatedformer.backbones import _gru_kernel, _native
-from gatedformer.backbones._gru_kernel import gru_step, gru_step_reference
+from gatedformer.kernels import build as _native
+from gatedformer.kernels import gru as _gru_kernel
+from gatedformer.kernels.gru import gru_step, gru_step_reference
 
 
 def _native_or_skip() -> None:

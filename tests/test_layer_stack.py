@@ -9,11 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from gatedformer.backbones import _epilogue_kernel, _relative_attention_kernel, layer_stack, transformer_xl
-from gatedformer.backbones.blocks import FeedForward
-from gatedformer.backbones.layer_stack import LayerStack
-from gatedformer.backbones.relative_sublayer import RelativeAttentionAddNorm
-from gatedformer.backbones.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM
+from gatedformer.kernels import epilogue as _epilogue_kernel
+from gatedformer.kernels import relative_attention as _relative_attention_kernel
+from gatedformer.models import transformer_xl
+from gatedformer.models.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM
+from gatedformer.nn.sublayer import FeedForward
+from gatedformer.ops import layer_stack
+from gatedformer.ops.layer_stack import LayerStack
+from gatedformer.ops.relative_sublayer import RelativeAttentionAddNorm
 
 
 @pytest.fixture(autouse=True)

@@ -7,8 +7,9 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from gatedformer.backbones import _local_rnn_kernel, _native
-from gatedformer.backbones.rtransformer import LocalRNN
+from gatedformer.kernels import build as _native
+from gatedformer.kernels import local_rnn as _local_rnn_kernel
+from gatedformer.models.rtransformer import LocalRNN
 
 
 def _kernel_or_skip() -> None:

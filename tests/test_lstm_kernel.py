@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from gatedformer.backbones import _lstm_kernel, _native
-from gatedformer.backbones._lstm_kernel import lstm_step, lstm_step_reference
-from gatedformer.backbones.rtransformer import LocalRNN
+from gatedformer.kernels import build as _native
+from gatedformer.kernels import lstm as _lstm_kernel
+from gatedformer.kernels.lstm import lstm_step, lstm_step_reference
+from gatedformer.models.rtransformer import LocalRNN
 
 
 def _native_or_skip() -> None:

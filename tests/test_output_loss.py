@@ -12,9 +12,12 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from gatedformer import Seq2SeqTransformer
-from gatedformer.backbones import BUILDERS, _cross_entropy_kernel, _native, build_model, output_loss
-from gatedformer.backbones.output_loss import fused_loss_applies, linear_cross_entropy
 from gatedformer.config import RunConfig, apply_overrides, validate
+from gatedformer.kernels import build as _native
+from gatedformer.kernels import cross_entropy as _cross_entropy_kernel
+from gatedformer.models import BUILDERS, build_model
+from gatedformer.ops import output_loss
+from gatedformer.ops.output_loss import fused_loss_applies, linear_cross_entropy
 
 
 def _kernel_or_skip() -> None:

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from gatedformer import TransformerLM
-from gatedformer.backbones.blocks import FeedForward, Sublayer
-from gatedformer.backbones.placement import SublayerGates, parse_gate_spec, resolve_placement
 from gatedformer.errors import ConfigError
+from gatedformer.gates.spec import SublayerGates, parse_gate_spec, resolve_placement
+from gatedformer.nn.sublayer import FeedForward, Sublayer
 
 GATE_ATTRS = {"sdu": "sdu", "highway": "highway", "gated_mhdpa": "gated_mix", "eau": "eau", "grc": "residual_gate"}
 

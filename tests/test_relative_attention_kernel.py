@@ -10,14 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from gatedformer.backbones import _native, _relative_attention_kernel
-from gatedformer.backbones._relative_attention_kernel import (
+from gatedformer.kernels import build as _native
+from gatedformer.kernels import relative_attention as _relative_attention_kernel
+from gatedformer.kernels.relative_attention import (
     backward_kernel,
     forward_kernel,
     kernel_takes,
     relative_attention,
 )
-from gatedformer.backbones.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM, relative_positions
+from gatedformer.models.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM, relative_positions
 
 
 def _native_or_skip() -> None:

@@ -6,9 +6,12 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from gatedformer.backbones import _blas, _epilogue_kernel, _relative_attention_kernel, transformer_xl
-from gatedformer.backbones.relative_sublayer import RelativeAttentionAddNorm
-from gatedformer.backbones.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM, relative_positions
+from gatedformer.kernels import blas as _blas
+from gatedformer.kernels import epilogue as _epilogue_kernel
+from gatedformer.kernels import relative_attention as _relative_attention_kernel
+from gatedformer.models import transformer_xl
+from gatedformer.models.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM, relative_positions
+from gatedformer.ops.relative_sublayer import RelativeAttentionAddNorm
 
 
 @pytest.fixture(autouse=True)

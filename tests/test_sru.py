@@ -17,10 +17,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from gatedformer.backbones import _native, _sru_kernel
-from gatedformer.backbones.sru import (
+from gatedformer.kernels import build as _native
+from gatedformer.kernels import sru as _sru_kernel
+from gatedformer.models.sru import SRULanguageModel
+from gatedformer.nn.sru import (
     SRU,
-    SRULanguageModel,
     SRULayer,
     highway_scale,
     kernel_backend,
@@ -405,7 +406,7 @@ def test_language_model_learns() -> None:
 
 def test_nothing_compiles_at_import(tmp_path: Path) -> None:
     env = {**os.environ, "GATEDFORMER_CACHE": str(tmp_path), "PYTHONPATH": str(REPO / "src")}
-    code = "import gatedformer.backbones._sru_kernel as k, gatedformer.backbones.sru; assert k.KERNEL._lib is None"
+    code = "import gatedformer.kernels.sru as k, gatedformer.nn.sru; assert k.KERNEL._lib is None"
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
     assert not (tmp_path / "kernels").exists()
 
@@ -518,7 +519,7 @@ def _interpreted_triton_kernels(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN20
     pytest.importorskip("triton")
     if torch.cuda.is_available():  # the compiled kernels themselves are tested there, in test_cuda.py
         pytest.skip("a GPU is present: the Triton kernels are tested compiled, not interpreted")
-    from gatedformer.backbones import _sru_triton
+    from gatedformer.kernels.triton import sru as _sru_triton
 
     kernels = _sru_triton.load_kernels(interpreted=True)
     monkeypatch.setattr(_sru_triton, "_kernels", lambda: kernels)
@@ -529,7 +530,7 @@ def _interpreted_triton_kernels(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN20
                          [(7, 2, 4, True), (7, 1, 3, False), (5, 2, 3, True), (1, 2, 4, False), (2, 1, 4, True)])
 def test_triton_kernels_match_the_reference(monkeypatch: pytest.MonkeyPatch, length: int, directions: int,
                                             streams: int, with_grad_c: bool) -> None:
-    from gatedformer.backbones._sru_kernel import _SRURecurrence
+    from gatedformer.kernels.sru import _SRURecurrence
 
     _interpreted_triton_kernels(monkeypatch)
     torch.manual_seed(length)
@@ -555,7 +556,8 @@ def test_triton_kernels_match_the_reference(monkeypatch: pytest.MonkeyPatch, len
 
 
 def test_triton_is_chosen_for_cuda_tensors_and_torch_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gatedformer.backbones import _sru_kernel, _sru_triton
+    from gatedformer.kernels import sru as _sru_kernel
+    from gatedformer.kernels.triton import sru as _sru_triton
 
     monkeypatch.setattr(_sru_triton, "available", lambda: True)
     assert _sru_kernel._pick_backend(torch.device("cuda")) == "triton"

@@ -11,10 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from gatedformer.backbones import _blas, _epilogue_kernel, _relative_attention_kernel, layer_stack, transformer_xl
-from gatedformer.backbones.blocks import FeedForward
-from gatedformer.backbones.layer_stack import LayerStack, StreamedLayerStack
-from gatedformer.backbones.transformer_xl import TransformerXLLM
+from gatedformer.kernels import blas as _blas
+from gatedformer.kernels import epilogue as _epilogue_kernel
+from gatedformer.kernels import relative_attention as _relative_attention_kernel
+from gatedformer.models import transformer_xl
+from gatedformer.models.transformer_xl import TransformerXLLM
+from gatedformer.nn.sublayer import FeedForward
+from gatedformer.ops import layer_stack
+from gatedformer.ops.layer_stack import LayerStack, StreamedLayerStack
 
 
 def _streams_or_skip() -> None:

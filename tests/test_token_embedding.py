@@ -10,11 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from gatedformer.backbones import _dropout_kernel, build_model
-from gatedformer.backbones import token_embedding as token_embedding_module
-from gatedformer.backbones.dropout import Dropout
-from gatedformer.backbones.token_embedding import embed_tokens
 from gatedformer.config import ModelConfig
+from gatedformer.kernels import dropout as _dropout_kernel
+from gatedformer.models import build_model
+from gatedformer.nn.dropout import Dropout
+from gatedformer.ops import embedding as token_embedding_module
+from gatedformer.ops.embedding import embed_tokens
 
 
 @pytest.fixture(autouse=True)

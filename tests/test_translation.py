@@ -17,12 +17,12 @@ import torch
 from conftest import SHARED_DATA, needs_shared
 from torch import nn
 
-from gatedformer.backbones.placement import resolve_placement
-from gatedformer.backbones.seq2seq import Seq2SeqTransformer, seq2seq_parameter_count
 from gatedformer.config import RunConfig, apply_overrides, build_config, load_recipe, validate
 from gatedformer.data import translation as mt
 from gatedformer.errors import CheckpointError, ConfigError, DataError
 from gatedformer.gates import EAU, SDU, GatedResidual
+from gatedformer.gates.spec import resolve_placement
+from gatedformer.models.seq2seq import Seq2SeqTransformer, seq2seq_parameter_count
 from gatedformer.train.checkpoint import recorded_config
 from gatedformer.train.translation import (
     beam_search,
@@ -406,7 +406,8 @@ def test_the_translation_mfu_script_times_real_batches_against_their_counted_flo
     import importlib.util
     import os
 
-    from gatedformer.backbones import _attention_kernel, _cross_entropy_kernel
+    from gatedformer.kernels import attention as _attention_kernel
+    from gatedformer.kernels import cross_entropy as _cross_entropy_kernel
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "translation_mfu.py"
     spec = importlib.util.spec_from_file_location("translation_mfu", path)

@@ -3,7 +3,10 @@ with the backbones, data and recipes to reproduce the papers that introduced the
 
 __version__ = "0.1.0"
 
-from gatedformer.backbones import (  # noqa: E402
+from gatedformer.config import RunConfig, apply_overrides, build_config, load_recipe  # noqa: E402
+from gatedformer.errors import CheckpointError, ConfigError, DataError, GatedformerError  # noqa: E402
+from gatedformer.gates import EAU, GLU, SDU, GatedMHDPA, GatedResidual, GLUFeedForward, HighwayGate  # noqa: E402
+from gatedformer.models import (  # noqa: E402
     SRU,
     GatedConvLM,
     RTransformerLM,
@@ -14,10 +17,7 @@ from gatedformer.backbones import (  # noqa: E402
     parse_gate_spec,
     resolve_placement,
 )
-from gatedformer.backbones.seq2seq import Seq2SeqTransformer  # noqa: E402
-from gatedformer.config import RunConfig, apply_overrides, build_config, load_recipe  # noqa: E402
-from gatedformer.errors import CheckpointError, ConfigError, DataError, GatedformerError  # noqa: E402
-from gatedformer.gates import EAU, GLU, SDU, GatedMHDPA, GatedResidual, GLUFeedForward, HighwayGate  # noqa: E402
+from gatedformer.models.seq2seq import Seq2SeqTransformer  # noqa: E402
 
 __all__ = [
     "EAU",

@@ -354,7 +354,7 @@ def validate(config: RunConfig) -> RunConfig:
     _positive("model.kernel_size", model.kernel_size)
     _check(model.bottleneck >= 0, "model.bottleneck must be 0 (off) or positive")
     _check(model.projection_size >= 0, "model.projection_size must be 0 (off) or positive")
-    from gatedformer.backbones.sru import MAX_HIGHWAY_BIAS
+    from gatedformer.nn.sru import MAX_HIGHWAY_BIAS
 
     _check(math.isfinite(model.highway_bias) and model.highway_bias <= MAX_HIGHWAY_BIAS,
            f"model.highway_bias={model.highway_bias} must be a finite number of at most {MAX_HIGHWAY_BIAS:g} "
@@ -394,7 +394,7 @@ def validate(config: RunConfig) -> RunConfig:
     _one_of("train.nonfinite", train.nonfinite, ("stop", "skip"))
 
     # The gate spec is checked against the model here so a bad one fails before any data loads.
-    from gatedformer.backbones.placement import resolve_placement
+    from gatedformer.gates.spec import resolve_placement
 
     translation = data.corpus in TRANSLATION_CORPORA
     resolve_placement(model.gates, model.n_layers, backbone=model.backbone, cross_attention=translation)

@@ -278,7 +278,7 @@ def _components(config: RunConfig, run_dir: Path, corpus: Any) -> dict[str, int]
 
     try:
         if corpus is not None:
-            from gatedformer.backbones import build_model
+            from gatedformer.models import build_model
 
             return count_by_component(build_model(config.model, len(corpus.vocab)))
         from gatedformer.analysis.runlog import read_log

@@ -19,7 +19,7 @@ What is a layer, and what theory predicts for it:
 
 Predictions:
 
-* **GCNN blocks** (:class:`~gatedformer.backbones.gcnn.GatedConvLM`): the site is the gated branch
+* **GCNN blocks** (:class:`~gatedformer.models.gcnn.GatedConvLM`): the site is the gated branch
   ``F`` of ``H = X + F(X)``, not the block; with the GLU initialisation :math:`\mathcal N(0, \sqrt{4p/n})`,
   :math:`\rho_f = \rho_b = 1` to first order in the gate input (Gehring et al. 2017, appendix A). The
   next order adds about :math:`\mathrm E[x^2]/p` per gated convolution, since
@@ -229,8 +229,8 @@ def init_check(config: RunConfig, data_dir: str | Path | None = None, batches: i
     training mode on ``batches`` windows of the configured corpus, carrying the recurrent state from
     window to window. Returns one dict per layer (see :func:`measure_layers`).
     """
-    from gatedformer.backbones import build_model
     from gatedformer.data import LMStream, load_corpus
+    from gatedformer.models import build_model
     from gatedformer.train.init import initialise
 
     validate(config)

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from gatedformer.backbones import build_model
 from gatedformer.config import (
     TRANSLATION_CORPORA,
     Recipe,
@@ -18,6 +17,7 @@ from gatedformer.config import (
     load_recipe,
 )
 from gatedformer.errors import ConfigError
+from gatedformer.models import build_model
 
 GATE_KINDS = {"sdu": "SDU", "highway": "highway gate", "gated_mix": "gated MHDPA", "eau": "EAU",
               "residual_gate": "GRC"}

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from gatedformer.backbones import build_model
 from gatedformer.config import TRANSLATION_CORPORA, RunConfig, validate
 from gatedformer.data import Corpus, LMStream, load_corpus
 from gatedformer.devices import resolve_device
 from gatedformer.errors import CheckpointError, ConfigError, GatedformerError
 from gatedformer.io import atomic_write_json, atomic_write_text, make_folder
+from gatedformer.models import build_model
 from gatedformer.train import distributed
 from gatedformer.train.checkpoint import (
     check_architecture,

@@ -33,7 +33,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gatedformer.backbones.seq2seq import Seq2SeqTransformer
 from gatedformer.config import TRANSLATION_CORPORA, RunConfig, validate
 from gatedformer.data.translation import (
     BOS_ID,
@@ -54,6 +53,7 @@ from gatedformer.data.vocab import Vocab
 from gatedformer.devices import resolve_device
 from gatedformer.errors import CheckpointError, ConfigError, DataError, GatedformerError
 from gatedformer.io import atomic_write_json, atomic_write_text, make_folder
+from gatedformer.models.seq2seq import Seq2SeqTransformer
 from gatedformer.train.checkpoint import (
     load_checkpoint,
     load_model_weights,

@@ -18,10 +18,10 @@ from gatedformer.analysis.bench.options import (
 )
 from gatedformer.analysis.bench.report import format_report
 from gatedformer.analysis.bench.sections import run_bench
-from gatedformer.backbones import BUILDERS
 from gatedformer.config import INIT_SCHEMES
 from gatedformer.errors import GatedformerError
 from gatedformer.io import make_folder
+from gatedformer.models import BUILDERS
 
 DESCRIPTION = "Speed and memory benchmarks: throughput, MFU and peak memory of every backbone and gate variant."
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from gatedformer.backbones.placement import SublayerGates, resolve_placement
 from gatedformer.config import ModelConfig
+from gatedformer.gates.spec import SublayerGates, resolve_placement
 
 _RNN_GATES = {"gru": 3, "lstm": 4, "rnn": 1}
 

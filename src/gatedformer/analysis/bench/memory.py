@@ -19,9 +19,9 @@ from torch.utils._pytree import tree_flatten
 
 from gatedformer.analysis.bench.options import BenchOptions, BenchSize
 from gatedformer.analysis.bench.runners import LMRunner, initialise_weights
-from gatedformer.backbones import build_model
 from gatedformer.config import ModelConfig
 from gatedformer.errors import ConfigError
+from gatedformer.models import build_model
 
 
 class _TensorPeak(TorchDispatchMode):

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gatedformer.backbones import BUILDERS
-from gatedformer.backbones.placement import parse_gate_spec
 from gatedformer.config import INIT_SCHEMES, ModelConfig
 from gatedformer.errors import ConfigError
+from gatedformer.gates.spec import parse_gate_spec
+from gatedformer.models import BUILDERS
 
 GATE_VARIANTS: dict[str, str] = {
     "baseline": "",

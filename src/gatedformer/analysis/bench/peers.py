@@ -9,7 +9,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from gatedformer.analysis.bench.options import BenchSize
-from gatedformer.backbones.attention import sinusoidal_positions
+from gatedformer.nn.attention import sinusoidal_positions
 
 
 class TorchReferenceLM(nn.Module):
@@ -17,7 +17,7 @@ class TorchReferenceLM(nn.Module):
 
     Same sizes, post-LN, ReLU, the same dropout sites and rates (attention-weight dropout = ``attn_dropout``),
     scaled embeddings plus a fixed sinusoidal table, a causal mask (``is_causal=True``) and an output layer
-    with a bias: exactly the parameter count of :class:`~gatedformer.backbones.transformer.TransformerLM`.
+    with a bias: exactly the parameter count of :class:`~gatedformer.models.transformer.TransformerLM`.
     """
 
     def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, d_ffn: int, dropout: float,

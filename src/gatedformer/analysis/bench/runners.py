@@ -13,10 +13,10 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from gatedformer.analysis.bench.options import OPTIMIZERS, BenchOptions, BenchSize
-from gatedformer.backbones import build_model
 from gatedformer.config import InitConfig
 from gatedformer.devices import resolve_device
 from gatedformer.errors import ConfigError
+from gatedformer.models import build_model
 from gatedformer.train.compiling import compile_model
 from gatedformer.train.grouped_adam import GroupedAdam, groupable
 from gatedformer.train.init import initialise

@@ -35,10 +35,10 @@ from gatedformer.analysis.bench.timing import (
     peak_contenders,
     time_round_robin,
 )
-from gatedformer.backbones import BUILDERS, build_model
-from gatedformer.backbones.placement import resolve_placement
 from gatedformer.devices import resolve_device
 from gatedformer.errors import ConfigError
+from gatedformer.gates.spec import resolve_placement
+from gatedformer.models import BUILDERS, build_model
 from gatedformer.train.compiling import compile_limits_fail, compile_model
 
 
@@ -229,7 +229,7 @@ def _bench_rnn_peers(report: BenchReport, rnn: RNNSize, options: BenchOptions, d
         method = "tensors"
 
     def ours() -> nn.Module:
-        from gatedformer.backbones.sru import SRU
+        from gatedformer.nn.sru import SRU
 
         return SRU(rnn.hidden, rnn.hidden, num_layers=rnn.layers)
 

@@ -1,0 +1,235 @@
+r"""The R-Transformer language model, with gates placed by spec on its attention and FFN sublayers.
+
+From Wang, Li, Ding and Tang, "R-Transformer: Recurrent Neural Network Enhanced Transformer" (2019,
+arXiv:1907.05572). Every layer is three residual sublayers::
+
+    H = LN(X + LocalRNN(X))
+    U = LN(H + Att(H))          (gated by the placement spec, as on the vanilla Transformer)
+    O = LN(U + FFN(U))          (likewise)
+
+``LocalRNN`` runs a small recurrent network over the window of the ``M`` positions ending at each
+position (positions ``t-M+1 .. t``, zeros before the start of the sequence) and returns the last
+hidden state of each window. It captures local order, so the model has no positional encoding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from gatedformer.gates.spec import SublayerGates, resolve_placement
+from gatedformer.kernels import local_rnn as _local_rnn_kernel
+from gatedformer.kernels.gru import gru_step
+from gatedformer.kernels.lstm import lstm_step
+from gatedformer.nn.attention import CausalSelfAttention
+from gatedformer.nn.dropout import Dropout
+from gatedformer.nn.sublayer import Sublayer, check_lm_sizes, make_ffn
+from gatedformer.ops.embedding import embed_tokens
+from gatedformer.ops.output_loss import logits_or_loss
+
+__all__ = ["RNN_TYPES", "LocalRNN", "RTransformerLM", "RTransformerLayer", "RecurrentWeights"]
+
+RNN_TYPES = {"gru": nn.GRU, "lstm": nn.LSTM, "rnn": nn.RNN}
+_GATES = {"gru": 3, "lstm": 4, "rnn": 1}
+
+
+class RecurrentWeights(nn.Module):
+    """The parameters of a one-layer ``nn.GRU``, ``nn.LSTM`` or (tanh) ``nn.RNN`` of width ``d``: the same names
+    (``weight_ih_l0``, ``weight_hh_l0``, ``bias_ih_l0``, ``bias_hh_l0``), shapes, gate order and initialisation
+    (the same random draws in the same order), so state dicts and seeded models are those of the module itself.
+
+    The LocalRNN only reads these weights; it never runs the module. Holding the module would cost ``torch.compile``
+    the whole model: dynamo refuses to trace code that touches an RNN module and runs the frame eagerly.
+    :meth:`reference` gives the module, sharing these parameters, for checking against.
+    """
+
+    def __init__(self, rnn_type: str, d: int) -> None:
+        super().__init__()
+        if rnn_type not in RNN_TYPES:
+            raise ValueError(f"unknown rnn_type {rnn_type!r}; choose one of {', '.join(RNN_TYPES)}")
+        self.rnn_type, self.d = rnn_type, d
+        rows = _GATES[rnn_type] * d
+        self.weight_ih_l0 = nn.Parameter(torch.empty(rows, d))
+        self.weight_hh_l0 = nn.Parameter(torch.empty(rows, d))
+        self.bias_ih_l0 = nn.Parameter(torch.empty(rows))
+        self.bias_hh_l0 = nn.Parameter(torch.empty(rows))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.d)
+        for weight in self.parameters():  # in registration order, as nn.RNNBase draws them
+            weight.uniform_(-bound, bound)
+
+    def reference(self) -> nn.RNNBase:
+        """``nn.GRU`` / ``nn.LSTM`` / ``nn.RNN`` (batch first) computing with these very parameters."""
+        module = RNN_TYPES[self.rnn_type](self.d, self.d, num_layers=1, batch_first=True).to(self.weight_ih_l0)
+        for name, weight in self.named_parameters():
+            setattr(module, name, weight)
+        return module
+
+    def extra_repr(self) -> str:
+        return f"{self.rnn_type}, {self.d}"
+
+
+class LocalRNN(nn.Module):
+    r"""A GRU, LSTM or tanh RNN run over the ``window`` positions ending at every position, all at once.
+
+    ``forward(x (B, L, d)) -> (B, L, d)``: output ``t`` is the last hidden state of the RNN started
+    from zero and fed ``x[t-M+1], ..., x[t]`` (``M = window``; positions before 0 read zeros). This
+    is causal: output ``t`` depends on inputs ``<= t`` only.
+
+    The parameters are those of a one-layer ``nn.GRU``/``nn.LSTM``/``nn.RNN`` (``self.rnn``, a
+    :class:`RecurrentWeights`) with the same equations, but the computation never copies the sequence once per
+    window. The input projection ``W_ih x + b_ih`` is shared by every window that contains ``x``, so it is
+    computed once for the ``L`` positions; step ``j`` of all ``L`` windows then reads that projection shifted by
+    ``M-1-j`` positions — a view of a time-major tensor, with the batch and the positions folded into one batch
+    of ``L·B`` rows. Only the ``M`` hidden-to-hidden products run step by step, and each step holds ``O(B·L·d)``
+    memory rather than a ``(B, L, M, d)`` copy of the sequence.
+
+    Back-propagation through the ``M`` steps keeps each step's gate activations, so training memory grows
+    with the window (evaluation memory does not). With ``recompute=True`` only the input is kept and the
+    steps run again in the backward pass (activation checkpointing): the step activations of one layer
+    at a time exist, instead of those of every layer from the forward pass to the backward pass.
+    """
+
+    def __init__(self, d_model: int, window: int, rnn_type: str = "gru", recompute: bool = False) -> None:
+        super().__init__()
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        self.d_model = d_model
+        self.window = window
+        self.rnn_type = rnn_type
+        self.recompute = recompute
+        self.rnn = RecurrentWeights(rnn_type, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            # No randomness inside, so the recomputed steps are exactly the first ones.
+            return checkpoint(self._windows, x, use_reentrant=False)
+        return self._windows(x)
+
+    def _windows(self, x: Tensor) -> Tensor:
+        batch, length, d_model = x.shape
+        rnn = self.rnn
+        w_hh, b_hh = rnn.weight_hh_l0, rnn.bias_hh_l0
+        # Input projection of every position, once.
+        gates_in = F.linear(x, rnn.weight_ih_l0, rnn.bias_ih_l0)
+        blas = _local_rnn_kernel.streams(gates_in, w_hh, b_hh, rnn.bias_ih_l0)
+        if blas is not None:  # every step of every window in one compiled call each way
+            return _local_rnn_kernel.local_recurrence(gates_in, rnn.bias_ih_l0, w_hh, b_hh, self.rnn_type, self.window,
+                                                      blas)
+        gates_in = gates_in.transpose(0, 1)  # time-major: (L, B, G)
+        if self.window > 1:
+            # Positions before the start read x = 0, whose projection is the bias alone.
+            pad = rnn.bias_ih_l0.to(gates_in.dtype).expand(self.window - 1, batch, gates_in.shape[-1])
+            gates_in = torch.cat([pad, gates_in], dim=0)
+        else:
+            gates_in = gates_in.contiguous()
+        # Step j of the window ending at t reads position t - (M-1) + j: padded index t + j. Each step
+        # is a view of (L·B, G) rows; their gradients are summed back in one pass (see _ShiftedViews).
+        steps = _ShiftedViews.apply(gates_in, length, self.window)
+        h: Tensor | None = None
+        c: Tensor | None = None
+        for step_in in steps:
+            gates_h = b_hh.to(step_in.dtype) if h is None else F.linear(h, w_hh, b_hh)
+            if self.rnn_type == "gru":
+                h = gru_step(step_in, gates_h, h)  # one fused pass on the CPU (see _gru_kernel)
+            elif self.rnn_type == "lstm":
+                h, c = lstm_step(step_in, gates_h, c)  # likewise (see _lstm_kernel)
+            else:
+                h = torch.tanh(step_in + gates_h)
+        assert h is not None
+        return h.view(length, batch, d_model).transpose(0, 1).contiguous()
+
+    def extra_repr(self) -> str:
+        return f"rnn_type={self.rnn_type}, window={self.window}" + (", recompute=True" if self.recompute else "")
+
+
+class _ShiftedViews(torch.autograd.Function):
+    """The ``M`` windows ``padded[j : j + L]`` (``j < M``) of a time-major ``(L + M - 1, B, G)`` tensor,
+    each as ``(L·B, G)`` rows without a copy.
+
+    Plain slicing would give the same forward, but each slice's backward fills a zero tensor the size
+    of ``padded`` — ``M`` full-size buffers per call. Here the backward adds the ``M`` gradients into
+    one buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, padded: Tensor, length: int, window: int) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.shape = padded.shape
+        ctx.length = length
+        rows = length * padded.shape[1]
+        return tuple(padded[j : j + length].view(rows, -1) for j in range(window))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        total = grads[0].new_zeros(ctx.shape) if grads[0] is not None else None
+        for j, grad in enumerate(grads):
+            if grad is None:
+                continue
+            if total is None:
+                total = grad.new_zeros(ctx.shape)
+            total[j : j + ctx.length].add_(grad.view(ctx.length, *ctx.shape[1:]))
+        return total, None, None
+
+
+class RTransformerLayer(nn.Module):
+    """LocalRNN sublayer (never gated), then the gated attention and FFN sublayers."""
+
+    def __init__(self, d_model: int, n_heads: int, d_ffn: int, dropout: float, attn_dropout: float,
+                 norm: str, ffn: str, attn_gates: SublayerGates, ffn_gates: SublayerGates,
+                 rnn_type: str, rnn_window: int, rnn_recompute: bool = False) -> None:
+        super().__init__()
+        self.local_rnn = Sublayer(LocalRNN(d_model, rnn_window, rnn_type, rnn_recompute), d_model, SublayerGates(),
+                                  dropout, norm)
+        self.attn = Sublayer(CausalSelfAttention(d_model, n_heads, attn_dropout), d_model, attn_gates,
+                             dropout, norm)
+        self.ffn = Sublayer(make_ffn(ffn, d_model, d_ffn, dropout), d_model, ffn_gates, dropout, norm)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ffn(self.attn(self.local_rnn(x)))
+
+
+class RTransformerLM(nn.Module):
+    """Token embedding, ``n_layers`` R-Transformer layers, softmax output; no positional encoding.
+
+    ``forward(tokens (B, L), state=None) -> (logits (B, L, V), None)``: every window is read on its
+    own, so there is no state to carry.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int = 128, n_layers: int = 3, n_heads: int = 4,
+                 d_ffn: int = 512, dropout: float = 0.1, emb_dropout: float | None = None,
+                 attn_dropout: float = 0.0, norm: str = "post", ffn: str = "relu",
+                 tie_embeddings: bool = False, gates: str = "", rnn_type: str = "gru",
+                 rnn_window: int = 7, rnn_recompute: bool = False) -> None:
+        super().__init__()
+        check_lm_sizes(vocab_size, d_model, n_layers, n_heads, d_ffn)
+        placement = resolve_placement(gates, n_layers, backbone="rtransformer")
+        self.d_model = d_model
+        self.embedding = nn.Embedding(vocab_size, d_model)
+        self.emb_dropout = Dropout(dropout if emb_dropout is None else emb_dropout)
+        self.layers = nn.ModuleList(
+            RTransformerLayer(d_model, n_heads, d_ffn, dropout, attn_dropout, norm, ffn,
+                              placement.at(i, "attn"), placement.at(i, "ffn"), rnn_type, rnn_window, rnn_recompute)
+            for i in range(n_layers)
+        )
+        self.final_norm = nn.LayerNorm(d_model) if norm == "pre" else None
+        self.output = nn.Linear(d_model, vocab_size)
+        if tie_embeddings:
+            self.output.weight = self.embedding.weight
+
+    def forward(self, tokens: Tensor, state: object = None, *, targets: Tensor | None = None,
+                reduction: str = "mean") -> tuple[Tensor, None]:
+        """``(logits (B, L, V), None)``, or with ``targets`` their cross-entropy in place of the logits (see
+        :class:`~gatedformer.models.transformer.TransformerLM`)."""
+        x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), dropout=self.emb_dropout)
+        for layer in self.layers:
+            x = layer(x)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return logits_or_loss(self.output, x, targets, reduction=reduction), None

@@ -1,0 +1,77 @@
+r"""The SRU language model: token embedding, a stack of Simple Recurrent Units (:mod:`gatedformer.nn.sru`), a final
+LayerNorm and the output layer (Lei et al., EMNLP 2018)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from gatedformer.gates._checks import check_size
+from gatedformer.nn.dropout import Dropout
+from gatedformer.nn.sru import SRU, _dropout_arg
+from gatedformer.ops.embedding import embed_tokens
+from gatedformer.ops.output_loss import logits_or_loss
+
+__all__ = ["SRULanguageModel"]
+
+
+class SRULanguageModel(nn.Module):
+    r"""Token embedding, an :class:`SRU` stack, a final LayerNorm and a softmax output layer.
+
+    ``forward(tokens (B, L), state=None) -> (logits (B, L, V), state)`` where ``state`` is the cell of
+    every layer after the last token, ``(n_layers, B, d_model)``; pass it to the next window to carry
+    the recurrence on (detaching it between windows is the caller's job). Embeddings are scaled by
+    :math:`\sqrt{d}` (initialised with standard deviation :math:`d^{-1/2}`, so the SRU sees unit-variance
+    inputs and tied output weights start small); ``dropout`` applies to the embeddings, between SRU
+    layers and before the output layer. The model is causal: logits at ``t`` depend on tokens ``<= t``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        n_layers: int,
+        dropout: float = 0.0,
+        highway_bias: float = 0.0,
+        rescale: bool = True,
+        projection_size: int = 0,
+        layer_norm: bool = False,
+        tie_embeddings: bool = False,
+    ) -> None:
+        super().__init__()
+        self.vocab_size = check_size("vocab_size", vocab_size, 1)
+        self.d_model = check_size("d_model", d_model, 1)
+        self.embedding = nn.Embedding(vocab_size, d_model)
+        self.dropout = Dropout(_dropout_arg(dropout))
+        self.sru = SRU(
+            d_model,
+            d_model,
+            num_layers=n_layers,
+            dropout=dropout,
+            highway_bias=highway_bias,
+            rescale=rescale,
+            projection_size=projection_size,
+            layer_norm=layer_norm,
+        )
+        self.final_norm = nn.LayerNorm(d_model)
+        self.output = nn.Linear(d_model, vocab_size)
+        if tie_embeddings:
+            self.output.weight = self.embedding.weight
+        with torch.no_grad():
+            nn.init.normal_(self.embedding.weight, std=d_model**-0.5)
+            self.output.bias.zero_()
+
+    def forward(self, tokens: Tensor, state: Tensor | None = None, *, targets: Tensor | None = None,
+                reduction: str = "mean") -> tuple[Tensor, Tensor]:
+        """``(logits (B, L, V), state)``, or with ``targets`` their cross-entropy in place of the logits (see
+        :class:`~gatedformer.models.transformer.TransformerLM`)."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must have shape (B, L), got {tuple(tokens.shape)}")
+        x = embed_tokens(tokens.t(), self.embedding, math.sqrt(self.d_model), dropout=self.dropout)
+        h, new_state = self.sru(x, state)
+        hidden = self.dropout(self.final_norm(h))
+        if targets is not None:  # time-major, as the hidden states
+            return logits_or_loss(self.output, hidden, targets.t(), reduction=reduction), new_state
+        return self.output(hidden).transpose(0, 1), new_state

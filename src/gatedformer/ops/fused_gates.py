@@ -1,0 +1,140 @@
+"""Gate units applied with their element-wise tail in one compiled pass each way (CPU).
+
+:class:`~gatedformer.nn.sublayer.Sublayer` calls its gates through these functions. Each computes
+exactly what the gate module's ``forward`` computes: the module's own linear layers are called as usual,
+and only the element-wise end (:mod:`gatedformer.kernels.gate`) is one kernel instead of several
+PyTorch operations. Where the kernel does not apply (not float32 on the CPU, autocast, ``torch.compile``,
+no compiler) and whenever the gate module has hooks (the gate statistics record activations through
+forward hooks), the module itself is called.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from gatedformer.gates import EAU, GLU, SDU, GatedResidual, HighwayGate
+from gatedformer.gates._transform_gate import TransformGate
+from gatedformer.kernels.gate import KERNEL, tail_backward, tail_forward
+from gatedformer.ops.dropout import dropout
+from gatedformer.ops.fused_linear import dropout_add_layer_norm, unhooked
+
+__all__ = ["apply_eau", "apply_grc", "apply_highway", "apply_sdu", "gated_mix", "glu_residual", "grc_dropout_norm",
+           "tail_applies"]
+
+
+def tail_applies(gate: nn.Module, *tensors: Tensor) -> bool:
+    """Whether the fused tail replaces ``gate``'s own forward for these inputs."""
+    return (unhooked(gate) and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+            and KERNEL.pick_backend(tensors[0].device) == "native")
+
+
+def _flat(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+class _SplitTail(torch.autograd.Function):
+    """``c + F(a) ⊙ (G(b) [- c])`` with ``a``, ``b`` the two halves of one projection ``(rows, 2d)``: ``a`` the
+    first half, or the second with ``gate_last`` (a GLU's layout: values first, gates second)."""
+
+    @staticmethod
+    def forward(ctx, c: Tensor, projection: Tensor, tail: str, gate_last: bool = False) -> Tensor:  # type: ignore[override]
+        d = c.shape[1]
+        ctx.tail, ctx.gate_last = tail, gate_last
+        ctx.save_for_backward(c if tail == "lerp" else None, projection)
+        return tail_forward(tail, c, *_halves(projection, d, gate_last))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        c, projection = ctx.saved_tensors
+        d = grad.shape[1]
+        grad = grad.contiguous()
+        grad_projection = torch.empty_like(projection)  # both halves' gradients side by side: no joining copy
+        grad_c = tail_backward(ctx.tail, grad, c, *_halves(projection, d, ctx.gate_last),
+                               *_halves(grad_projection, d, ctx.gate_last))
+        return (grad if grad_c is None else grad_c), grad_projection, None, None
+
+
+def _halves(projection: Tensor, d: int, gate_last: bool) -> tuple[Tensor, int, Tensor, int]:
+    """The tail's ``a`` and ``b`` in a ``(rows, 2d)`` projection, each with its row length."""
+    first, second = projection, projection[:, d:]
+    return (second, 2 * d, first, 2 * d) if gate_last else (first, 2 * d, second, 2 * d)
+
+
+class _Tail(torch.autograd.Function):
+    """``c + F(a) ⊙ G(b)`` with ``a``, ``b`` tensors of ``c``'s shape (``c`` is ``None`` for the ``gate`` tail)."""
+
+    @staticmethod
+    def forward(ctx, c: Tensor | None, a: Tensor, b: Tensor, tail: str) -> Tensor:  # type: ignore[override]
+        ctx.tail = tail
+        ctx.save_for_backward(a, b)
+        return tail_forward(tail, c, a, a.shape[1], b, b.shape[1], shape=a.shape)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        a, b = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
+        tail_backward(ctx.tail, grad, None, a, a.shape[1], b, b.shape[1], grad_a, a.shape[1], grad_b, b.shape[1])
+        return (grad if ctx.needs_input_grad[0] else None), grad_a, grad_b, None
+
+
+def _split_tail(c: Tensor, projection: Tensor, tail: str) -> Tensor:
+    return _SplitTail.apply(_flat(c), _flat(projection), tail).view(c.shape)
+
+
+def glu_residual(glu: GLU, x: Tensor, y: Tensor) -> Tensor:
+    """``x + glu(y)``: ``x + y_a ⊙ σ(y_b)`` with ``y_a``, ``y_b`` the first and second halves of ``y``'s last
+    dimension (a GCNN block around one gated convolution)."""
+    if not tail_applies(glu, x, y) or glu.dim not in (-1, y.dim() - 1) or y.shape[:-1] != x.shape[:-1] \
+            or y.shape[-1] != 2 * x.shape[-1]:
+        return x + glu(y)
+    return _SplitTail.apply(_flat(x), _flat(y), "sdu-sigmoid", True).view(x.shape)
+
+
+def apply_sdu(sdu: SDU, x: Tensor, add_to: Tensor) -> Tensor:
+    """``sdu(x, add_to=add_to)``: ``add_to + Ψ(x W1 + b1) ⊙ (x W2 + b2)``."""
+    if not tail_applies(sdu, x, add_to) or add_to.shape != x.shape:
+        return sdu(x, add_to=add_to)
+    return _split_tail(add_to, sdu.proj(x), f"sdu-{sdu.gate}")
+
+
+def gated_mix(gate: TransformGate, carry: Tensor, x: Tensor) -> Tensor:
+    """``(1 - T(x)) ⊙ carry + T(x) ⊙ f(x)``: ``gate(x, carry)`` of a gated MHDPA, ``gate(x)`` of a highway gate
+    (``carry = x``)."""
+    if not tail_applies(gate, x, carry) or carry.shape != x.shape:
+        return gate(x) if isinstance(gate, HighwayGate) else gate(x, carry)
+    return _split_tail(carry, gate.proj(x), "lerp")
+
+
+def apply_highway(gate: HighwayGate, x: Tensor) -> Tensor:
+    """``gate(x)``: ``(1 - T(x)) ⊙ x + T(x) ⊙ f(x)``."""
+    return gated_mix(gate, x, x)
+
+
+def apply_grc(gate: GatedResidual, r: Tensor, s: Tensor) -> Tensor:
+    """``gate(r, s)``: ``r + σ(Wg r + bg) ⊙ s``."""
+    if not tail_applies(gate, r, s) or r.shape != s.shape:
+        return gate(r, s)
+    return _Tail.apply(_flat(r), _flat(gate.gate_proj(r)), _flat(s), "sdu-sigmoid").view(r.shape)
+
+
+def apply_eau(eau: EAU, x: Tensor) -> Tensor:
+    """``eau(x)``: ``x + tanh(W3 x + b3) ⊙ σ(W2 ReLU(W1 x + b1) + b2)``."""
+    if not tail_applies(eau, x):
+        return eau(x)
+    evaluated = eau.evaluator_out(F.relu(eau.evaluator_in(x)))
+    return _Tail.apply(_flat(x), _flat(evaluated), _flat(eau.adjuster(x)), "eau").view(x.shape)
+
+
+def grc_dropout_norm(gate: GatedResidual, r: Tensor, s: Tensor, p: float, norm: nn.LayerNorm,
+                     training: bool = True) -> Tensor:
+    """``norm(gate(r, dropout(s, p)))``, a post-LN sublayer's gated residual connection. Fused, the gate's
+    product ``σ(Wg r + bg) ⊙ s`` is one kernel and the dropout, residual add and norm another
+    (``r + dropout(g ⊙ s)`` is ``r + g ⊙ dropout(s)``: the mask is element-wise)."""
+    if not tail_applies(gate, r, s) or r.shape != s.shape:
+        return norm(apply_grc(gate, r, dropout(s, p, training)))
+    gated = _Tail.apply(None, _flat(gate.gate_proj(r)), _flat(s), "gate").view(s.shape)
+    return dropout_add_layer_norm(r, gated, p, norm, training)
