@@ -23,10 +23,15 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
 @pytest.fixture
 def kernel_build(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     """``use(kernel, isa)`` loads that instruction set's build of a compiled kernel in place of the one this CPU
-    picks, for the rest of the test (and skips the test where the CPU or compiler lacks it)."""
+    picks, for the rest of the test (and skips the test where the CPU or compiler lacks it; a build that fails
+    under ``GATEDFORMER_REQUIRE_NATIVE=1`` fails the test instead)."""
     def use(kernel, isa: str):  # noqa: ANN001, ANN202
+        from gatedformer.kernels.build import KernelUnavailable
+
         try:
             lib = kernel.library_for(isa)
+        except KernelUnavailable:
+            raise
         except RuntimeError as err:
             pytest.skip(str(err))
         monkeypatch.setattr(kernel, "_lib", lib)

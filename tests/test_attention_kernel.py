@@ -10,14 +10,10 @@ from torch import Tensor
 
 from gatedformer.kernels import attention as _attention_kernel
 from gatedformer.kernels import build as _native
-from gatedformer.kernels.attention import (
-    SUPPORTED_HEAD_SIZES,
-    causal_attention_packed,
-    causal_attention_reference,
-    kernel_applies,
-    supported_head_sizes,
-)
+from gatedformer.kernels.attention import SUPPORTED_HEAD_SIZES, supported_head_sizes
 from gatedformer.models.transformer import TransformerLM
+from gatedformer.ops import attention as attention_ops
+from gatedformer.ops.attention import causal_attention_packed, causal_attention_reference, kernel_applies
 
 
 def _native_or_skip() -> None:
@@ -44,7 +40,7 @@ def test_matches_scaled_dot_product_attention(batch: int, length: int, heads: in
     if head not in supported_head_sizes():
         torch.testing.assert_close(causal_attention_packed(qkv, heads), causal_attention_reference(qkv, heads))
         return
-    out, g = _values_and_grads(_attention_kernel._PackedCausalAttention.apply, qkv, heads, grad)
+    out, g = _values_and_grads(attention_ops._PackedCausalAttention.apply, qkv, heads, grad)
     ref_out, ref_g = _values_and_grads(causal_attention_reference, qkv, heads, grad)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(g, ref_g, rtol=1e-4, atol=5e-5)
@@ -62,7 +58,7 @@ def test_every_instruction_set_build_matches_scaled_dot_product_attention(isa: s
             continue
         qkv = torch.randn(2, length, 3 * heads * head, generator=generator) * 1.5
         grad = torch.randn(2, length, heads * head, generator=generator)
-        out, g = _values_and_grads(_attention_kernel._PackedCausalAttention.apply, qkv, heads, grad)
+        out, g = _values_and_grads(attention_ops._PackedCausalAttention.apply, qkv, heads, grad)
         ref_out, ref_g = _values_and_grads(causal_attention_reference, qkv, heads, grad)
         torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=2e-5)
         torch.testing.assert_close(g, ref_g, rtol=1e-4, atol=5e-5)
@@ -106,12 +102,12 @@ def test_threads_give_the_same_result(threads: int, monkeypatch: pytest.MonkeyPa
     _native_or_skip()
     qkv = torch.randn(3, 33, 3 * 2 * 32)
     grad = torch.randn(3, 33, 2 * 32)
-    one = _values_and_grads(_attention_kernel._PackedCausalAttention.apply, qkv, 2, grad)
+    one = _values_and_grads(attention_ops._PackedCausalAttention.apply, qkv, 2, grad)
     before = torch.get_num_threads()
     monkeypatch.setattr(_native, "_ELEMENTS_PER_THREAD", 1)
     torch.set_num_threads(threads)
     try:
-        many = _values_and_grads(_attention_kernel._PackedCausalAttention.apply, qkv, 2, grad)
+        many = _values_and_grads(attention_ops._PackedCausalAttention.apply, qkv, 2, grad)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])  # each head runs whole on one thread
@@ -171,7 +167,7 @@ def test_a_peaked_softmax_matches_and_denormals_stay_on_outside_the_kernel() -> 
     generator = torch.Generator().manual_seed(3)
     qkv = torch.randn(2, 40, 3 * 2 * 16, generator=generator) * 12  # scores in the hundreds: P underflows
     grad = torch.randn(2, 40, 2 * 16, generator=generator)
-    out, g = _values_and_grads(_attention_kernel._PackedCausalAttention.apply, qkv, 2, grad)
+    out, g = _values_and_grads(attention_ops._PackedCausalAttention.apply, qkv, 2, grad)
     ref_out, ref_g = _values_and_grads(causal_attention_reference, qkv, 2, grad)
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(g, ref_g, rtol=1e-3, atol=1e-3)
@@ -192,7 +188,7 @@ def test_heads_narrower_than_the_vectors_run_on_the_narrower_build() -> None:
     qkv = torch.randn(3, 41, 3 * 4 * 8, generator=generator) * 1.5
     grad = torch.randn(3, 41, 4 * 8, generator=generator)
     assert kernel_applies(qkv, 4, 0.0)
-    out, g = _values_and_grads(_attention_kernel._PackedCausalAttention.apply, qkv, 4, grad)
+    out, g = _values_and_grads(attention_ops._PackedCausalAttention.apply, qkv, 4, grad)
     ref_out, ref_g = _values_and_grads(causal_attention_reference, qkv, 4, grad)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(g, ref_g, rtol=1e-4, atol=5e-5)

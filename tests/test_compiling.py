@@ -15,9 +15,9 @@ from torch import nn
 
 from gatedformer.analysis.runlog import read_log, series
 from gatedformer.config import ModelConfig, RunConfig, apply_overrides, validate
-from gatedformer.kernels import sru as _sru_kernel
-from gatedformer.kernels.sru import sru_recurrence
 from gatedformer.models import build_model
+from gatedformer.ops import sru as sru_ops
+from gatedformer.ops.sru import sru_recurrence
 from gatedformer.train.compiling import compile_limits_fail, compile_model
 from gatedformer.train.loop import train
 
@@ -133,7 +133,7 @@ def test_the_sru_recurrence_is_one_operator_under_compile(streams: int, directio
     vectors = [torch.randn(directions, hidden, requires_grad=True) for _ in range(4)]
     c0 = torch.randn(batch, directions, hidden, requires_grad=True)
     # its fake (shape) function, autograd registration and schema, as torch checks a custom operator
-    torch.library.opcheck(_sru_kernel._recurrence_op, (U, skip, *vectors, c0, 1.7, ""))
+    torch.library.opcheck(sru_ops._recurrence_op, (U, skip, *vectors, c0, 1.7, ""))
 
     def run(*inputs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return sru_recurrence(*inputs, alpha=1.7)

@@ -18,8 +18,8 @@ from gatedformer import SRU
 from gatedformer.analysis.bench import BenchOptions, BenchSize, RNNSize, run_bench
 from gatedformer.config import ModelConfig, RunConfig, apply_overrides, validate
 from gatedformer.errors import ConfigError
-from gatedformer.kernels.sru import sru_recurrence, sru_recurrence_reference
 from gatedformer.models import BUILDERS, build_model
+from gatedformer.ops.sru import sru_recurrence, sru_recurrence_reference
 from gatedformer.train.loop import evaluate_run, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from gatedformer.kernels import build as _native
 from gatedformer.kernels import gru as _gru_kernel
-from gatedformer.kernels.gru import gru_step, gru_step_reference
+from gatedformer.ops.rnn import gru_step, gru_step_reference
 
 
 def _native_or_skip() -> None:

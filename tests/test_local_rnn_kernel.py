@@ -10,6 +10,7 @@ from torch.nn import functional as F
 from gatedformer.kernels import build as _native
 from gatedformer.kernels import local_rnn as _local_rnn_kernel
 from gatedformer.models.rtransformer import LocalRNN
+from gatedformer.ops import rnn as rnn_ops
 
 
 def _kernel_or_skip() -> None:
@@ -78,13 +79,13 @@ def test_the_module_runs_through_the_kernel_only_where_it_applies(monkeypatch: p
     module = _module(8, 3, "gru", seed=0)
     x = torch.randn(2, 5, 8, requires_grad=True)
     seen: list[str] = []
-    original = _local_rnn_kernel._LocalRecurrence.apply
+    original = rnn_ops._LocalRecurrence.apply
 
     def spy(*args: object) -> Tensor:
         seen.append("kernel")
         return original(*args)
 
-    monkeypatch.setattr(_local_rnn_kernel._LocalRecurrence, "apply", spy)
+    monkeypatch.setattr(rnn_ops._LocalRecurrence, "apply", spy)
     expected = module(x)
     assert seen == ["kernel"]
     module.double()(x.double())
@@ -189,12 +190,12 @@ def test_unknown_cell_and_mismatched_shapes_are_refused() -> None:
     blas = _local_rnn_kernel.streams(probe, probe, probe)
     gates, pad, w_hh, b_hh = torch.zeros(1, 4, 8), torch.zeros(8), torch.zeros(8, 2), torch.zeros(8)
     with pytest.raises(ValueError, match="unknown cell"):
-        _local_rnn_kernel.local_recurrence(gates, pad, w_hh, b_hh, "elman", 3, blas)
+        rnn_ops.local_recurrence(gates, pad, w_hh, b_hh, "elman", 3, blas)
     with pytest.raises(ValueError, match="takes"):
-        _local_rnn_kernel.local_recurrence(gates, pad, w_hh, b_hh, "gru", 3, blas)
+        rnn_ops.local_recurrence(gates, pad, w_hh, b_hh, "gru", 3, blas)
     with pytest.raises(ValueError, match="window"):
-        _local_rnn_kernel.local_recurrence(torch.zeros(1, 4, 6), torch.zeros(6), torch.zeros(6, 2), torch.zeros(6),
-                                           "gru", 0, blas)
+        rnn_ops.local_recurrence(torch.zeros(1, 4, 6), torch.zeros(6), torch.zeros(6, 2), torch.zeros(6), "gru", 0,
+                                 blas)
 
 
 def test_second_derivatives_are_refused_not_silently_wrong() -> None:

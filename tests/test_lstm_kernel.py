@@ -8,8 +8,8 @@ from torch import Tensor
 
 from gatedformer.kernels import build as _native
 from gatedformer.kernels import lstm as _lstm_kernel
-from gatedformer.kernels.lstm import lstm_step, lstm_step_reference
 from gatedformer.models.rtransformer import LocalRNN
+from gatedformer.ops.rnn import lstm_step, lstm_step_reference
 
 
 def _native_or_skip() -> None:

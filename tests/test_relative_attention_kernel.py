@@ -12,13 +12,10 @@ from torch import Tensor
 
 from gatedformer.kernels import build as _native
 from gatedformer.kernels import relative_attention as _relative_attention_kernel
-from gatedformer.kernels.relative_attention import (
-    backward_kernel,
-    forward_kernel,
-    kernel_takes,
-    relative_attention,
-)
+from gatedformer.kernels.relative_attention import backward_kernel, forward_kernel, kernel_takes
 from gatedformer.models.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM, relative_positions
+from gatedformer.ops import relative_attention as relative_attention_ops
+from gatedformer.ops.relative_attention import relative_attention
 
 
 def _native_or_skip() -> None:
@@ -181,8 +178,8 @@ def test_attention_dropout_in_training_takes_the_pytorch_path(monkeypatch: pytes
     """Attention dropout (not in the kernel) runs the PyTorch operations while training, the kernel in evaluation."""
     _native_or_skip()
     calls: list[int] = []
-    kernel = _relative_attention_kernel._RelativeAttention.apply
-    monkeypatch.setattr(_relative_attention_kernel._RelativeAttention, "apply",
+    kernel = relative_attention_ops._RelativeAttention.apply
+    monkeypatch.setattr(relative_attention_ops._RelativeAttention, "apply",
                         lambda *args: calls.append(1) or kernel(*args))
     layer = RelativeMultiHeadAttention(32, 2, dropout=0.5)
     h, pos = torch.randn(2, 5, 32), relative_positions(5, 32)
@@ -208,8 +205,8 @@ def test_the_layer_gives_the_kernel_the_memory_apart(monkeypatch: pytest.MonkeyP
     they are."""
     _native_or_skip()
     calls: list[tuple] = []
-    kernel = _relative_attention_kernel._RelativeAttention.apply
-    monkeypatch.setattr(_relative_attention_kernel._RelativeAttention, "apply",
+    kernel = relative_attention_ops._RelativeAttention.apply
+    monkeypatch.setattr(relative_attention_ops._RelativeAttention, "apply",
                         lambda *args: calls.append(args) or kernel(*args))
     monkeypatch.setattr(torch, "cat", lambda *args, **kwargs: pytest.fail("keys joined with torch.cat"))
     layer = RelativeMultiHeadAttention(32, 2)

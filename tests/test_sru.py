@@ -417,6 +417,7 @@ def test_missing_compiler_falls_back_to_torch_with_a_warning(monkeypatch: pytest
     monkeypatch.setattr(_sru_kernel.KERNEL, "error", None)
     monkeypatch.setattr(_sru_kernel.KERNEL, "_warned", False)
     monkeypatch.delenv("GATEDFORMER_SRU_BACKEND", raising=False)
+    monkeypatch.delenv("GATEDFORMER_REQUIRE_NATIVE", raising=False)  # the fallback users without a compiler get
     layer = SRULayer(4, 4)
     x = torch.randn(3, 2, 4)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
@@ -530,7 +531,7 @@ def _interpreted_triton_kernels(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN20
                          [(7, 2, 4, True), (7, 1, 3, False), (5, 2, 3, True), (1, 2, 4, False), (2, 1, 4, True)])
 def test_triton_kernels_match_the_reference(monkeypatch: pytest.MonkeyPatch, length: int, directions: int,
                                             streams: int, with_grad_c: bool) -> None:
-    from gatedformer.kernels.sru import _SRURecurrence
+    from gatedformer.ops.sru import _SRURecurrence
 
     _interpreted_triton_kernels(monkeypatch)
     torch.manual_seed(length)
@@ -556,18 +557,18 @@ def test_triton_kernels_match_the_reference(monkeypatch: pytest.MonkeyPatch, len
 
 
 def test_triton_is_chosen_for_cuda_tensors_and_torch_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gatedformer.kernels import sru as _sru_kernel
     from gatedformer.kernels.triton import sru as _sru_triton
+    from gatedformer.ops import sru as _sru_ops
 
     monkeypatch.setattr(_sru_triton, "available", lambda: True)
-    assert _sru_kernel._pick_backend(torch.device("cuda")) == "triton"
+    assert _sru_ops._pick_backend(torch.device("cuda")) == "triton"
     monkeypatch.setenv("GATEDFORMER_SRU_BACKEND", "torch")
-    assert _sru_kernel._pick_backend(torch.device("cuda")) == "torch"
+    assert _sru_ops._pick_backend(torch.device("cuda")) == "torch"
     monkeypatch.setattr(_sru_triton, "available", lambda: False)
     monkeypatch.setenv("GATEDFORMER_SRU_BACKEND", "native")
     with pytest.raises(RuntimeError, match="needs Triton"):
-        _sru_kernel._pick_backend(torch.device("cuda"))
+        _sru_ops._pick_backend(torch.device("cuda"))
     monkeypatch.setenv("GATEDFORMER_SRU_BACKEND", "auto")
-    monkeypatch.setattr(_sru_kernel, "_warned_no_triton", False)
+    monkeypatch.setattr(_sru_ops, "_warned_no_triton", False)
     with pytest.warns(UserWarning, match="Triton is not installed"):
-        assert _sru_kernel._pick_backend(torch.device("cuda")) == "torch"
+        assert _sru_ops._pick_backend(torch.device("cuda")) == "torch"

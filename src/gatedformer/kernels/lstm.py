@@ -1,268 +1,52 @@
-"""One LSTM step of the R-Transformer's LocalRNN as one compiled pass, forward and backward.
+"""The binding of ``csrc/lstm.cpp`` (its C API in ``csrc/lstm.h``): one LSTM step from precomputed projections as
+one compiled pass, forward and backward, for float32 or float64 rows on the CPU.
 
-With the input and hidden projections already computed (``gi = W_ih x + b_ih``, ``gh = W_hh h + b_hh``,
-gate order i, f, g, o as in ``torch.nn.LSTM``), a step is element-wise::
-
-    i = σ(a_i), f = σ(a_f), g = tanh(a_g), o = σ(a_o)   with a = gi + gh
-    c' = f ⊙ c + i ⊙ g,   h' = o ⊙ tanh(c')
-
-In PyTorch operations that is about ten passes over ``(rows, d)`` tensors forward, more backward, and a
-concatenation to put the four gates' gradients back together; autograd keeps about eight tensors per step.
-Here the forward is one pass that writes ``h'`` and ``c'`` and keeps nothing but its inputs; the backward
-recomputes the gates and writes the gradient of the pre-activations ``a`` (that of ``gi`` and of ``gh``
-alike) straight into one ``(rows, 4d)`` buffer, and that of ``c``.
-
-It shares the GRU step's switch, ``GATEDFORMER_GRU_BACKEND`` (``native``, ``torch`` or ``auto``): both are
-the LocalRNN's recurrent step.
+:mod:`gatedformer.ops.rnn` says what the step computes and holds its autograd function, its PyTorch reference and
+the choice between them (the GRU step's switch, ``GATEDFORMER_GRU_BACKEND``: both are the LocalRNN's step).
 """
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 from torch import Tensor
 
-from gatedformer.gates._product import add_product
 from gatedformer.kernels.build import NativeKernel, kernel_threads
-from gatedformer.kernels.gru import rows_view
-from gatedformer.kernels.simd import SIGMOID, SIMD_HELPERS
+from gatedformer.kernels.gru import DTYPES
 
-__all__ = ["KERNEL", "lstm_step", "lstm_step_reference"]
-
-_CPP_SOURCE = r"""
-// One LSTM step from precomputed projections, forward and backward. Generated and compiled by gatedformer.
-// gi, gh: rows of 4d (gate order i, f, g, o) with row strides sgi, sgh (sgh may be 0: one bias row for all);
-// c, h_out, c_out, grad_h, grad_c, dc: contiguous rows of d; c may be null (the zero state), grad_c null (zero).
-// The per-row loops take every stream as a restrict-qualified parameter: GCC vectorises them (exp and tanh
-// included) only then.
-#include <cmath>
-#include <cstdint>
-#include <vector>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#elif defined(__SSE__) || defined(__x86_64__)
-#include <xmmintrin.h>
-#endif
-
-namespace {
-""" + SIMD_HELPERS + SIGMOID + r"""
-
-template <typename T, bool HasC>
-void forward_row(const T* __restrict a, const T* __restrict b, const T* __restrict c, T* __restrict h_out,
-                 T* __restrict c_out, int64_t d) {
-    for (int64_t j = 0; j < d; ++j) {
-        const T i = sigmoid(a[j] + b[j]), f = sigmoid(a[d + j] + b[d + j]);
-        const T g = std::tanh(a[2 * d + j] + b[2 * d + j]), o = sigmoid(a[3 * d + j] + b[3 * d + j]);
-        const T cell = HasC ? f * c[j] + i * g : i * g;
-        c_out[j] = cell;
-        h_out[j] = o * std::tanh(cell);
-    }
-}
-
-template <typename T, bool HasC, bool HasGradC>
-void backward_row(const T* __restrict a, const T* __restrict b, const T* __restrict c, const T* __restrict gh_,
-                  const T* __restrict gc_, T* __restrict da, T* __restrict dc, int64_t d) {
-    for (int64_t j = 0; j < d; ++j) {
-        const T i = sigmoid(a[j] + b[j]), f = sigmoid(a[d + j] + b[d + j]);
-        const T g = std::tanh(a[2 * d + j] + b[2 * d + j]), o = sigmoid(a[3 * d + j] + b[3 * d + j]);
-        const T prev = HasC ? c[j] : T(0);
-        const T t = std::tanh(f * prev + i * g);
-        const T dcell = (HasGradC ? gc_[j] : T(0)) + gh_[j] * o * (T(1) - t * t);
-        da[j] = dcell * g * i * (T(1) - i);
-        da[d + j] = dcell * prev * f * (T(1) - f);
-        da[2 * d + j] = dcell * i * (T(1) - g * g);
-        da[3 * d + j] = gh_[j] * t * o * (T(1) - o);
-        if (HasC) dc[j] = dcell * f;
-    }
-}
-
-// float32 rows of whole vectors: the sigmoids and tanhs from the inline exp, 16 (or 8) lanes at a time.
-template <bool HasC>
-void forward_row_vec(const float* a, const float* b, const float* c, float* h_out, float* c_out, int64_t d) {
-    for (int64_t j = 0; j < d; j += kW) {
-        const vec i = vsigmoid(load(a + j) + load(b + j)), f = vsigmoid(load(a + d + j) + load(b + d + j));
-        const vec g = vtanh(load(a + 2 * d + j) + load(b + 2 * d + j));
-        const vec o = vsigmoid(load(a + 3 * d + j) + load(b + 3 * d + j));
-        const vec cell = HasC ? f * load(c + j) + i * g : i * g;
-        store(c_out + j, cell);
-        store(h_out + j, o * vtanh(cell));
-    }
-}
-
-template <bool HasC, bool HasGradC>
-void backward_row_vec(const float* a, const float* b, const float* c, const float* gh_, const float* gc_, float* da,
-                      float* dc, int64_t d) {
-    for (int64_t j = 0; j < d; j += kW) {
-        const vec i = vsigmoid(load(a + j) + load(b + j)), f = vsigmoid(load(a + d + j) + load(b + d + j));
-        const vec g = vtanh(load(a + 2 * d + j) + load(b + 2 * d + j));
-        const vec o = vsigmoid(load(a + 3 * d + j) + load(b + 3 * d + j));
-        const vec prev = HasC ? load(c + j) : splat(0);
-        const vec t = vtanh(f * prev + i * g), gh = load(gh_ + j);
-        const vec dcell = (HasGradC ? load(gc_ + j) : splat(0)) + gh * o * (1.0f - t * t);
-        store(da + j, dcell * g * i * (1.0f - i));
-        store(da + d + j, dcell * prev * f * (1.0f - f));
-        store(da + 2 * d + j, dcell * i * (1.0f - g * g));
-        store(da + 3 * d + j, gh * t * o * (1.0f - o));
-        if (HasC) store(dc + j, dcell * f);
-    }
-}
-
-// One row each way: the vector code for float32 rows of whole vectors, the scalar loops for the rest.
-template <typename T, bool HasC>
-void forward_one(const T* a, const T* b, const T* c, T* h_out, T* c_out, int64_t d) {
-    forward_row<T, HasC>(a, b, c, h_out, c_out, d);
-}
-template <>
-void forward_one<float, true>(const float* a, const float* b, const float* c, float* h_out, float* c_out, int64_t d) {
-    if (d % kW == 0) forward_row_vec<true>(a, b, c, h_out, c_out, d);
-    else forward_row<float, true>(a, b, c, h_out, c_out, d);
-}
-template <>
-void forward_one<float, false>(const float* a, const float* b, const float* c, float* h_out, float* c_out,
-                               int64_t d) {
-    if (d % kW == 0) forward_row_vec<false>(a, b, c, h_out, c_out, d);
-    else forward_row<float, false>(a, b, c, h_out, c_out, d);
-}
-template <typename T, bool HasC, bool HasGradC>
-void backward_one(const T* a, const T* b, const T* c, const T* g, const T* gc, T* da, T* dc, int64_t d) {
-    backward_row<T, HasC, HasGradC>(a, b, c, g, gc, da, dc, d);
-}
-#define LSTM_BACKWARD_FLOAT(HAS_C, HAS_GC)                                                                     \
-    template <>                                                                                                \
-    void backward_one<float, HAS_C, HAS_GC>(const float* a, const float* b, const float* c, const float* g,    \
-                                            const float* gc, float* da, float* dc, int64_t d) {                \
-        if (d % kW == 0) backward_row_vec<HAS_C, HAS_GC>(a, b, c, g, gc, da, dc, d);                           \
-        else backward_row<float, HAS_C, HAS_GC>(a, b, c, g, gc, da, dc, d);                                    \
-    }
-LSTM_BACKWARD_FLOAT(true, true)
-LSTM_BACKWARD_FLOAT(true, false)
-LSTM_BACKWARD_FLOAT(false, true)
-LSTM_BACKWARD_FLOAT(false, false)
-#undef LSTM_BACKWARD_FLOAT
-
-template <typename T>
-void forward(const T* gi, int64_t sgi, const T* gh, int64_t sgh, const T* c, T* h_out, T* c_out, int64_t rows,
-             int64_t d, int64_t threads) {
-    gatedformer::parallel_chunks(rows, threads, 1, [=](int64_t lo, int64_t hi) {
-        for (int64_t row = lo; row < hi; ++row) {
-            const T* a = gi + row * sgi;
-            const T* b = gh + row * sgh;
-            if (c != nullptr)
-                forward_one<T, true>(a, b, c + row * d, h_out + row * d, c_out + row * d, d);
-            else
-                forward_one<T, false>(a, b, nullptr, h_out + row * d, c_out + row * d, d);
-        }
-    });
-}
-
-template <typename T>
-void backward(const T* gi, int64_t sgi, const T* gh, int64_t sgh, const T* c, const T* grad_h, const T* grad_c,
-              T* da, T* dc, int64_t rows, int64_t d, int64_t threads) {
-    gatedformer::parallel_chunks(rows, threads, 1, [=](int64_t lo, int64_t hi) {
-        for (int64_t row = lo; row < hi; ++row) {
-            const T* a = gi + row * sgi;
-            const T* b = gh + row * sgh;
-            const T* g = grad_h + row * d;
-            T* out = da + row * 4 * d;
-            if (c != nullptr && grad_c != nullptr)
-                backward_one<T, true, true>(a, b, c + row * d, g, grad_c + row * d, out, dc + row * d, d);
-            else if (c != nullptr)
-                backward_one<T, true, false>(a, b, c + row * d, g, nullptr, out, dc + row * d, d);
-            else if (grad_c != nullptr)
-                backward_one<T, false, true>(a, b, nullptr, g, grad_c + row * d, out, nullptr, d);
-            else
-                backward_one<T, false, false>(a, b, nullptr, g, nullptr, out, nullptr, d);
-        }
-    });
-}
-
-}  // namespace
-
-#define LSTM_DEFINE(T, SUFFIX)                                                                               \
-    void lstm_forward_##SUFFIX(const T* gi, int64_t sgi, const T* gh, int64_t sgh, const T* c, T* h_out,     \
-                               T* c_out, int64_t rows, int64_t d, int64_t threads) {                         \
-        forward<T>(gi, sgi, gh, sgh, c, h_out, c_out, rows, d, threads);                                     \
-    }                                                                                                        \
-    void lstm_backward_##SUFFIX(const T* gi, int64_t sgi, const T* gh, int64_t sgh, const T* c,              \
-                                const T* grad_h, const T* grad_c, T* da, T* dc, int64_t rows, int64_t d,     \
-                                int64_t threads) {                                                           \
-        backward<T>(gi, sgi, gh, sgh, c, grad_h, grad_c, da, dc, rows, d, threads);                          \
-    }
-
-extern "C" {
-LSTM_DEFINE(float, f32)
-LSTM_DEFINE(double, f64)
-}
-"""
-
-
-def _bind(lib: ctypes.CDLL) -> None:
-    p, i = ctypes.c_void_p, ctypes.c_int64
-    for suffix in ("f32", "f64"):
-        getattr(lib, f"lstm_forward_{suffix}").argtypes = [p, i, p, i, p, p, p, i, i, i]
-        getattr(lib, f"lstm_forward_{suffix}").restype = None
-        getattr(lib, f"lstm_backward_{suffix}").argtypes = [p, i, p, i, p, p, p, p, p, i, i, i]
-        getattr(lib, f"lstm_backward_{suffix}").restype = None
+__all__ = ["DTYPES", "KERNEL", "backward", "forward"]
 
 
 # -ffast-math lets exp() and tanh() vectorise; the sigmoid is written so that it never overflows.
 KERNEL = NativeKernel(
-    "lstm", _CPP_SOURCE, _bind, abi_version=1, env_var="GATEDFORMER_GRU_BACKEND",
+    "lstm", abi_version=1, env_var="GATEDFORMER_GRU_BACKEND",
     description="the compiled LSTM step", fallback="PyTorch operations", fast_math=True, avx512=True,
 )
 
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+def forward(gi: Tensor, gh: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The step's ``(h', c')``, ``(rows, d)`` each, from ``gi`` and ``gh`` ``(rows, 4d)`` as
+    :func:`~gatedformer.kernels.gru.rows_view` leaves them (``gh`` may be one row broadcast) and the cell ``c``
+    contiguous ``(rows, d)`` or ``None`` (the zero state)."""
+    rows, d = gi.shape[0], gi.shape[1] // 4
+    h_out, c_out = gi.new_empty(rows, d), gi.new_empty(rows, d)
+    getattr(KERNEL.library(), f"lstm_forward_{DTYPES[gi.dtype]}")(
+        gi.data_ptr(), gi.stride(0), gh.data_ptr(), gh.stride(0), None if c is None else c.data_ptr(),
+        h_out.data_ptr(), c_out.data_ptr(), rows, d, kernel_threads(h_out.numel()),
+    )
+    return h_out, c_out
 
 
-class _LSTMStep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gi: Tensor, gh: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        gi, gh = rows_view(gi), rows_view(gh)
-        c = None if c is None else c.contiguous()
-        rows, d = gi.shape[0], gi.shape[1] // 4
-        h_out, c_out = gi.new_empty(rows, d), gi.new_empty(rows, d)
-        getattr(KERNEL.library(), f"lstm_forward_{_SUFFIX[gi.dtype]}")(
-            gi.data_ptr(), gi.stride(0), gh.data_ptr(), gh.stride(0), None if c is None else c.data_ptr(),
-            h_out.data_ptr(), c_out.data_ptr(), rows, d, kernel_threads(h_out.numel()),
-        )
-        ctx.save_for_backward(gi, gh, c)
-        return h_out, c_out
-
-    @staticmethod
-    def backward(ctx, grad_h: Tensor | None, grad_c: Tensor | None  # type: ignore[override]
-                 ) -> tuple[Tensor, Tensor, Tensor | None]:
-        gi, gh, c = ctx.saved_tensors
-        rows, d = gi.shape[0], gi.shape[1] // 4
-        grad_h = gi.new_zeros(rows, d) if grad_h is None else grad_h.contiguous()
-        grad_c = None if grad_c is None else grad_c.contiguous()
-        grad_a = gi.new_empty(rows, 4 * d)
-        dc = None if c is None or not ctx.needs_input_grad[2] else torch.empty_like(c)
-        getattr(KERNEL.library(), f"lstm_backward_{_SUFFIX[gi.dtype]}")(
-            gi.data_ptr(), gi.stride(0), gh.data_ptr(), gh.stride(0), None if c is None else c.data_ptr(),
-            grad_h.data_ptr(), None if grad_c is None else grad_c.data_ptr(), grad_a.data_ptr(),
-            None if dc is None else dc.data_ptr(), rows, d, kernel_threads(grad_h.numel()),
-        )
-        # a = gi + gh: both take the same gradient (autograd sums a broadcast gh's rows).
-        return grad_a, grad_a, dc
-
-
-def lstm_step_reference(gi: Tensor, gh: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The step in PyTorch operations: ``nn.LSTM``'s equations; ``c=None`` is the zero state. ``(h', c')``."""
-    d = gi.shape[-1] // 4
-    in_forget, cell, out = (gi + gh).split([2 * d, d, d], dim=-1)
-    in_gate, forget = torch.sigmoid(in_forget).chunk(2, dim=-1)
-    cell = torch.tanh(cell)
-    c_new = in_gate * cell if c is None else add_product(forget * c, in_gate, cell)
-    return torch.sigmoid(out) * torch.tanh(c_new), c_new
-
-
-def lstm_step(gi: Tensor, gh: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor]:
-    """One LSTM step from ``gi`` ``(rows, 4d)``, ``gh`` ``(rows, 4d)`` or ``(4d,)`` (a bias for every row) and the
-    cell ``c`` ``(rows, d)`` or ``None``: ``(h', c')``; the compiled pass on the CPU for float32/64, else PyTorch
-    operations."""
-    tensors = [t for t in (gi, gh, c) if t is not None]
-    if (gi.dim() == 2 and gi.device.type == "cpu" and gi.dtype in _SUFFIX and not torch.compiler.is_compiling()
-            and all(t.dtype == gi.dtype for t in tensors) and KERNEL.pick_backend(gi.device) == "native"):
-        return _LSTMStep.apply(gi, gh.expand(gi.shape[0], -1) if gh.dim() == 1 else gh, c)
-    return lstm_step_reference(gi, gh, c)
+def backward(gi: Tensor, gh: Tensor, c: Tensor | None, grad_h: Tensor, grad_c: Tensor | None,
+             need_c_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """The gradient of the pre-activations ``gi + gh`` (``(rows, 4d)``, that of ``gi`` and of ``gh`` alike) and, with
+    ``need_c_grad`` and a ``c``, of ``c``, from those of :func:`forward`'s ``h'`` and ``c'`` (contiguous; ``grad_c``
+    may be ``None``); ``gi``, ``gh`` and ``c`` as given to it."""
+    rows, d = gi.shape[0], gi.shape[1] // 4
+    grad_a = gi.new_empty(rows, 4 * d)
+    dc = None if c is None or not need_c_grad else torch.empty_like(c)
+    getattr(KERNEL.library(), f"lstm_backward_{DTYPES[gi.dtype]}")(
+        gi.data_ptr(), gi.stride(0), gh.data_ptr(), gh.stride(0), None if c is None else c.data_ptr(),
+        grad_h.data_ptr(), None if grad_c is None else grad_c.data_ptr(), grad_a.data_ptr(),
+        None if dc is None else dc.data_ptr(), rows, d, kernel_threads(grad_h.numel()),
+    )
+    return grad_a, dc

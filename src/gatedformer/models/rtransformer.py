@@ -23,13 +23,12 @@ from torch.utils.checkpoint import checkpoint
 
 from gatedformer.gates.spec import SublayerGates, resolve_placement
 from gatedformer.kernels import local_rnn as _local_rnn_kernel
-from gatedformer.kernels.gru import gru_step
-from gatedformer.kernels.lstm import lstm_step
 from gatedformer.nn.attention import CausalSelfAttention
 from gatedformer.nn.dropout import Dropout
 from gatedformer.nn.sublayer import Sublayer, check_lm_sizes, make_ffn
 from gatedformer.ops.embedding import embed_tokens
 from gatedformer.ops.output_loss import logits_or_loss
+from gatedformer.ops.rnn import gru_step, local_recurrence, lstm_step
 
 __all__ = ["RNN_TYPES", "LocalRNN", "RTransformerLM", "RTransformerLayer", "RecurrentWeights"]
 
@@ -121,8 +120,7 @@ class LocalRNN(nn.Module):
         gates_in = F.linear(x, rnn.weight_ih_l0, rnn.bias_ih_l0)
         blas = _local_rnn_kernel.streams(gates_in, w_hh, b_hh, rnn.bias_ih_l0)
         if blas is not None:  # every step of every window in one compiled call each way
-            return _local_rnn_kernel.local_recurrence(gates_in, rnn.bias_ih_l0, w_hh, b_hh, self.rnn_type, self.window,
-                                                      blas)
+            return local_recurrence(gates_in, rnn.bias_ih_l0, w_hh, b_hh, self.rnn_type, self.window, blas)
         gates_in = gates_in.transpose(0, 1)  # time-major: (L, B, G)
         if self.window > 1:
             # Positions before the start read x = 0, whose projection is the bias alone.
@@ -138,9 +136,9 @@ class LocalRNN(nn.Module):
         for step_in in steps:
             gates_h = b_hh.to(step_in.dtype) if h is None else F.linear(h, w_hh, b_hh)
             if self.rnn_type == "gru":
-                h = gru_step(step_in, gates_h, h)  # one fused pass on the CPU (see _gru_kernel)
+                h = gru_step(step_in, gates_h, h)  # one fused pass on the CPU (see ops.rnn)
             elif self.rnn_type == "lstm":
-                h, c = lstm_step(step_in, gates_h, c)  # likewise (see _lstm_kernel)
+                h, c = lstm_step(step_in, gates_h, c)  # likewise
             else:
                 h = torch.tanh(step_in + gates_h)
         assert h is not None

@@ -30,13 +30,14 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from gatedformer.gates.spec import SublayerGates, resolve_placement
-from gatedformer.kernels.relative_attention import kernel_takes, relative_attention
+from gatedformer.kernels.relative_attention import kernel_takes
 from gatedformer.nn.attention import sinusoidal_positions
 from gatedformer.nn.dropout import Dropout
 from gatedformer.nn.sublayer import Sublayer, check_lm_sizes, make_ffn
 from gatedformer.ops.embedding import embed_tokens
 from gatedformer.ops.layer_stack import layer_stack
 from gatedformer.ops.output_loss import logits_or_loss
+from gatedformer.ops.relative_attention import relative_attention
 from gatedformer.ops.relative_sublayer import relative_attention_add_norm
 
 _DISTANCES_CACHED = 1024

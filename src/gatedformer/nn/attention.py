@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gatedformer.kernels.attention import causal_attention_packed
+from gatedformer.ops.attention import causal_attention_packed
 from gatedformer.ops.fused_linear import attention_add_norm
 
 
@@ -13,7 +13,7 @@ class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position t sees positions <= t.
 
     Q, K and V come out of one fused projection. On the CPU the attention is a compiled kernel that reads
-    them straight from the projection's output (:mod:`gatedformer.kernels.attention`); elsewhere,
+    them straight from the projection's output (:mod:`gatedformer.ops.attention`); elsewhere,
     and for what that kernel does not cover, it is :func:`torch.nn.functional.scaled_dot_product_attention`,
     which picks the fastest kernel for the device (flash / memory-efficient on CUDA).
     """

@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from gatedformer.gates._checks import check_size
-from gatedformer.kernels.sru import kernel_backend, sru_recurrence, sru_recurrence_reference
 from gatedformer.ops.dropout import dropout
+from gatedformer.ops.sru import kernel_backend, sru_recurrence, sru_recurrence_reference
 
 __all__ = [
     "MAX_HIGHWAY_BIAS",

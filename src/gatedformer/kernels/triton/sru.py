@@ -1,7 +1,7 @@
 """The element-wise SRU recurrence on a GPU: two Triton kernels, one launch for the forward pass, one for the backward.
 
-The same recurrence as the C++ kernel in :mod:`gatedformer.kernels.sru` (see the equations
-there). Every (batch, direction, unit) column is an independent scalar recurrence, so one Triton
+The same recurrence as the C++ kernel of :mod:`gatedformer.kernels.sru` (the equations are in
+:mod:`gatedformer.ops.sru`). Every (batch, direction, unit) column is an independent scalar recurrence, so one Triton
 program takes ``BLOCK`` columns and walks them through all time steps in registers: the forward pass
 is one launch, and the backward pass (back-propagation through time) another, where a loop of
 PyTorch operations would launch about ten kernels per step.
@@ -9,7 +9,7 @@ PyTorch operations would launch about ten kernels per step.
 Triton compiles the kernels for the device on first use and caches them on disk; nothing is compiled
 at import, and Triton itself is imported only when a kernel is first needed (:mod:`._triton`).
 
-Layouts (all contiguous, as :class:`~gatedformer.kernels.sru._SRURecurrence` passes them):
+Layouts (all contiguous, as :class:`~gatedformer.ops.sru._SRURecurrence` passes them):
 ``U (L, B, D, K, H)``, the skip stream ``(L, B, D, H)`` or ``U[:, :, :, 3]``, ``v_f, v_r, b_f, b_r (D, H)``,
 ``c0 (B, D, H)``; outputs ``h`` and every step's cell ``(L, B, D, H)``. Direction 1 runs from the last
 step to the first.

@@ -1,20 +1,10 @@
-"""C++ helpers shared by the compiled kernels: the vector type, masked lanes, exp, denormal flushing, the sigmoid.
+// C++ helpers shared by the compiled kernels: the vector type, masked lanes, exp, denormal flushing.
+//
+// Included inside a kernel's own anonymous namespace. It defines `kW` (floats per vector: 16 with AVX-512, else 8),
+// `vec` and the small functions below; the kernel picks its own blocking. Needs <cmath>, <cstdint>, <vector> and,
+// on x86, <immintrin.h> (<xmmintrin.h> without AVX2), included before it.
+#pragma once
 
-Pasted in front of a kernel's own source (inside its anonymous namespace). It defines ``kW`` (floats per
-vector: 16 with AVX-512, else 8), ``vec`` and the small functions below; the kernel picks its own blocking.
-"""
-
-SIGMOID = r"""
-// The logistic function of a float or double, for the recurrent cells' scalar loops (which GCC vectorises).
-template <typename T>
-inline T sigmoid(T x) {
-    const T e = std::exp(-std::fabs(x));  // never overflows
-    const T inv = T(1) / (T(1) + e);
-    return x >= T(0) ? inv : e * inv;
-}
-"""
-
-SIMD_HELPERS = r"""
 #if defined(__AVX512F__)
 constexpr int kW = 16;          // floats per vector: one AVX-512 register
 #else
@@ -151,5 +141,3 @@ inline float* aligned_work(std::vector<float>& work, int64_t n) {
     const uintptr_t at = reinterpret_cast<uintptr_t>(work.data());
     return work.data() + ((64 - at % 64) % 64) / sizeof(float);
 }
-"""
-"""Needs ``<cmath>``, ``<cstdint>``, ``<vector>`` and, on x86, ``<immintrin.h>`` (``<xmmintrin.h>`` without AVX2)."""
