@@ -31,9 +31,9 @@ from gatedformer.analysis.bench.timing import measured_peaks, peak_contenders
 from gatedformer.config import build_config, load_recipe
 from gatedformer.data.translation import PAD_ID, collate, length_batches
 from gatedformer.io import atomic_write_text
+from gatedformer.tasks.translation import build_seq2seq, load_data
 from gatedformer.train.init import initialise
 from gatedformer.train.optim import build_optimizer, build_scheduler
-from gatedformer.train.translation import build_seq2seq, load_data
 
 _BACKEND_SWITCHES = ("GATEDFORMER_ATTENTION_BACKEND", "GATEDFORMER_DROPOUT_BACKEND",
                      "GATEDFORMER_CROSS_ENTROPY_BACKEND", "GATEDFORMER_GATE_BACKEND")

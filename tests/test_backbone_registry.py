@@ -6,16 +6,25 @@ import pytest
 import torch
 
 from gatedformer import SRU, Seq2SeqTransformer, TransformerLM
-from gatedformer.config import BACKBONES, RunConfig, apply_overrides, validate
+from gatedformer.config import Backbone, RunConfig, apply_overrides, backbone_names, register_backbone, validate
 from gatedformer.errors import ConfigError
-from gatedformer.models import BUILDERS, build_model
+from gatedformer.models import build_model
 
 
-def test_every_configurable_backbone_is_registered() -> None:
-    assert set(BACKBONES) == set(BUILDERS)
+def test_each_model_module_registers_its_backbones() -> None:
+    assert set(backbone_names("lm")) == {"transformer", "rtransformer", "transformer-xl", "gcnn", "sru",
+                                         "sru-transformer"}
+    assert backbone_names("translation") == ("transformer",)
+    with pytest.raises(ConfigError, match=r"model.backbone='lstm' is not one of .*transformer-xl.* \(the lm models\)"):
+        validate(apply_overrides(RunConfig(), ["model.backbone=lstm"]))
 
 
-@pytest.mark.parametrize("backbone", sorted(BUILDERS))
+def test_a_backbone_is_registered_once_per_task() -> None:
+    with pytest.raises(ValueError, match="registered twice"):
+        register_backbone(Backbone("transformer", "lm", lambda cfg, vocab_size: None, "another"))
+
+
+@pytest.mark.parametrize("backbone", sorted(backbone_names()))
 def test_each_backbone_builds_runs_and_is_causal(backbone: str) -> None:
     config = apply_overrides(RunConfig(), [f"model.backbone={backbone}", "model.d_model=16", "model.n_heads=2",
                                            "model.d_ffn=32", "model.n_layers=2", "model.dropout=0",
@@ -44,7 +53,7 @@ def test_module_argument_errors_become_config_errors() -> None:
         build_model(validate(config).model, 11)
 
 
-@pytest.mark.parametrize("backbone", sorted(BUILDERS))
+@pytest.mark.parametrize("backbone", sorted(backbone_names()))
 def test_an_empty_vocabulary_is_refused_before_any_layer_is_built(backbone: str) -> None:
     # torch builds an nn.Embedding of 0 rows with only a warning; the model then fails at its first forward.
     config = apply_overrides(RunConfig(), [f"model.backbone={backbone}", "model.d_model=16", "model.n_heads=2",

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from gatedformer.config import ModelConfig, RunConfig, apply_overrides, validate
 from gatedformer.data import LMStream
 from gatedformer.gates import SDU
-from gatedformer.models import BUILDERS, RTransformerLM, TransformerXLLM, build_model
+from gatedformer.models import RTransformerLM, TransformerXLLM, backbone_names, build_model
 from gatedformer.models.rtransformer import RNN_TYPES, LocalRNN, RecurrentWeights
 from gatedformer.models.transformer_xl import RelativeMultiHeadAttention, rel_shift, relative_positions
 from gatedformer.train.checkpoint import load_checkpoint, save_checkpoint
@@ -102,7 +102,7 @@ def test_memories_are_the_last_layer_inputs_of_the_windows_so_far(mem_len: int) 
 
 
 def test_builders_pass_the_backbone_fields() -> None:
-    assert {"rtransformer", "transformer-xl"} <= set(BUILDERS)
+    assert {"rtransformer", "transformer-xl"} <= set(backbone_names())
     cfg = ModelConfig(backbone="rtransformer", d_model=D, n_heads=2, d_ffn=24, n_layers=2, rnn_type="lstm",
                       rnn_window=5, gates="+σ SDU")
     model = build_model(cfg, VOCAB)

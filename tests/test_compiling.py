@@ -13,13 +13,13 @@ import torch
 from conftest import tiny_overrides
 from torch import nn
 
-from gatedformer.analysis.runlog import read_log, series
 from gatedformer.config import ModelConfig, RunConfig, apply_overrides, validate
 from gatedformer.models import build_model
 from gatedformer.ops import sru as sru_ops
 from gatedformer.ops.sru import sru_recurrence
 from gatedformer.train.compiling import compile_limits_fail, compile_model
 from gatedformer.train.loop import train
+from gatedformer.train.runlog import read_log, series
 
 
 class _Stack(nn.Module):

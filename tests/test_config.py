@@ -75,15 +75,17 @@ def test_bad_overrides_name_the_problem(override: str, fragment: str) -> None:
         ("model.gates=+σ L7", "names layer 7 but the model has 3 layers"),
         ("model.gates=+wibble", "unknown word"),
         ("model.backbone=lstm", "model.backbone='lstm' is not one of"),
-        ("model.highway_bias=1000", "model.highway_bias=1000.0 must be a finite number of at most 170"),
-        ("model.highway_bias=170.5", "at most 170"),
+        ("model.backbone=sru;model.highway_bias=1000",
+         "model.highway_bias=1000.0 must be a finite number of at most 170"),
+        ("model.backbone=sru;model.highway_bias=170.5", "at most 170"),
+        ("model.backbone=gcnn;model.gates=+σ SDU", "model.backbone=gcnn has no attention/FFN sublayers to gate"),
         ("train.seed=99999999999999999999999", "train.seed=99999999999999999999999 must be in 0 .. 4294967295"),
         ("train.seed=-1", "must be in 0 .."),
         ("train.threads=100000", r"train.threads=100000 must be 0 \(torch's default\) or 1 to 1024"),
     ],
 )
 def test_validation_names_the_field_and_fix(override: str, fragment: str) -> None:
-    config = apply_overrides(RunConfig(), [override])
+    config = apply_overrides(RunConfig(), override.split(";"))
     with pytest.raises(ConfigError, match=fragment):
         validate(config)
     assert "\n" not in str(ConfigError(fragment))

@@ -20,12 +20,13 @@ import pytest
 import torch
 from conftest import tiny_overrides
 
-from gatedformer.analysis.runlog import read_log
 from gatedformer.cli import main
 from gatedformer.config import build_config, load_recipe
 from gatedformer.errors import CheckpointError
+from gatedformer.tasks import lm as lm_task
 from gatedformer.train import loop
 from gatedformer.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from gatedformer.train.runlog import read_log
 
 RECIPE = "ptb-char-tiny"
 STEPS = 40  # 40 train records and 5 eval records (every 8 steps) in the log
@@ -181,7 +182,7 @@ def test_sigterm_checkpoints_and_exits_with_one_line(reference: dict, tmp_path: 
 
 def test_nonfinite_loss_keeps_the_last_good_checkpoint(reference: dict, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    build_model = loop.build_model
+    build_model = lm_task.build_model
 
     def poisoned(config, vocab_size):  # from the 11th training forward on, the loss (or the logits) is NaN
         model = build_model(config, vocab_size)
@@ -198,7 +199,7 @@ def test_nonfinite_loss_keeps_the_last_good_checkpoint(reference: dict, tmp_path
         model.forward = nan_forward
         return model
 
-    monkeypatch.setattr(loop, "build_model", poisoned)
+    monkeypatch.setattr(lm_task, "build_model", poisoned)
     config = build_config(load_recipe(RECIPE), reference["overrides"])
     with pytest.raises(loop.NonFiniteLoss, match=r"at step 11 \(loss nan\); the last good checkpoint "
                                                  r"\(step-00000008\) is kept: continue from it with --resume"):

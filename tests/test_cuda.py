@@ -18,9 +18,10 @@ from gatedformer import SRU
 from gatedformer.analysis.bench import BenchOptions, BenchSize, RNNSize, run_bench
 from gatedformer.config import ModelConfig, RunConfig, apply_overrides, validate
 from gatedformer.errors import ConfigError
-from gatedformer.models import BUILDERS, build_model
+from gatedformer.models import backbone_names, build_model
 from gatedformer.ops.sru import sru_recurrence, sru_recurrence_reference
-from gatedformer.train.loop import evaluate_run, train
+from gatedformer.runs import evaluate_run
+from gatedformer.train.loop import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -49,7 +50,7 @@ def _model_config(backbone: str, gates: str) -> RunConfig:
 
 def _pairs() -> list[tuple[str, str]]:
     pairs = []
-    for backbone in sorted(BUILDERS):
+    for backbone in sorted(backbone_names()):
         for gates in GATES:
             try:
                 _model_config(backbone, gates)

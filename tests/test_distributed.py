@@ -15,7 +15,6 @@ from conftest import tiny_overrides
 from safetensors.torch import load_file
 from torch.nn import functional as F
 
-from gatedformer.analysis.runlog import read_log, series
 from gatedformer.cli import _train_flags, build_parser, main
 from gatedformer.config import build_config, load_recipe
 from gatedformer.data import LMStream, load_corpus
@@ -24,6 +23,7 @@ from gatedformer.models import build_model
 from gatedformer.train import distributed
 from gatedformer.train.checkpoint import latest_checkpoint, load_checkpoint
 from gatedformer.train.loop import train
+from gatedformer.train.runlog import read_log, series
 
 RECIPE = "ptb-char-tiny"
 TIMING = ("run_dir", "seconds_per_step", "train_seconds", "tokens_per_second", "setup_seconds", "wall_seconds")

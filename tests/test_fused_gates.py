@@ -34,7 +34,7 @@ def _cases(d: int) -> list[tuple[str, nn.Module, callable, callable]]:
         ("sdu-sigmoid", sdu_s, lambda x, s: fused_gates.apply_sdu(sdu_s, x, s), lambda x, s: sdu_s(x, add_to=s)),
         ("sdu-tanh", sdu_t, lambda x, s: fused_gates.apply_sdu(sdu_t, x, s), lambda x, s: sdu_t(x, add_to=s)),
         ("highway", highway, lambda x, s: fused_gates.apply_highway(highway, x), lambda x, s: highway(x)),
-        ("gated mhdpa", mix, lambda x, s: fused_gates.gated_mix(mix, s, x), lambda x, s: mix(x, s)),
+        ("gated mhdpa", mix, lambda x, s: fused_gates.gated_mhdpa_blend(mix, s, x), lambda x, s: mix(x, s)),
         ("grc", grc, lambda x, s: fused_gates.apply_grc(grc, x, s), lambda x, s: grc(x, s)),
         ("eau", eau, lambda x, s: fused_gates.apply_eau(eau, s), lambda x, s: eau(s)),
     ]

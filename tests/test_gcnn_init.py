@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from gatedformer.analysis.init_check import format_init_check, init_check, layer_sites, measure_layers
 from gatedformer.cli import main
 from gatedformer.config import InitConfig, ModelConfig, RunConfig, build_config, load_recipe
-from gatedformer.models import BUILDERS, build_model
+from gatedformer.models import backbone_names, build_model
 from gatedformer.models.gcnn import EMBEDDING_STD, GatedConvLayer, GatedConvLM, causal_conv1d, glu_init_std
 from gatedformer.train.init import initialise
 
@@ -111,7 +111,7 @@ def test_builder_and_recipe() -> None:
     cfg = ModelConfig(backbone="gcnn", d_model=8, n_layers=2, kernel_size=2, bottleneck=4, weight_norm=True,
                       tie_embeddings=True, dropout=0.2)
     model = build_model(cfg, V)
-    assert isinstance(model, GatedConvLM) and "gcnn" in BUILDERS
+    assert isinstance(model, GatedConvLM) and "gcnn" in backbone_names()
     assert model.output.weight is model.embedding.weight
     assert model.bottleneck == 4 and model.weight_norm and model.kernel_size == 2
     recipe = load_recipe("wikitext2-gcnn-tiny")
@@ -268,7 +268,7 @@ def test_sru_alpha_keeps_deep_stack_variance(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_init_check_sru_backbone(text_corpus: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if "sru" not in BUILDERS:
+    if "sru" not in backbone_names():
         pytest.skip("the sru backbone is not registered yet")
     monkeypatch.setenv("GATEDFORMER_SRU_BACKEND", "torch")
     config = RunConfig()

@@ -15,7 +15,7 @@ from gatedformer import Seq2SeqTransformer
 from gatedformer.config import RunConfig, apply_overrides, validate
 from gatedformer.kernels import build as _native
 from gatedformer.kernels import cross_entropy as _cross_entropy_kernel
-from gatedformer.models import BUILDERS, build_model
+from gatedformer.models import backbone_names, build_model
 from gatedformer.ops import output_loss
 from gatedformer.ops.output_loss import fused_loss_applies, linear_cross_entropy
 
@@ -187,7 +187,7 @@ def _small_model(backbone: str, tie: bool = False) -> nn.Module:
     return build_model(validate(config).model, 23)
 
 
-@pytest.mark.parametrize("backbone", sorted(b for b in BUILDERS if b != "seq2seq"))
+@pytest.mark.parametrize("backbone", sorted(b for b in backbone_names() if b != "seq2seq"))
 def test_each_language_model_returns_the_loss_of_its_logits_given_targets(backbone: str,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """forward(tokens, targets=...) is the cross-entropy of forward(tokens)'s logits, with the same gradients

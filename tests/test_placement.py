@@ -11,10 +11,9 @@ from torch.nn import functional as F
 
 from gatedformer import TransformerLM
 from gatedformer.errors import ConfigError
+from gatedformer.gates.kinds import GATE_KINDS
 from gatedformer.gates.spec import SublayerGates, parse_gate_spec, resolve_placement
 from gatedformer.nn.sublayer import FeedForward, Sublayer
-
-GATE_ATTRS = {"sdu": "sdu", "highway": "highway", "gated_mhdpa": "gated_mix", "eau": "eau", "grc": "residual_gate"}
 
 
 def gate_sites(model: TransformerLM) -> dict[tuple[int, str], set[str]]:
@@ -22,7 +21,7 @@ def gate_sites(model: TransformerLM) -> dict[tuple[int, str], set[str]]:
     for i, layer in enumerate(model.layers):
         for sub in ("attn", "ffn"):
             sublayer = getattr(layer, sub)
-            present = {kind for kind, attr in GATE_ATTRS.items() if getattr(sublayer, attr) is not None}
+            present = {kind for kind in GATE_KINDS if getattr(sublayer, kind) is not None}
             if present:
                 sites[(i + 1, sub)] = present
     return sites
@@ -106,7 +105,7 @@ def test_any_spec_resolves_or_fails_with_one_line(spec: str) -> None:
     else:
         for (layer, sub), site in placement.sites.items():
             assert 0 <= layer < 4 and sub in ("attn", "ffn")
-            assert not (site.grc and site.unit in ("highway", "gated_mhdpa"))
+            assert not (site.has("grc") and site.exclusive in ("highway", "gated_mhdpa"))
 
 
 def test_paper_names_parse() -> None:
@@ -133,7 +132,7 @@ def _ln(sub: Sublayer, y: torch.Tensor) -> torch.Tensor:
 
 
 def test_sdu_branch_equation() -> None:
-    sub = _ffn_sublayer(SublayerGates(unit="sdu", fn="tanh"))
+    sub = _ffn_sublayer(SublayerGates.of("sdu", fn="tanh"))
     x = torch.randn(2, 5, 6)
     w, b = sub.sdu.proj.weight, sub.sdu.proj.bias
     sdu = torch.tanh(x @ w[:6].T + b[:6]) * (x @ w[6:].T + b[6:])
@@ -141,7 +140,7 @@ def test_sdu_branch_equation() -> None:
 
 
 def test_highway_gate_equation() -> None:
-    sub = _ffn_sublayer(SublayerGates(unit="highway"))
+    sub = _ffn_sublayer(SublayerGates.of("highway"))
     x = torch.randn(2, 5, 6)
     w, b = sub.highway.proj.weight, sub.highway.proj.bias
     t = torch.sigmoid(x @ w[:6].T + b[:6])
@@ -150,25 +149,25 @@ def test_highway_gate_equation() -> None:
 
 
 def test_gated_mhdpa_equation() -> None:
-    sub = _ffn_sublayer(SublayerGates(unit="gated_mhdpa"))
+    sub = _ffn_sublayer(SublayerGates.of("gated_mhdpa"))
     x = torch.randn(2, 5, 6)
-    w, b = sub.gated_mix.proj.weight, sub.gated_mix.proj.bias
+    w, b = sub.gated_mhdpa.proj.weight, sub.gated_mhdpa.proj.bias
     t = torch.sigmoid(x @ w[:6].T + b[:6])
     o = (1 - t) * sub.body(x) + t * (x @ w[6:].T + b[6:])
     assert torch.allclose(sub(x), _ln(sub, o + x), atol=1e-6)
 
 
 def test_eau_then_grc_equation() -> None:
-    sub = _ffn_sublayer(SublayerGates(eau=True, grc=True))
+    sub = _ffn_sublayer(SublayerGates.of("eau", "grc"))
     x = torch.randn(2, 5, 6)
     s = sub.eau(sub.body(x))
-    gate = sub.residual_gate.gate_proj
+    gate = sub.grc.gate_proj
     g = torch.sigmoid(x @ gate.weight.T + gate.bias)
     assert torch.allclose(sub(x), _ln(sub, x + g * s), atol=1e-6)
 
 
 def test_pre_ln_keeps_the_residual_stream_unnormalised() -> None:
-    sub = _ffn_sublayer(SublayerGates(unit="sdu"), norm="pre")
+    sub = _ffn_sublayer(SublayerGates.of("sdu"), norm="pre")
     x = torch.randn(2, 5, 6)
     h = _ln(sub, x)
     w, b = sub.sdu.proj.weight, sub.sdu.proj.bias

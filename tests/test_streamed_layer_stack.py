@@ -177,7 +177,7 @@ def test_every_gate_streams_and_gives_the_python_stacks_numbers(gates: str, thre
     finally:
         torch.set_num_threads(saved_threads)
     names = [name for name, _ in make().named_parameters()]
-    unit = {"h": ".highway.", "g": ".gated_mix.", "G": ".residual_gate.", "E": ".eau."}.get(gates[1], ".sdu.")
+    unit = {"h": ".highway.", "g": ".gated_mhdpa.", "G": ".grc.", "E": ".eau."}.get(gates[1], ".sdu.")
     assert any(unit in name for name in names)
     for a, b in zip(streamed, python, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from conftest import tiny_overrides
 
-from gatedformer.analysis.runlog import eval_series, read_log
 from gatedformer.config import RunConfig, apply_overrides
 from gatedformer.train.clock import TrainingClock
 from gatedformer.train.loop import RunResult, train
+from gatedformer.train.runlog import eval_series, read_log
 
 
 def test_the_first_step_of_each_start_is_setup_not_a_training_step() -> None:

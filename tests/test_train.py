@@ -12,12 +12,14 @@ import torch
 from conftest import tiny_overrides
 from safetensors.torch import load_file
 
-from gatedformer.analysis.runlog import read_log, series
 from gatedformer.config import RunConfig, apply_overrides, validate
 from gatedformer.errors import CheckpointError, ConfigError
+from gatedformer.runs import load_trained
+from gatedformer.tasks import lm as lm_task
 from gatedformer.train.checkpoint import latest_checkpoint, load_checkpoint
-from gatedformer.train.loop import NonFiniteLoss, load_trained, train
+from gatedformer.train.loop import NonFiniteLoss, train
 from gatedformer.train.optim import lr_factor
+from gatedformer.train.runlog import read_log, series
 
 
 def config_for(corpus: str, *extra: str, steps: int = 12) -> RunConfig:
@@ -245,9 +247,8 @@ def test_nonfinite_loss_stops_with_the_step_named(text_corpus: str, tmp_path: Pa
 
 def test_a_diverged_run_goes_on_from_its_last_good_checkpoint_with_what_the_error_names(
         text_corpus: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gatedformer.train import loop
 
-    build_model = loop.build_model
+    build_model = lm_task.build_model
 
     def diverging(config, vocab_size):  # from the 7th training forward on, the loss is NaN
         model = build_model(config, vocab_size)
@@ -263,7 +264,7 @@ def test_a_diverged_run_goes_on_from_its_last_good_checkpoint_with_what_the_erro
 
     settings = ("optim.schedule=constant", "train.eval_every=2")
     run = tmp_path / "run"
-    monkeypatch.setattr(loop, "build_model", diverging)
+    monkeypatch.setattr(lm_task, "build_model", diverging)
     with pytest.raises(NonFiniteLoss, match=r"at step 7 \(loss nan\); the last good checkpoint \(step-00000006\) is "
                                             r"kept: continue from it with --resume and a lower optim.lr, optim.clip "
                                             r"set, or train.nonfinite=skip"):
@@ -293,9 +294,10 @@ def test_nonfinite_steps_can_be_skipped(text_corpus: str, tmp_path: Path) -> Non
 
 def test_load_trained_round_trip(text_corpus: str, tmp_path: Path) -> None:
     train(config_for(text_corpus, "model.gates=+highway gate"), tmp_path / "run", progress=False)
-    config, model, corpus = load_trained(tmp_path / "run", device="cpu")
-    assert config.model.gates == "+highway gate"
-    assert model.layers[0].attn.highway is not None
+    run = load_trained(tmp_path / "run", device="cpu")
+    assert run.config.model.gates == "+highway gate" and run.task.name == "lm"
+    assert run.model.layers[0].attn.highway is not None and not run.model.training
+    assert len(run.data.vocab) == run.model.output.out_features
 
 
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine", "noam"])
@@ -322,3 +324,32 @@ def test_compiled_training_follows_eager_training(text_corpus: str, tmp_path: Pa
                      progress=False)
     assert train_losses(tmp_path / "compiled") == pytest.approx(train_losses(tmp_path / "eager"), rel=1e-4)
     assert compiled.test_loss == pytest.approx(eager.test_loss, rel=1e-4)
+
+
+def _write_legacy_names(path: Path) -> None:
+    """Rewrite a weights file as earlier versions saved it: a gated MHDPA under ``gated_mix``, a GRC under
+    ``residual_gate``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(str(path))
+    legacy = {k.replace(".gated_mhdpa.", ".gated_mix.").replace(".grc.", ".residual_gate."): v
+              for k, v in tensors.items()}
+    assert legacy.keys() != tensors.keys()
+    save_file(legacy, str(path), metadata=metadata)
+
+
+def test_runs_saved_under_the_gates_legacy_names_evaluate_and_resume(text_corpus: str, tmp_path: Path) -> None:
+    from gatedformer.runs import evaluate_run
+
+    extra = ("model.gates=+gated MHDPA L1 + GRC L2",)
+    whole = train(config_for(text_corpus, *extra), tmp_path / "whole", progress=False)
+    _write_legacy_names(tmp_path / "whole" / "model.safetensors")
+    assert evaluate_run(tmp_path / "whole", "test", device="cpu")["loss"] == pytest.approx(whole.test_loss, rel=1e-6)
+    assert train(config_for(text_corpus, *extra), tmp_path / "split", progress=False, stop_after=4) is None
+    _write_legacy_names(latest_checkpoint(tmp_path / "split") / "model.safetensors")
+    resumed = train(config_for(text_corpus, *extra), tmp_path / "split", progress=False, resume=True)
+    assert train_losses(tmp_path / "split") == train_losses(tmp_path / "whole")
+    assert (resumed.valid_loss, resumed.test_loss) == (whole.valid_loss, whole.test_loss)

@@ -23,15 +23,20 @@ from gatedformer.errors import CheckpointError, ConfigError, DataError
 from gatedformer.gates import EAU, SDU, GatedResidual
 from gatedformer.gates.spec import resolve_placement
 from gatedformer.models.seq2seq import Seq2SeqTransformer, seq2seq_parameter_count
+from gatedformer.runs import load_trained
+from gatedformer.tasks import translation as translation_task
+from gatedformer.tasks.translation import beam_search, corpus_bleu, greedy_decode
 from gatedformer.train.checkpoint import recorded_config
-from gatedformer.train.translation import (
-    beam_search,
-    corpus_bleu,
-    greedy_decode,
-    load_translation_run,
-    train_translation,
-    translate_lines,
-)
+from gatedformer.train.loop import train as train_translation
+
+
+def translate_lines(run_dir: Path, lines: list[str], **options: object) -> list[str]:
+    run = load_trained(run_dir)
+    return translation_task.translate_lines(run.model, run.config, run.data, lines, **options)
+
+
+def load_translation_run(run_dir: Path) -> object:
+    return load_trained(run_dir)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -71,7 +76,7 @@ def test_eau_after_every_attention_and_grc_on_every_residual(eau: bool, grc: boo
         assert (layer.attn.eau is not None) == eau and (layer.cross_attn.eau is not None) == eau
         assert layer.ffn.eau is None
         for sub in (layer.attn, layer.cross_attn, layer.ffn):
-            assert (sub.residual_gate is not None) == grc
+            assert (sub.grc is not None) == grc
     assert _count(model, EAU) == 3 * 3 * eau and _count(model, GatedResidual) == 5 * 3 * grc
 
 
@@ -371,7 +376,7 @@ def test_translate_cli_reads_stdin_strictly_and_takes_a_length_penalty(
     assert main(["translate", "--run", str(trained_run), "--beam", "3", "--length-penalty", "2"]) == 0
     wanted = translate_lines(trained_run, ["A man sits on the grass.", "A small cat."], beam=3, length_penalty=2.0)
     assert capsys.readouterr().out.splitlines() == wanted
-    from gatedformer.train import translation
+    translation = translation_task
 
     decode, penalties = translation.translate_ids, []
     monkeypatch.setattr(translation, "translate_ids", lambda *a: penalties.append(a[3]) or decode(*a))
@@ -450,7 +455,8 @@ def test_eval_and_generate_on_a_translation_run(trained_run: Path, corpus_dir: P
     assert scores["loss"] == pytest.approx(saved["test_loss"], rel=1e-5)
     assert scores["bleu"] == pytest.approx(saved["test_metric"], abs=1e-6)
     assert main(["generate", "--run", str(trained_run), "--data-dir", str(corpus_dir)]) == 2
-    assert "is a translation run; use `gatedformer translate" in capsys.readouterr().err
+    assert ("is a translation run (multi30k), not a language-model run as generate needs; use `gatedformer translate"
+            in capsys.readouterr().err)
 
 
 def test_config_validation_for_translation() -> None:

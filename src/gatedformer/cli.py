@@ -76,7 +76,7 @@ def _print_result(result: dict) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from gatedformer.train.loop import evaluate_run
+    from gatedformer.runs import evaluate_run
 
     scores = evaluate_run(args.run, args.split, args.data_dir, args.device)
     print(json.dumps({"run": str(args.run), "split": args.split, **scores}))
@@ -84,11 +84,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from gatedformer.generate import generate
-    from gatedformer.train.loop import load_trained
+    from gatedformer.runs import load_trained
+    from gatedformer.tasks.lm import generate
 
-    _, model, corpus = load_trained(args.run, args.data_dir, args.device)
-    text = generate(model, corpus.vocab, args.prompt, max_tokens=args.tokens, temperature=args.temperature,
+    run = load_trained(args.run, args.data_dir, args.device)
+    run.require("lm", "generate", f"use `gatedformer translate --run {args.run}` to translate with it, or "
+                                  f"`gatedformer eval --run {args.run}` for its loss and BLEU")
+    text = generate(run.model, run.data.vocab, args.prompt, max_tokens=args.tokens, temperature=args.temperature,
                     top_k=args.top_k, seed=args.seed)
     print(text)
     return 0
@@ -167,7 +169,8 @@ def cmd_init_check(args: argparse.Namespace) -> int:
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
-    from gatedformer.train.translation import translate_lines
+    from gatedformer.runs import load_trained
+    from gatedformer.tasks.translation import translate_lines
 
     if args.input:
         try:
@@ -180,7 +183,9 @@ def cmd_translate(args: argparse.Namespace) -> int:
         except UnicodeDecodeError as err:
             raise GatedformerError(f"standard input is not UTF-8 text ({err}); give UTF-8 source sentences, "
                                    "one a line") from None
-    for line in translate_lines(args.run, lines, beam=args.beam, data_dir=args.data_dir, device=args.device,
+    run = load_trained(args.run, args.data_dir, args.device)
+    run.require("translation", "translate", f"use `gatedformer generate --run {args.run}` to sample from it")
+    for line in translate_lines(run.model, run.config, run.data, lines, beam=args.beam,
                                 length_penalty=args.length_penalty):
         print(line)
     return 0

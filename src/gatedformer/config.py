@@ -13,6 +13,7 @@ import difflib
 import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -20,15 +21,15 @@ from typing import Any
 
 import tomllib
 
+from gatedformer.data.registry import corpus_task
 from gatedformer.errors import ConfigError
+from gatedformer.gates.spec import resolve_placement
 
 # More threads than any machine's cores: torch crashes (not errs) on very large counts.
 MAX_THREADS = 1024
-BACKBONES = ("transformer", "rtransformer", "transformer-xl", "gcnn", "sru", "sru-transformer")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "linear", "cosine", "noam")
 INIT_SCHEMES = ("default", "uniform", "normal", "xavier")
-TRANSLATION_CORPORA = ("multi30k",)
 
 
 @dataclass
@@ -171,6 +172,63 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# The backbones: each model module registers itself here (gatedformer.models), so this table is the one list of
+# what ``model.backbone`` may name, per task.
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """A network a task trains, as its module registers it with :func:`register_backbone`."""
+
+    name: str
+    """What ``model.backbone`` says."""
+    task: str
+    """The task it serves (``lm``, ``translation``); one name may serve several tasks, as different networks."""
+    build: Callable[..., Any]
+    """``build(config: RunConfig, **sizes) -> nn.Module``: the sizes the task knows (``vocab_size``, or
+    ``src_vocab`` and ``tgt_vocab``). It reads the ``[model]`` section of the config (and, for translation, the
+    ``[translation]`` one)."""
+    description: str
+    gated: bool = True
+    """Whether it has attention/FFN sublayers that a gate spec places gates on."""
+    cross_attention: bool = False
+    """Whether it is an encoder-decoder (a gate spec then also reaches the decoder's cross-attention)."""
+    check: Callable[[ModelConfig], None] | None = None
+    """Checks of its own fields beyond :func:`validate`'s (a :class:`ConfigError` naming the field)."""
+
+
+_BACKBONES: dict[tuple[str, str], Backbone] = {}
+
+
+def register_backbone(backbone: Backbone) -> Backbone:
+    """Add ``backbone`` to the table (a model module calls this once, at import)."""
+    key = (backbone.task, backbone.name)
+    if key in _BACKBONES and _BACKBONES[key] != backbone:
+        raise ValueError(f"backbone {backbone.name!r} is registered twice for task {backbone.task!r}")
+    _BACKBONES[key] = backbone
+    return backbone
+
+
+def backbone_names(task: str = "lm") -> tuple[str, ...]:
+    """The backbones registered for ``task``, in registration order."""
+    return tuple(name for (owner, name) in _BACKBONES if owner == task)
+
+
+def get_backbone(name: str, task: str = "lm") -> Backbone:
+    """The backbone ``model.backbone=name`` means for ``task``; a :class:`ConfigError` listing the choices if none."""
+    backbone = _BACKBONES.get((task, name))
+    if backbone is None:
+        raise ConfigError(f"model.backbone={name!r} is not one of {', '.join(backbone_names(task))} (the {task} "
+                          "models); pick one of them")
+    return backbone
+
+
+def task_of(config: RunConfig) -> str:
+    """The task a run is: ``translation`` for a parallel corpus, ``lm`` for every other."""
+    return corpus_task(config.data.corpus)
 
 
 @dataclass
@@ -336,7 +394,7 @@ def validate(config: RunConfig) -> RunConfig:
         _positive(f"data.{key}", getattr(data, key))
     _check(data.eval_seq_len >= 0, "data.eval_seq_len must be 0 (same as seq_len) or positive")
 
-    _one_of("model.backbone", model.backbone, BACKBONES)
+    backbone = get_backbone(model.backbone, task_of(config))
     for key in ("d_model", "n_layers", "n_heads", "d_ffn"):
         _positive(f"model.{key}", getattr(model, key))
     _check(
@@ -354,11 +412,8 @@ def validate(config: RunConfig) -> RunConfig:
     _positive("model.kernel_size", model.kernel_size)
     _check(model.bottleneck >= 0, "model.bottleneck must be 0 (off) or positive")
     _check(model.projection_size >= 0, "model.projection_size must be 0 (off) or positive")
-    from gatedformer.nn.sru import MAX_HIGHWAY_BIAS
-
-    _check(math.isfinite(model.highway_bias) and model.highway_bias <= MAX_HIGHWAY_BIAS,
-           f"model.highway_bias={model.highway_bias} must be a finite number of at most {MAX_HIGHWAY_BIAS:g} "
-           "(alpha = sqrt(1 + 2e^b) overflows beyond); the SRU paper uses 0 or below")
+    if backbone.check is not None:
+        backbone.check(model)
 
     _one_of("optim.name", optim.name, OPTIMIZERS)
     _positive("optim.lr", optim.lr)
@@ -394,11 +449,11 @@ def validate(config: RunConfig) -> RunConfig:
     _one_of("train.nonfinite", train.nonfinite, ("stop", "skip"))
 
     # The gate spec is checked against the model here so a bad one fails before any data loads.
-    from gatedformer.gates.spec import resolve_placement
-
-    translation = data.corpus in TRANSLATION_CORPORA
-    resolve_placement(model.gates, model.n_layers, backbone=model.backbone, cross_attention=translation)
-    if translation:
+    placement = resolve_placement(model.gates, model.n_layers, cross_attention=backbone.cross_attention)
+    _check(backbone.gated or placement.is_empty(),
+           f"model.backbone={model.backbone} has no attention/FFN sublayers to gate; use a Transformer backbone or "
+           "clear model.gates")
+    if task_of(config) == "translation":
         _validate_translation(config)
     return config
 
@@ -408,8 +463,6 @@ def _validate_translation(config: RunConfig) -> None:
 
     tr = config.translation
     check_pair(tr.src_lang, tr.tgt_lang, config.data.corpus)
-    _check(config.model.backbone == "transformer",
-           f"data.corpus={config.data.corpus} trains the encoder-decoder Transformer; set model.backbone=transformer")
     _check(tr.max_len >= 3, f"translation.max_len={tr.max_len} leaves no room between <bos> and <eos>; raise it")
     _positive("translation.min_freq", tr.min_freq)
     _check(0.0 <= tr.label_smoothing < 1.0, "translation.label_smoothing must be in [0, 1)")

@@ -1,13 +1,15 @@
-"""Which device a run, an evaluation or a benchmark uses: ``auto`` (CUDA when present, else the CPU), ``cpu`` or
-``cuda[:N]``. Everything gatedformer runs works on the CPU and uses CUDA when it is there."""
+"""Which device a run, an evaluation or a benchmark uses (``auto``: CUDA when present, else the CPU; ``cpu`` or
+``cuda[:N]``), and at which precision. Everything gatedformer runs works on the CPU and uses CUDA when it is there."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from gatedformer.errors import ConfigError
 
-__all__ = ["resolve_device"]
+__all__ = ["autocast", "resolve_device"]
 
 
 def resolve_device(name: str, option: str = "device") -> torch.device:
@@ -30,3 +32,10 @@ def resolve_device(name: str, option: str = "device") -> torch.device:
         if device.index is not None and device.index >= count:
             raise ConfigError(f"{shown} but this machine has {count} CUDA device(s); use cuda:0 to cuda:{count - 1}")
     return device
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The autocast context of ``train.precision`` (``bf16``: bfloat16 autocast on ``device``; ``fp32``: none)."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()

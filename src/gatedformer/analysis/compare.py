@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gatedformer.analysis.report import (
     ComparisonReport,
     VariantSummary,
@@ -21,7 +23,6 @@ from gatedformer.analysis.report import (
     render_report,
 )
 from gatedformer.config import (
-    TRANSLATION_CORPORA,
     Recipe,
     RunConfig,
     Variant,
@@ -30,6 +31,7 @@ from gatedformer.config import (
 )
 from gatedformer.errors import ConfigError, GatedformerError
 from gatedformer.io import atomic_write_text, make_folder
+from gatedformer.tasks import task_for
 from gatedformer.train.checkpoint import latest_checkpoint
 from gatedformer.train.loop import (
     FINISHED_RUN_CHANGES,
@@ -207,11 +209,8 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
 
         require_tensorboard()
 
-    from gatedformer.data import load_corpus
-
-    # A translation run loads its own parallel corpus; only language models share a preloaded one.
-    translation = plans[0][2].data.corpus in TRANSLATION_CORPORA
-    corpus = None if translation else load_corpus(plans[0][2].data.corpus, data_dir)
+    # Runs on one corpus share what their task lets them (a language model's corpus is read once for all).
+    shared = task_for(plans[0][2]).shared_data(plans[0][2], data_dir)
     make_folder(out_dir, "comparison folder")
     tracker = _Progress(progress, plans)
     trained = 0
@@ -222,7 +221,7 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
         resuming = run_dir.exists() and latest_checkpoint(run_dir) is not None
         tracker.start(index, resuming)
         try:
-            result = train(config, run_dir, data_dir=data_dir, resume=resuming, progress=progress, corpus=corpus,
+            result = train(config, run_dir, data_dir=data_dir, resume=resuming, progress=progress, shared=shared,
                            on_record=tracker.record)
         except TrainingInterrupted as stop:
             raise ComparisonInterrupted(
@@ -237,9 +236,10 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
     summaries = []
     for variant in variants:
         _, _, config, first_dir = next(p for p in plans if p[0] is variant)
-        summaries.append(VariantSummary(
-            variant.name, [_load_result(out_dir / slug(variant.name) / f"seed-{s}") for s in range(seeds)],
-            variant.published, _steps_per_epoch(config, corpus), _components(config, first_dir, corpus)))
+        results = [_load_result(out_dir / slug(variant.name) / f"seed-{s}") for s in range(seeds)]
+        summaries.append(VariantSummary(variant.name, results, variant.published,
+                                        _steps_per_epoch(config, results, shared),
+                                        _components(config, first_dir, data_dir, shared)))
     metric = summaries[0].results[0].metric
     table = format_table(summaries, metric, recipe)
     notes: list[str] = []
@@ -264,31 +264,25 @@ def _load_result(run_dir: Path) -> RunResult:
     return result
 
 
-def _steps_per_epoch(config: RunConfig, corpus: Any) -> int | None:
-    if corpus is None:
-        return None
-    from gatedformer.data import LMStream
+def _steps_per_epoch(config: RunConfig, results: list[RunResult], shared: Any) -> int | None:
+    """Training steps per epoch, as the results say (results written before they kept it: from the shared data)."""
+    known = next((r.steps_per_epoch for r in results if r.steps_per_epoch), 0)
+    if known or shared is None:
+        return known or None
+    task = task_for(config)
+    return task.steps_per_epoch(task.load_data(config, None, shared=shared), config, None)
 
-    return len(LMStream(corpus.train, config.data.batch_size, config.data.seq_len, split="train"))
 
-
-def _components(config: RunConfig, run_dir: Path, corpus: Any) -> dict[str, int] | None:
+def _components(config: RunConfig, run_dir: Path, data_dir: str | Path | None, shared: Any) -> dict[str, int] | None:
     """Parameters per component of the variant's model, rebuilt from its config (weights not needed)."""
     from gatedformer.analysis.params import count_by_component
 
+    task = task_for(config)
     try:
-        if corpus is not None:
-            from gatedformer.models import build_model
-
-            return count_by_component(build_model(config.model, len(corpus.vocab)))
-        from gatedformer.analysis.runlog import read_log
-        from gatedformer.train.translation import build_seq2seq
-
-        sizes = next((r for r in read_log(run_dir) if r.get("event") == "data"), None)
-        if sizes is None:
-            return None
-        return count_by_component(build_seq2seq(config, sizes["src_vocab"], sizes["tgt_vocab"]))
-    except (GatedformerError, KeyError, ImportError):
+        data = shared if shared is not None else task.inference_data(config, run_dir, data_dir)
+        with torch.device("meta"):  # shapes only
+            return count_by_component(task.build_model(config, data))
+    except GatedformerError:
         return None
 
 

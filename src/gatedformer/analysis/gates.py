@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from gatedformer.analysis.params import GATE_KINDS
-from gatedformer.analysis.runlog import read_log
 from gatedformer.errors import CheckpointError, ConfigError, GatedformerError
+from gatedformer.gates.kinds import GATE_KINDS, LEGACY_NAMES
+from gatedformer.train.runlog import read_log
 
 BIASES_FILE = "gate_biases.safetensors"
 ANALYSIS_HINT = "pip install 'gatedformer[analysis]'"
@@ -50,7 +50,8 @@ class GateSite:
         """The panel (sublayer kind) this gate is drawn in, e.g. ``attention (SDU)``."""
         words = [self.stack] if self.stack else []
         words.append(_SUBLAYER_NAMES.get(self.sublayer, self.sublayer or "block"))
-        return " ".join(words) + f" ({GATE_KINDS.get(self.unit, self.unit)})"
+        kind = GATE_KINDS.get(self.unit)
+        return " ".join(words) + f" ({kind.label if kind else self.unit})"
 
     @property
     def label(self) -> str:
@@ -60,13 +61,14 @@ class GateSite:
 
 
 def parse_site(name: str) -> GateSite:
-    """The stack, layer, sublayer and unit of a gate module name."""
+    """The stack, layer, sublayer and unit (a gate kind's name, legacy names mapped) of a gate module name."""
     parts = name.split(".")
+    unit = LEGACY_NAMES.get(parts[-1], parts[-1])
     index = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
     if index is None:
-        return GateSite(name, "", 0, ".".join(parts[:-1]), parts[-1])
+        return GateSite(name, "", 0, ".".join(parts[:-1]), unit)
     stack = re.sub(r"_?layers$|^layers$", "", ".".join(parts[:index]))
-    return GateSite(name, stack, int(parts[index]), ".".join(parts[index + 1 : -1]), parts[-1])
+    return GateSite(name, stack, int(parts[index]), ".".join(parts[index + 1 : -1]), unit)
 
 
 def _panel_key(site: GateSite) -> tuple:

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from gatedformer.config import TRANSLATION_CORPORA, RunConfig, validate
+from gatedformer.config import RunConfig, task_of, validate
 from gatedformer.errors import ConfigError
 
 __all__ = ["format_init_check", "init_check", "layer_sites", "measure_layers", "predict_sru_ratio"]
@@ -236,7 +236,7 @@ def init_check(config: RunConfig, data_dir: str | Path | None = None, batches: i
     validate(config)
     if batches < 1:
         raise ConfigError(f"batches must be at least 1, got {batches}")
-    if config.data.corpus in TRANSLATION_CORPORA:
+    if task_of(config) != "lm":
         raise ConfigError(f"init-check measures the language models' layers; {config.data.corpus} is a translation "
                           "corpus: pick a language-model recipe (e.g. ptb-char-tiny, wikitext2-gcnn-tiny)")
     corpus = load_corpus(config.data.corpus, data_dir)

@@ -9,19 +9,16 @@ import torch
 from torch import nn
 
 from gatedformer.config import (
-    TRANSLATION_CORPORA,
     Recipe,
     RunConfig,
     build_config,
     check_overrides_spare_variants,
     load_recipe,
+    task_of,
 )
 from gatedformer.errors import ConfigError
+from gatedformer.gates.kinds import kind_in_name
 from gatedformer.models import build_model
-
-GATE_KINDS = {"sdu": "SDU", "highway": "highway gate", "gated_mix": "gated MHDPA", "eau": "EAU",
-              "residual_gate": "GRC"}
-
 
 # The recurrent parts' module names: the R-Transformer's LocalRNN, and the SRU alone or inside a Transformer layer.
 _RECURRENT = {"local_rnn": "local RNN", "sru": "SRU", "recurrent": "SRU"}
@@ -30,9 +27,9 @@ _RECURRENT = {"local_rnn": "local RNN", "sru": "SRU", "recurrent": "SRU"}
 def component_of(name: str) -> str:
     """The component a parameter belongs to, from its qualified name."""
     parts = name.split(".")
-    for part in parts:
-        if part in GATE_KINDS:
-            return f"gate: {GATE_KINDS[part]}"
+    kind = kind_in_name(name)
+    if kind is not None:
+        return f"gate: {kind.label}"
     if any("norm" in part for part in parts[:-1]):
         return "norms"
     if parts[0].startswith("embed"):
@@ -69,7 +66,7 @@ def parameter_report(recipe_name: str, overrides: list[str], data_dir: str | Non
         raise ConfigError(f"--vocab-size must be a positive number of tokens, got {vocab_size}")
     recipe = load_recipe(recipe_name)
     check_overrides_spare_variants(recipe, overrides)
-    if build_config(recipe, overrides).data.corpus in TRANSLATION_CORPORA:
+    if task_of(build_config(recipe, overrides)) == "translation":
         return translation_parameter_report(recipe, overrides, data_dir, vocab_size)
     rows = []
     for variant in recipe.variants:
@@ -106,7 +103,7 @@ def translation_parameter_report(recipe: Recipe, overrides: list[str], data_dir:
     Vocabulary sizes come from ``translation.src_vocab`` / ``tgt_vocab`` when set (e.g. with
     ``--set translation.src_vocab=5921``), else from ``vocab_size``, else from the training data.
     """
-    from gatedformer.train.translation import build_seq2seq
+    from gatedformer.tasks.translation import build_seq2seq
 
     config = build_config(recipe, overrides)
     src_size, tgt_size, source = _translation_vocab_sizes(config, data_dir, vocab_size)
@@ -159,7 +156,7 @@ def _translation_vocab_sizes(config: RunConfig, data_dir: str | None, vocab_size
     if vocab_size and not (tr.src_vocab or tr.tgt_vocab):
         return vocab_size, vocab_size, "given"
     from gatedformer.errors import DataError
-    from gatedformer.train.translation import load_data
+    from gatedformer.tasks.translation import load_data
 
     try:
         data = load_data(config, data_dir)

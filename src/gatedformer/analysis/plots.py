@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gatedformer.analysis.runlog import eval_series, read_log, series
 from gatedformer.io import atomic_write
+from gatedformer.train.runlog import eval_series, read_log, series
 
 # The legend entry of a last evaluation that scored the whole validation split, where the curve scored a part.
 WHOLE_SPLIT = "end of run, whole valid split"

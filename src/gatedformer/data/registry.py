@@ -160,3 +160,13 @@ def get_spec(name: str) -> CorpusSpec:
 
 def is_text_corpus(name: str) -> bool:
     return name.startswith(TEXT_PREFIX)
+
+
+PARALLEL_CORPORA = ("multi30k",)
+"""Corpora of sentence pairs, for translation (their files are described in :mod:`gatedformer.data.translation`)."""
+
+
+def corpus_task(name: str) -> str:
+    """The task a corpus is for: ``translation`` for a parallel corpus, ``lm`` for every other (``text:`` files
+    included)."""
+    return "translation" if name.strip().lower() in PARALLEL_CORPORA else "lm"

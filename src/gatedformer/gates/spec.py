@@ -30,41 +30,28 @@ import re
 from dataclasses import dataclass, field
 
 from gatedformer.errors import ConfigError
+from gatedformer.gates.kinds import GATE_FNS, GATE_KINDS
 
-SUBLAYERS = ("attn", "ffn")
-# Units that reshape the sublayer's output or its residual; at most one of them per sublayer.
-EXCLUSIVE_UNITS = ("sdu", "highway", "gated_mhdpa")
-UNITS = (*EXCLUSIVE_UNITS, "eau", "grc")
-GATE_FNS = ("sigmoid", "tanh")
-
-_UNIT_WORDS = {
-    "sdu": "sdu",
-    "highway": "highway",
-    "highway-gate": "highway",
-    "highway_gate": "highway",
-    "gated-mhdpa": "gated_mhdpa",
-    "gated_mhdpa": "gated_mhdpa",
-    "gmhdpa": "gated_mhdpa",
-    "eau": "eau",
-    "grc": "grc",
-}
+_UNIT_WORDS = {word: kind.name for kind in GATE_KINDS.values() for word in kind.words}
 _FN_WORDS = {"σ": "sigmoid", "sigma": "sigmoid", "sigmoid": "sigmoid", "sig": "sigmoid", "tanh": "tanh"}
 _SUBLAYER_WORDS = {"attn": "attn", "att": "attn", "attention": "attn", "mhdpa": "attn", "ffn": "ffn",
                    "cross": "cross", "cross-attn": "cross", "xattn": "cross"}
 # More layers than any model has: a spec or model naming more is refused before anything is materialised.
 MAX_LAYERS = 10_000
 _HELP = "write e.g. '+σ SDU', '+tanh L1-3', '+σ L1-6\\FFN', '+highway gate', '+gated MHDPA' or '+EAU+GRC'"
+_EXCLUSIVE = ", ".join(kind.label for kind in GATE_KINDS.values() if kind.exclusive)
 
 
 @dataclass(frozen=True)
 class GateItem:
-    """One parsed item of a spec: a unit with its function, layers (1-based) and sublayers."""
+    """One parsed item of a spec: a gate kind (a name of :data:`~gatedformer.gates.kinds.GATE_KINDS`) with its
+    function, layers (1-based) and sublayers."""
 
     unit: str
     fn: str = "sigmoid"
     layers: tuple[int, ...] | None = None
     """``None`` means every layer."""
-    sublayers: tuple[str, ...] = SUBLAYERS
+    sublayers: tuple[str, ...] = ("attn", "ffn")
     """The sublayers named; ``cross`` appears here only when written explicitly (``/cross``)."""
     reaches_cross: bool = False
     """Whether the item also gates an encoder-decoder model's cross-attention (explicit or by default)."""
@@ -74,15 +61,26 @@ class GateItem:
 class SublayerGates:
     """What gates one sublayer carries once a spec is resolved."""
 
-    unit: str | None = None
-    """One of :data:`EXCLUSIVE_UNITS`, or ``None``."""
-    fn: str = "sigmoid"
-    eau: bool = False
-    grc: bool = False
+    kinds: dict[str, str] = field(default_factory=dict)
+    """The gate kinds it carries, each with its gate function (``""`` for a kind that takes none), in the order of
+    :data:`~gatedformer.gates.kinds.GATE_KINDS`."""
+
+    @classmethod
+    def of(cls, *kinds: str, fn: str = "sigmoid") -> SublayerGates:
+        """The gates ``kinds`` (names of the table), the SDU's with gate function ``fn``."""
+        return cls({name: fn if GATE_KINDS[name].takes_fn else "" for name in GATE_KINDS if name in kinds})
+
+    def has(self, kind: str) -> bool:
+        return kind in self.kinds
+
+    @property
+    def exclusive(self) -> str | None:
+        """The one exclusive kind it carries (SDU, highway gate or gated MHDPA), if any."""
+        return next((name for name in self.kinds if GATE_KINDS[name].exclusive), None)
 
     @property
     def empty(self) -> bool:
-        return self.unit is None and not self.eau and not self.grc
+        return not self.kinds
 
 
 @dataclass
@@ -166,16 +164,19 @@ def _parse_item(item: str, spec: str) -> GateItem:
         if fn is None:
             raise ConfigError(f"gate spec item {written!r} names no unit; {_HELP}")
         unit = "sdu"
-    if fn is not None and unit != "sdu":
-        raise ConfigError(f"a gate function ({fn}) applies to SDU only, not {unit}; drop it from {spec!r}")
-    default = ("attn",) if unit == "eau" else SUBLAYERS
+    kind = GATE_KINDS[unit]
+    if fn is not None and not kind.takes_fn:
+        takers = " and ".join(k.label for k in GATE_KINDS.values() if k.takes_fn)
+        raise ConfigError(f"a gate function ({fn}) applies to {takers} only, not {kind.label}; drop it from {spec!r}")
+    default = tuple(s for s in kind.sublayers if s != "cross")
     sublayers = tuple(s for s in (keep or default) if s not in drop)
-    reaches_cross = ("cross" in keep if keep else True) and "cross" not in drop
+    reaches_cross = ("cross" in keep if keep else "cross" in kind.sublayers) and "cross" not in drop
     if not sublayers and not reaches_cross:
         raise ConfigError(f"gate spec item {written!r} leaves no sublayer to gate; {_HELP}")
-    if unit == "eau" and "ffn" in sublayers:
-        raise ConfigError("EAU goes after multi-head attention only; drop /ffn from the EAU item")
-    return GateItem(unit, fn or "sigmoid", layers, sublayers, reaches_cross)
+    for sublayer in sublayers:
+        if sublayer not in kind.sublayers:
+            raise ConfigError(f"{kind.label} goes {kind.where} only; drop /{sublayer} from the {kind.label} item")
+    return GateItem(unit, fn or GATE_FNS[0], layers, sublayers, reaches_cross)
 
 
 def parse_gate_spec(spec: str) -> list[GateItem]:
@@ -191,8 +192,7 @@ def parse_gate_spec(spec: str) -> list[GateItem]:
     return [_parse_item(p, spec) for p in parts]
 
 
-def resolve_placement(spec: str, n_layers: int, backbone: str = "transformer",
-                      cross_attention: bool = False) -> Placement:
+def resolve_placement(spec: str, n_layers: int, cross_attention: bool = False) -> Placement:
     """Resolve ``spec`` against a model of ``n_layers`` layers, rejecting conflicting gates.
 
     ``cross_attention=True`` is for encoder-decoder models: sites ``(layer, "cross")`` are filled too.
@@ -201,13 +201,7 @@ def resolve_placement(spec: str, n_layers: int, backbone: str = "transformer",
         raise ConfigError(f"model.n_layers={n_layers} is more than the {MAX_LAYERS} layers gatedformer builds; "
                           "lower model.n_layers")
     placement = Placement(n_layers)
-    items = parse_gate_spec(spec)
-    if items and backbone in ("gcnn", "sru"):
-        raise ConfigError(
-            f"model.backbone={backbone} has no attention/FFN sublayers to gate; "
-            "use a Transformer backbone or clear model.gates"
-        )
-    for item in items:
+    for item in parse_gate_spec(spec):
         layers = item.layers if item.layers is not None else tuple(range(1, n_layers + 1))
         if layers and layers[-1] > n_layers:
             raise ConfigError(
@@ -228,40 +222,31 @@ def resolve_placement(spec: str, n_layers: int, backbone: str = "transformer",
         for layer in layers:
             for sublayer in sublayers:
                 site = placement.sites.setdefault((layer - 1, sublayer), SublayerGates())
-                _add(site, item, layer, sublayer, spec)
+                _add(site, item, f"layer {layer} {sublayer}", spec)
+    for site in placement.sites.values():  # in the table's order, whatever the spec's
+        site.kinds = {name: site.kinds[name] for name in GATE_KINDS if name in site.kinds}
     return placement
 
 
-def _add(site: SublayerGates, item: GateItem, layer: int, sublayer: str, spec: str) -> None:
-    where = f"layer {layer} {sublayer}"
-    if item.unit in EXCLUSIVE_UNITS:
-        if site.unit is not None:
-            raise ConfigError(
-                f"gate spec {spec!r} puts both {site.unit} and {item.unit} on {where}; "
-                "choose one of sdu, highway, gated mhdpa per sublayer"
-            )
-        site.unit, site.fn = item.unit, item.fn
-    elif item.unit == "eau":
-        if site.eau:
-            raise ConfigError(f"gate spec {spec!r} puts EAU twice on {where}; name it once")
-        site.eau = True
-    else:
-        if site.grc:
-            raise ConfigError(f"gate spec {spec!r} puts GRC twice on {where}; name it once")
-        site.grc = True
-    if site.grc and site.unit in ("highway", "gated_mhdpa"):
-        raise ConfigError(
-            f"gate spec {spec!r} combines GRC with {site.unit} on {where}: both replace the residual "
-            "connection; use one of them there"
-        )
+def _add(site: SublayerGates, item: GateItem, where: str, spec: str) -> None:
+    kind = GATE_KINDS[item.unit]
+    if kind.name in site.kinds:
+        raise ConfigError(f"gate spec {spec!r} puts {kind.label} twice on {where}; name it once")
+    for other in map(GATE_KINDS.get, site.kinds):
+        if kind.exclusive and other.exclusive:
+            raise ConfigError(f"gate spec {spec!r} puts both {other.name} and {kind.name} on {where}; "
+                              f"choose one of {_EXCLUSIVE} per sublayer")
+        if kind.replaces_residual and other.replaces_residual:
+            raise ConfigError(f"gate spec {spec!r} combines {other.label} with {kind.label} on {where}: both replace "
+                              "the residual connection; use one of them there")
+    site.kinds[kind.name] = item.fn if kind.takes_fn else ""
 
 
 def describe_placement(placement: Placement) -> str:
     """A short human-readable summary, e.g. for logs."""
     parts = []
     for (layer, sublayer), site in sorted(placement.sites.items()):
-        names = [f"{site.unit}({site.fn})" if site.unit == "sdu" else site.unit] if site.unit else []
-        names += ["eau"] * site.eau + ["grc"] * site.grc
+        names = [f"{name}({fn})" if fn else name for name, fn in site.kinds.items()]
         if names:
             parts.append(f"L{layer + 1}.{sublayer}:{'+'.join(names)}")
     return ", ".join(parts) or "no gates"

@@ -58,6 +58,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from gatedformer.config import Backbone, ModelConfig, register_backbone
 from gatedformer.gates import GLU
 from gatedformer.gates._checks import check_size
 from gatedformer.nn.dropout import Dropout
@@ -262,3 +263,16 @@ class GatedConvLM(nn.Module):
     def extra_repr(self) -> str:
         return (f"kernel_size={self.kernel_size}, bottleneck={self.bottleneck}, dropout={self.dropout_p}, "
                 f"weight_norm={self.weight_norm}")
+
+
+def _build(cfg: ModelConfig, vocab_size: int) -> GatedConvLM:
+    return GatedConvLM(
+        vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, kernel_size=cfg.kernel_size, dropout=cfg.dropout,
+        bottleneck=cfg.bottleneck, weight_norm=cfg.weight_norm, tie_embeddings=cfg.tie_embeddings,
+    )
+
+
+register_backbone(Backbone(
+    "gcnn", "lm", _build,
+    "gated convolutional LM: causal convolutions with GLU, residual (optionally bottleneck) blocks, GLU init",
+    gated=False))

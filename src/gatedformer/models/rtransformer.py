@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from gatedformer.config import Backbone, ModelConfig, register_backbone
 from gatedformer.gates.spec import SublayerGates, resolve_placement
 from gatedformer.kernels import local_rnn as _local_rnn_kernel
 from gatedformer.nn.attention import CausalSelfAttention
@@ -207,7 +208,7 @@ class RTransformerLM(nn.Module):
                  rnn_window: int = 7, rnn_recompute: bool = False) -> None:
         super().__init__()
         check_lm_sizes(vocab_size, d_model, n_layers, n_heads, d_ffn)
-        placement = resolve_placement(gates, n_layers, backbone="rtransformer")
+        placement = resolve_placement(gates, n_layers)
         self.d_model = d_model
         self.embedding = nn.Embedding(vocab_size, d_model)
         self.emb_dropout = Dropout(dropout if emb_dropout is None else emb_dropout)
@@ -231,3 +232,17 @@ class RTransformerLM(nn.Module):
         if self.final_norm is not None:
             x = self.final_norm(x)
         return logits_or_loss(self.output, x, targets, reduction=reduction), None
+
+
+def _build(cfg: ModelConfig, vocab_size: int) -> RTransformerLM:
+    return RTransformerLM(
+        vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ffn=cfg.d_ffn,
+        dropout=cfg.dropout, emb_dropout=cfg.emb_dropout, attn_dropout=cfg.attn_dropout, norm=cfg.norm,
+        ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, gates=cfg.gates, rnn_type=cfg.rnn_type,
+        rnn_window=cfg.rnn_window, rnn_recompute=cfg.rnn_recompute,
+    )
+
+
+register_backbone(Backbone(
+    "rtransformer", "lm", _build,
+    "R-Transformer: a GRU/LSTM localRNN over the last model.rnn_window positions before each attention sublayer"))

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from gatedformer.config import Backbone, ModelConfig, register_backbone
 from gatedformer.gates.spec import SublayerGates, resolve_placement
 from gatedformer.nn.attention import sinusoidal_positions
 from gatedformer.nn.dropout import Dropout
@@ -301,3 +302,17 @@ def seq2seq_parameter_count(src_vocab: int, tgt_vocab: int, layers: int, d_model
     if grc:
         total += 5 * layers * (k * k + k)
     return total
+
+
+def _build(cfg: ModelConfig, src_vocab: int, tgt_vocab: int, max_len: int, pad_id: int) -> Seq2SeqTransformer:
+    return Seq2SeqTransformer(
+        src_vocab, tgt_vocab, layers=cfg.n_layers, d_model=cfg.d_model, ffn=cfg.d_ffn, heads=cfg.n_heads,
+        max_len=max_len, dropout=cfg.dropout, gates=cfg.gates, tie_embeddings=cfg.tie_embeddings, pad_id=pad_id,
+        attn_dropout=cfg.attn_dropout, norm=cfg.norm, ffn_kind=cfg.ffn, emb_dropout=cfg.emb_dropout,
+    )
+
+
+register_backbone(Backbone(
+    "transformer", "translation", _build,
+    "an encoder-decoder with the layout of torch.nn.Transformer; '+EAU+GRC' puts an EAU after every attention "
+    "(encoder self, decoder self and cross) and a GRC on every residual connection", cross_attention=True))

@@ -8,9 +8,11 @@ import math
 import torch
 from torch import Tensor, nn
 
+from gatedformer.config import Backbone, ModelConfig, register_backbone
+from gatedformer.errors import ConfigError
 from gatedformer.gates._checks import check_size
 from gatedformer.nn.dropout import Dropout
-from gatedformer.nn.sru import SRU, _dropout_arg
+from gatedformer.nn.sru import MAX_HIGHWAY_BIAS, SRU, _dropout_arg
 from gatedformer.ops.embedding import embed_tokens
 from gatedformer.ops.output_loss import logits_or_loss
 
@@ -75,3 +77,23 @@ class SRULanguageModel(nn.Module):
         if targets is not None:  # time-major, as the hidden states
             return logits_or_loss(self.output, hidden, targets.t(), reduction=reduction), new_state
         return self.output(hidden).transpose(0, 1), new_state
+
+
+def _build(cfg: ModelConfig, vocab_size: int) -> SRULanguageModel:
+    return SRULanguageModel(
+        vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, dropout=cfg.dropout, highway_bias=cfg.highway_bias,
+        rescale=cfg.rescale, projection_size=cfg.projection_size, layer_norm=cfg.sru_layer_norm,
+        tie_embeddings=cfg.tie_embeddings,
+    )
+
+
+def _check(cfg: ModelConfig) -> None:
+    if not (math.isfinite(cfg.highway_bias) and cfg.highway_bias <= MAX_HIGHWAY_BIAS):
+        raise ConfigError(f"model.highway_bias={cfg.highway_bias} must be a finite number of at most "
+                          f"{MAX_HIGHWAY_BIAS:g} (alpha = sqrt(1 + 2e^b) overflows beyond); the SRU paper uses 0 or "
+                          "below")
+
+
+register_backbone(Backbone(
+    "sru", "lm", _build, "stacked SRU layers (model.highway_bias, model.rescale, model.projection_size)",
+    gated=False, check=_check))

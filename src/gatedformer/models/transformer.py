@@ -6,6 +6,7 @@ import math
 
 from torch import Tensor, nn
 
+from gatedformer.config import Backbone, ModelConfig, register_backbone
 from gatedformer.gates.spec import SublayerGates, resolve_placement
 from gatedformer.nn.attention import CausalSelfAttention, sinusoidal_positions
 from gatedformer.nn.dropout import Dropout
@@ -97,3 +98,19 @@ class TransformerLM(nn.Module):
         if self.final_norm is not None:
             x = self.final_norm(x)
         return logits_or_loss(self.output, x, targets, reduction=reduction), None
+
+
+def _build(cfg: ModelConfig, vocab_size: int, sru_sublayer: bool = False) -> TransformerLM:
+    return TransformerLM(
+        vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ffn=cfg.d_ffn,
+        dropout=cfg.dropout, emb_dropout=cfg.emb_dropout, attn_dropout=cfg.attn_dropout, norm=cfg.norm,
+        ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, gates=cfg.gates, sru_sublayer=sru_sublayer,
+    )
+
+
+register_backbone(Backbone(
+    "transformer", "lm", _build,
+    "the Highway Transformer paper's LM: sinusoidal positions, causal MHDPA, ReLU (or GLU) FFN, post- or pre-LN"))
+register_backbone(Backbone(
+    "sru-transformer", "lm", lambda cfg, vocab_size: _build(cfg, vocab_size, sru_sublayer=True),
+    "a Transformer with an SRU sublayer in every layer"))

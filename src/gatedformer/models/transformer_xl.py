@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from gatedformer.config import Backbone, ModelConfig, register_backbone
 from gatedformer.gates.spec import SublayerGates, resolve_placement
 from gatedformer.kernels.relative_attention import kernel_takes
 from gatedformer.nn.attention import sinusoidal_positions
@@ -237,7 +238,7 @@ class TransformerXLLM(nn.Module):
         check_lm_sizes(vocab_size, d_model, n_layers, n_heads, d_ffn)
         if isinstance(mem_len, bool) or not isinstance(mem_len, int) or mem_len < 0:
             raise ValueError(f"mem_len must be an integer >= 0, got {mem_len!r}")
-        placement = resolve_placement(gates, n_layers, backbone="transformer-xl")
+        placement = resolve_placement(gates, n_layers)
         self.d_model = d_model
         self.n_layers = n_layers
         self.mem_len = mem_len
@@ -316,3 +317,16 @@ class TransformerXLLM(nn.Module):
             else:  # only the rows that stay, joined once
                 updated.append(torch.cat([memories[i][:, -kept:].to(current.dtype), current], dim=1))
         return updated
+
+
+def _build(cfg: ModelConfig, vocab_size: int) -> TransformerXLLM:
+    return TransformerXLLM(
+        vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ffn=cfg.d_ffn,
+        dropout=cfg.dropout, emb_dropout=cfg.emb_dropout, attn_dropout=cfg.attn_dropout, norm=cfg.norm,
+        ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, gates=cfg.gates, mem_len=cfg.mem_len,
+    )
+
+
+register_backbone(Backbone(
+    "transformer-xl", "lm", _build,
+    "relative positional attention and segment memory of model.mem_len states, carried across windows"))

@@ -21,18 +21,13 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from gatedformer.gates import EAU, SDU, GatedMHDPA, GatedResidual, GLUFeedForward, HighwayGate
+from gatedformer.gates import GLUFeedForward
 from gatedformer.gates._checks import check_size
+from gatedformer.gates.kinds import GATE_KINDS
 from gatedformer.gates.spec import SublayerGates
 from gatedformer.nn.dropout import Dropout
-from gatedformer.ops.fused_gates import (
-    apply_eau,
-    apply_grc,
-    apply_highway,
-    apply_sdu,
-    gated_mix,
-    grc_dropout_norm,
-)
+from gatedformer.ops import fused_gates
+from gatedformer.ops.explain import declined, explaining
 from gatedformer.ops.fused_linear import (
     dropout_add_layer_norm,
     feed_forward_add_norm,
@@ -40,6 +35,7 @@ from gatedformer.ops.fused_linear import (
     linear_dropout_add,
     linear_dropout_add_norm,
     linear_relu_dropout,
+    whole_sublayer_takes,
 )
 
 
@@ -50,6 +46,9 @@ class FeedForward(nn.Module):
     layer) and ``output_projection`` (the layer), so that :class:`Sublayer` can fuse the layer with its
     dropout and residual add (:mod:`gatedformer.ops.fused_linear`).
     """
+
+    activation = "relu"
+    """What the fused paths that read the layers themselves (:mod:`gatedformer.ops.layer_stack`) check for."""
 
     def __init__(self, d_model: int, d_ffn: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -92,7 +91,12 @@ def make_ffn(kind: str, d_model: int, d_ffn: int, dropout: float) -> nn.Module:
 
 
 class Sublayer(nn.Module):
-    """A body in its residual connection, with LayerNorm and the gates a placement gives it."""
+    """A body in its residual connection, with LayerNorm and the gates a placement gives it.
+
+    Each gate kind of :data:`~gatedformer.gates.kinds.GATE_KINDS` the placement names is a child module named after
+    the kind (``self.sdu``, ``self.highway``, ``self.gated_mhdpa``, ``self.eau``, ``self.grc``; ``None`` where the
+    sublayer has none), applied where its role says (see :mod:`gatedformer.gates.kinds`).
+    """
 
     def __init__(self, body: nn.Module, d_model: int, gates: SublayerGates, dropout: float = 0.0,
                  norm: str = "post") -> None:
@@ -102,54 +106,72 @@ class Sublayer(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.dropout = Dropout(dropout)
         # Only the gates the placement names exist, so an ungated sublayer has no gate parameters.
-        self.sdu = SDU(d_model, gates.fn) if gates.unit == "sdu" else None
-        self.highway = HighwayGate(d_model) if gates.unit == "highway" else None
-        self.gated_mix = GatedMHDPA(d_model) if gates.unit == "gated_mhdpa" else None
-        self.eau = EAU(d_model) if gates.eau else None
-        self.residual_gate = GatedResidual(d_model) if gates.grc else None
-        # With no gate on the body's output between its last linear layer and the residual add (a highway gate
-        # only changes the stream), the two can be one pass (gatedformer.ops.fused_linear).
+        for name, kind in GATE_KINDS.items():
+            setattr(self, name, kind.build(d_model, gates.kinds[name]) if gates.has(name) else None)
+        self.kinds = tuple(gates.kinds)
+        """The names of the gate kinds it carries, in the table's order."""
+        self._by_role = {role: [(GATE_KINDS[name], getattr(self, name)) for name in self.kinds
+                                if GATE_KINDS[name].role == role]
+                         for role in ("output", "branch", "blend", "stream", "residual")}
+        roles = {GATE_KINDS[name].role for name in self.kinds}
+        # With no gate between the body's last linear layer and the residual add (a gate on the stream only changes
+        # what is added to), the two can be one pass (gatedformer.ops.fused_linear).
         splits = hasattr(body, "features") and hasattr(body, "output_projection")
-        self.fuse_linear = gates.unit in (None, "highway") and not gates.eau and not gates.grc and splits
+        self.fuse_linear = roles <= {"stream"} and splits
         # With post-LN, a body that offers add_norm computes the whole sublayer in one autograd function (the
-        # residual's gradient then joins x's inside the matrix products), with the gates it takes (it returns None
-        # for others): the Transformer's any one gate unit or an EAU, and a GRC; Transformer-XL's none.
-        self.fuse_sublayer = (not (gates.eau and gates.unit is not None) and not self.pre_norm
-                              and hasattr(body, "add_norm"))
-        # With pre-LN, before a gated residual connection only the body's last layer and the dropout can be one pass.
-        self.fuse_dropout = gates.unit is None and not gates.eau and gates.grc and splits and self.pre_norm
+        # residual's gradient then joins x's inside the matrix products), with the gates that function lists
+        # (whole_sublayer_takes); the body's add_norm may still return None for a case it declines.
+        self.fuse_sublayer = not self.pre_norm and hasattr(body, "add_norm") and whole_sublayer_takes(self.kinds)
+        whole_body = not self.pre_norm and hasattr(body, "add_norm")
+        self._unfused_why = (f"its gates ({', '.join(self.kinds)}) are not all kinds the whole-sublayer functions "
+                             "list, or an EAU sits beside a unit" if whole_body and not self.fuse_sublayer else None)
+        # With pre-LN, before a gated residual connection alone only the body's last layer and the dropout can be one
+        # pass.
+        self.fuse_dropout = roles == {"residual"} and splits and self.pre_norm
+
+    def fused_gates(self) -> tuple[nn.Module | None, nn.Module | None, nn.Module | None]:
+        """The gates as the whole-sublayer functions take them: the residual gate, the unit (a branch, blend or stream
+        gate) and the output gate, each ``None`` where there is none. Only for the kinds
+        :func:`~gatedformer.ops.fused_linear.whole_sublayer_takes` accepts."""
+        units = self._by_role
+        unit = next((u for role in ("branch", "blend", "stream") for _, u in units[role]), None)
+        return (next((u for _, u in units["residual"]), None), unit, next((u for _, u in units["output"]), None))
 
     def forward(self, x: Tensor, *body_args: object) -> Tensor:
-        # The gates are applied through gatedformer.ops.fused_gates: their own forward, with the
-        # element-wise end in one pass where that applies.
+        # The gates are applied through gatedformer.ops.fused_gates: their own forward, with the element-wise end in
+        # one pass where that applies.
         if self.fuse_sublayer:
-            unit = next((u for u in (self.sdu, self.highway, self.gated_mix) if u is not None), None)
-            whole = self.body.add_norm(x, self.dropout.p, self.norm, self.residual_gate, unit, self.eau, *body_args)
+            whole = self.body.add_norm(x, self.dropout.p, self.norm, *self.fused_gates(), *body_args)
             if whole is not None:
                 return whole
+        elif self._unfused_why is not None and explaining():
+            declined("nn.Sublayer (as one function)", self._unfused_why)
         h = self.norm(x) if self.pre_norm else x
-        stream = apply_highway(self.highway, x) if self.highway is not None else x
+        stream = x
+        for kind, unit in self._by_role["stream"]:
+            stream = fused_gates.apply_stream(kind, unit, stream)
         if self.fuse_linear:  # stream + dropout(W f(h) + b), then the LayerNorm with post-LN
             features = self.body.features(h, *body_args)
             projection = self.body.output_projection
             if self.pre_norm:
                 return linear_dropout_add(stream, features, projection, self.dropout.p, self.training)
             return linear_dropout_add_norm(stream, features, projection, self.dropout.p, self.norm, self.training)
+        residual = next(iter(self._by_role["residual"]), None)
         if self.fuse_dropout:
             dropped = linear_dropout(self.body.features(h, *body_args), self.body.output_projection, self.dropout.p,
                                      self.training)
-            return apply_grc(self.residual_gate, stream, dropped)
+            return fused_gates.apply_residual(*residual, stream, dropped)
         s = self.body(h, *body_args)
-        if self.eau is not None:
-            s = apply_eau(self.eau, s)
-        if self.sdu is not None:
-            s = apply_sdu(self.sdu, h, add_to=s)  # s + SDU(h)
-        if self.gated_mix is not None:
-            s = gated_mix(self.gated_mix, s, h)
-        if self.residual_gate is not None:
+        for kind, unit in self._by_role["output"]:
+            s = fused_gates.apply_output(kind, unit, s)
+        for kind, unit in self._by_role["branch"]:
+            s = fused_gates.apply_branch(kind, unit, h, s)  # s + unit(h)
+        for kind, unit in self._by_role["blend"]:
+            s = fused_gates.apply_blend(kind, unit, h, s)
+        if residual is not None:
             if self.pre_norm:
-                return apply_grc(self.residual_gate, stream, self.dropout(s))
-            return grc_dropout_norm(self.residual_gate, stream, s, self.dropout.p, self.norm, self.training)
+                return fused_gates.apply_residual(*residual, stream, self.dropout(s))
+            return fused_gates.residual_dropout_norm(*residual, stream, s, self.dropout.p, self.norm, self.training)
         if self.pre_norm:
             return self.dropout.add_to(stream, s)  # stream + dropout(s) in one pass
         return dropout_add_layer_norm(stream, s, self.dropout.p, self.norm, self.training)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from gatedformer.kernels.dropout import KERNEL, embed_dropout, embed_dropout_backward
 from gatedformer.ops.dropout import _draw_seed, _keep_below
+from gatedformer.ops.explain import declined, explaining, first_reason
 from gatedformer.ops.fused_linear import unhooked
 
 __all__ = ["embed_tokens"]
@@ -80,6 +81,10 @@ def embed_tokens(tokens: Tensor, embedding: nn.Embedding, scale: float = 1.0, po
     mask the module would draw; the same operations one by one elsewhere."""
     p = _dropout_p(dropout)
     if p is None or not _fuses(tokens, embedding, positions):
+        if explaining() and torch.is_grad_enabled():
+            declined("ops.embedding.embed_tokens", first_reason((embedding.weight, positions), (embedding, dropout),
+                                                                (KERNEL,))
+                     or "an embedding, dropout or token layout it does not take")
         x = embedding(tokens) * scale
         if positions is not None:
             x = x + positions.to(x.dtype)

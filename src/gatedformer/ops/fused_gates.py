@@ -1,11 +1,13 @@
 """Gate units applied with their element-wise tail in one compiled pass each way (CPU).
 
-:class:`~gatedformer.nn.sublayer.Sublayer` calls its gates through these functions. Each computes
-exactly what the gate module's ``forward`` computes: the module's own linear layers are called as usual,
-and only the element-wise end (:mod:`gatedformer.kernels.gate`) is one kernel instead of several
-PyTorch operations. Where the kernel does not apply (not float32 on the CPU, autocast, ``torch.compile``,
-no compiler) and whenever the gate module has hooks (the gate statistics record activations through
-forward hooks), the module itself is called.
+:class:`~gatedformer.nn.sublayer.Sublayer` calls its gates through the role functions (``apply_output``,
+``apply_branch``, ``apply_blend``, ``apply_stream``, ``apply_residual``, ``residual_dropout_norm``), which call the
+gate as its role says (see :mod:`gatedformer.gates.kinds`). Each fused function computes exactly what the gate
+module's ``forward`` computes: the module's own linear layers are called as usual, and only the element-wise end
+(:mod:`gatedformer.kernels.gate`) is one kernel instead of several PyTorch operations. A role function fuses only
+the kinds it lists in :data:`FUSED_KINDS`; any other kind, and any case where the kernel does not apply (not float32
+on the CPU, autocast, ``torch.compile``, no compiler) or the gate module has hooks (the gate statistics record
+activations through forward hooks), calls the module itself.
 """
 
 from __future__ import annotations
@@ -16,19 +18,25 @@ from torch.nn import functional as F
 
 from gatedformer.gates import EAU, GLU, SDU, GatedResidual, HighwayGate
 from gatedformer.gates._transform_gate import TransformGate
+from gatedformer.gates.kinds import GateKind
 from gatedformer.kernels.gate import KERNEL, tail_backward, tail_forward
 from gatedformer.ops.dropout import dropout
+from gatedformer.ops.explain import declined, explaining, first_reason
 from gatedformer.ops.fused_linear import dropout_add_layer_norm, unhooked
 
-__all__ = ["apply_eau", "apply_grc", "apply_highway", "apply_sdu", "gated_mix", "glu_residual", "grc_dropout_norm",
-           "tail_applies"]
+__all__ = ["FUSED_KINDS", "apply_blend", "apply_branch", "apply_eau", "apply_grc", "apply_highway", "apply_output",
+           "apply_residual", "apply_sdu", "apply_stream", "gated_mhdpa_blend", "glu_residual", "grc_dropout_norm",
+           "residual_dropout_norm", "tail_applies"]
 
 
 def tail_applies(gate: nn.Module, *tensors: Tensor) -> bool:
     """Whether the fused tail replaces ``gate``'s own forward for these inputs."""
-    return (unhooked(gate) and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-            and KERNEL.pick_backend(tensors[0].device) == "native")
+    applies = (unhooked(gate) and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+               and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+               and KERNEL.pick_backend(tensors[0].device) == "native")
+    if not applies and explaining():
+        declined(f"ops.fused_gates ({type(gate).__name__})", first_reason(tensors, (gate,), (KERNEL,)) or "")
+    return applies
 
 
 def _flat(t: Tensor) -> Tensor:
@@ -101,7 +109,7 @@ def apply_sdu(sdu: SDU, x: Tensor, add_to: Tensor) -> Tensor:
     return _split_tail(add_to, sdu.proj(x), f"sdu-{sdu.gate}")
 
 
-def gated_mix(gate: TransformGate, carry: Tensor, x: Tensor) -> Tensor:
+def gated_mhdpa_blend(gate: TransformGate, carry: Tensor, x: Tensor) -> Tensor:
     """``(1 - T(x)) ⊙ carry + T(x) ⊙ f(x)``: ``gate(x, carry)`` of a gated MHDPA, ``gate(x)`` of a highway gate
     (``carry = x``)."""
     if not tail_applies(gate, x, carry) or carry.shape != x.shape:
@@ -111,7 +119,7 @@ def gated_mix(gate: TransformGate, carry: Tensor, x: Tensor) -> Tensor:
 
 def apply_highway(gate: HighwayGate, x: Tensor) -> Tensor:
     """``gate(x)``: ``(1 - T(x)) ⊙ x + T(x) ⊙ f(x)``."""
-    return gated_mix(gate, x, x)
+    return gated_mhdpa_blend(gate, x, x)
 
 
 def apply_grc(gate: GatedResidual, r: Tensor, s: Tensor) -> Tensor:
@@ -138,3 +146,52 @@ def grc_dropout_norm(gate: GatedResidual, r: Tensor, s: Tensor, p: float, norm: 
         return norm(apply_grc(gate, r, dropout(s, p, training)))
     gated = _Tail.apply(None, _flat(gate.gate_proj(r)), _flat(s), "gate").view(s.shape)
     return dropout_add_layer_norm(r, gated, p, norm, training)
+
+
+# The role functions: the kinds each computes with a fused tail, and the call it makes of any other kind's unit.
+
+FUSED_KINDS = {"output": ("eau",), "branch": ("sdu",), "blend": ("gated_mhdpa",), "stream": ("highway",),
+               "residual": ("grc",)}
+"""The gate kinds whose element-wise end each role function fuses; others run their module's ``forward``."""
+
+
+def _unlisted(kind: GateKind, role: str) -> bool:
+    """Whether no fused tail computes ``kind`` in ``role`` (and so its module's forward runs)."""
+    if kind.name in FUSED_KINDS[role]:
+        return False
+    if explaining():
+        declined(f"ops.fused_gates.apply_{role}", f"no fused tail is listed for {kind.name} (FUSED_KINDS)")
+    return True
+
+
+def apply_output(kind: GateKind, unit: nn.Module, s: Tensor) -> Tensor:
+    """An output gate on the body's output: ``unit(s)``."""
+    return unit(s) if _unlisted(kind, "output") else apply_eau(unit, s)
+
+
+def apply_branch(kind: GateKind, unit: nn.Module, h: Tensor, s: Tensor) -> Tensor:
+    """A branch beside the body: ``s + unit(h)``."""
+    return s + unit(h) if _unlisted(kind, "branch") else apply_sdu(unit, h, add_to=s)
+
+
+def apply_blend(kind: GateKind, unit: nn.Module, h: Tensor, s: Tensor) -> Tensor:
+    """A gate blending the body's output with a transform of its input: ``unit(h, s)``."""
+    return unit(h, s) if _unlisted(kind, "blend") else gated_mhdpa_blend(unit, s, h)
+
+
+def apply_stream(kind: GateKind, unit: nn.Module, x: Tensor) -> Tensor:
+    """A gate on the residual stream: ``unit(x)``."""
+    return unit(x) if _unlisted(kind, "stream") else apply_highway(unit, x)
+
+
+def apply_residual(kind: GateKind, unit: nn.Module, r: Tensor, s: Tensor) -> Tensor:
+    """A gated residual connection: ``unit(r, s)`` in place of ``r + s``."""
+    return unit(r, s) if _unlisted(kind, "residual") else apply_grc(unit, r, s)
+
+
+def residual_dropout_norm(kind: GateKind, unit: nn.Module, r: Tensor, s: Tensor, p: float, norm: nn.LayerNorm,
+                          training: bool = True) -> Tensor:
+    """``norm(unit(r, dropout(s, p)))``, a post-LN sublayer's gated residual connection."""
+    if _unlisted(kind, "residual"):
+        return norm(unit(r, dropout(s, p, training)))
+    return grc_dropout_norm(unit, r, s, p, norm, training)

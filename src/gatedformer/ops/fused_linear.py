@@ -49,12 +49,13 @@ call). Everything else is computed as written, unfused.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from gatedformer.gates import GatedMHDPA, HighwayGate
+from gatedformer.gates.kinds import GATE_KINDS, kind_of
 from gatedformer.kernels import attention as _attention_kernel
 from gatedformer.kernels import blas as _blas
 from gatedformer.kernels import gate as _gate_kernel
@@ -79,6 +80,7 @@ from gatedformer.kernels.epilogue import (
 )
 from gatedformer.kernels.gate import tail_backward, tail_forward
 from gatedformer.ops import dropout as dropout_ops
+from gatedformer.ops.explain import declined, explaining, first_reason
 
 __all__ = ["attention_add_norm", "dropout_add_layer_norm", "feed_forward_add_norm", "feed_forward_fusion_applies",
            "fusion_applies", "linear_dropout", "linear_dropout_add", "linear_dropout_add_norm", "linear_relu_dropout"]
@@ -267,7 +269,7 @@ def _norm_tail(x: Tensor, projected: Tensor, bias: Tensor, gamma: Tensor, beta: 
     bg)`` for a gated residual connection (``gate = (Wg, bg)``) and an SDU branch ``Ψ(x W1 + b1) ⊙ (x W2 + b2)``
     (``unit = (W, b, tail)``, its two projections in one); for a highway gate (``tail`` "lerp"),
     ``norm((1 - T) ⊙ x + T ⊙ f(x) + dropout(projected + bias))`` with ``T = σ(x W1 + b1)`` and ``f(x) = x W2 + b2``;
-    for a gated MHDPA (``tail`` "mix"), ``norm(x + dropout((1 - T) ⊙ (projected + bias) + T ⊙ f(x)))``. With
+    for a gated MHDPA (``tail`` "blend"), ``norm(x + dropout((1 - T) ⊙ (projected + bias) + T ⊙ f(x)))``. With
     ``eau`` (its six parameters; no ``unit`` then), ``projected + bias`` goes through the EAU first.
     Returns the output and what :func:`_norm_tail_backward` needs."""
     branch, base, carried, eau_saved = None, x, None, (None,) * 4
@@ -277,14 +279,14 @@ def _norm_tail(x: Tensor, projected: Tensor, bias: Tensor, gamma: Tensor, beta: 
     if unit is not None:
         weight, branch_bias, tail = unit
         width = branch_bias.shape[0]
-        if tail == "mix":
+        if tail == "blend":
             # (1 - T) ⊙ (p + bias) + T ⊙ f = lerp(p, f - bias, T) + bias: with the body's bias taken out of f's, the
             # LayerNorm's pass adds it as for the other sublayers.
             branch_bias = torch.cat([branch_bias[: width // 2], branch_bias[width // 2:] - bias])
         branch = torch.addmm(branch_bias, x, weight.t())
         if tail == "lerp":  # the residual stream carries the highway gate's mix
             base = tail_forward(tail, x, branch, width, branch[:, width // 2:], width)
-        elif tail == "mix":
+        elif tail == "blend":
             carried = projected
             projected = tail_forward("lerp", carried, branch, width, branch[:, width // 2:], width)
         else:  # projected + Ψ(a) ⊙ b in one pass over the branch's product
@@ -324,7 +326,7 @@ def _norm_tail_backward(grad: Tensor, saved: tuple[Tensor | None, ...], gamma: T
         grad_x = tail_backward(unit_tail, grads[0], x, branch, width, branch[:, width // 2:], width, grad_branch, width,
                                grad_branch[:, width // 2:], width)
         return (grad_x, *grads[1:], grad_branch, None)
-    if unit_tail == "mix":  # through the gated MHDPA's mix: the body's share as the carry, and the branch's
+    if unit_tail == "blend":  # through the gated MHDPA's blend: the body's share as the carry, and the branch's
         grad_carried = tail_backward("lerp", grads[1], projected, branch, width, branch[:, width // 2:], width,
                                      grad_branch, width, grad_branch[:, width // 2:], width)
         grad_bias = grads[5] - grad_branch[:, width // 2:].sum(0)  # the bias was taken out of f's (see _norm_tail)
@@ -582,12 +584,30 @@ def _mask(p: float) -> tuple[int, int]:
     return dropout_ops._mask_seed(keep_below), keep_below
 
 
+WHOLE_SUBLAYER_KINDS = ("sdu", "highway", "gated_mhdpa", "eau", "grc")
+"""The gate kinds (:data:`~gatedformer.gates.kinds.GATE_KINDS`) the whole-sublayer functions compute, each in its
+slot: the residual gate (``gate``), the unit beside or around the body (``unit``) and the gate on its output
+(``eau``)."""
+
+
+def whole_sublayer_takes(kinds: Sequence[str]) -> bool:
+    """Whether the whole-sublayer functions compute a sublayer carrying the gate kinds ``kinds``: only kinds of
+    :data:`WHOLE_SUBLAYER_KINDS`, at most one unit, and no output gate beside a unit (the unit would read or change
+    what the output gate sees). Each function may still decline a case at run time (it then returns ``None``)."""
+    if not set(kinds) <= set(WHOLE_SUBLAYER_KINDS):
+        return False
+    roles = [GATE_KINDS[name].role for name in kinds]
+    units = sum(role in ("branch", "blend", "stream") for role in roles)
+    return units <= 1 and not (units and "output" in roles)
+
+
 def _gate_fuses(gate: nn.Module | None, x: Tensor, p: float, training: bool) -> bool:
     """Whether a gated residual connection (or none) can be part of a whole sublayer's function."""
     if gate is None:
         return True
     projection = getattr(gate, "gate_proj", None)
-    return (unhooked(gate) and isinstance(projection, nn.Linear) and fusion_applies(x, projection, p, training)
+    return (kind_of(gate) is GATE_KINDS["grc"] and unhooked(gate) and isinstance(projection, nn.Linear)
+            and fusion_applies(x, projection, p, training)
             and projection.in_features == projection.out_features == x.shape[-1]
             and _gate_kernel.KERNEL.pick_backend(x.device) == "native")
 
@@ -597,18 +617,20 @@ def _unit_fuses(unit: nn.Module | None, gate: nn.Module | None, x: Tensor, p: fl
     function (the last two only without a gated residual connection, which placements do not combine with them)."""
     if unit is None:
         return True
+    kind = kind_of(unit)
     projection = getattr(unit, "proj", None)
-    return (unhooked(unit) and isinstance(projection, nn.Linear) and fusion_applies(x, projection, p, training)
+    return (kind is not None and kind.name in WHOLE_SUBLAYER_KINDS and kind.role in ("branch", "blend", "stream")
+            and unhooked(unit) and isinstance(projection, nn.Linear) and fusion_applies(x, projection, p, training)
             and projection.in_features == x.shape[-1] and projection.out_features == 2 * x.shape[-1]
-            and (_unit_tail(unit) in _gate_kernel.TAILS or _unit_tail(unit) == "mix")
-            and not (_unit_tail(unit) in ("lerp", "mix") and gate is not None)
+            and not (kind.replaces_residual and gate is not None)
             and _gate_kernel.KERNEL.pick_backend(x.device) == "native")
 
 
 def _unit_tail(unit: nn.Module) -> str:
-    if isinstance(unit, HighwayGate):
-        return "lerp"
-    return "mix" if isinstance(unit, GatedMHDPA) else f"sdu-{getattr(unit, 'gate', '')}"
+    """How the whole functions end a unit: ``blend`` for a gated MHDPA, else its tail in the gate kernel (``lerp``
+    for the highway gate's stream, ``sdu-sigmoid`` or ``sdu-tanh`` for an SDU)."""
+    kind = kind_of(unit)
+    return "blend" if kind.role == "blend" else kind.tail(unit)
 
 
 def _eau_fuses(eau: nn.Module | None, unit: nn.Module | None, x: Tensor, p: float, training: bool) -> bool:
@@ -618,7 +640,7 @@ def _eau_fuses(eau: nn.Module | None, unit: nn.Module | None, x: Tensor, p: floa
         return True
     layers = [getattr(eau, name, None) for name in ("evaluator_in", "evaluator_out", "adjuster")]
     plain = all(isinstance(layer, nn.Linear) and fusion_applies(x, layer, p, training) for layer in layers)
-    return (unit is None and unhooked(eau) and plain
+    return (kind_of(eau) is GATE_KINDS["eau"] and unit is None and unhooked(eau) and plain
             and layers[0].in_features == layers[2].in_features == layers[2].out_features == x.shape[-1]
             and layers[1].in_features == layers[0].out_features and layers[1].out_features == x.shape[-1]
             and _gate_kernel.KERNEL.pick_backend(x.device) == "native")
@@ -647,6 +669,9 @@ def feed_forward_add_norm(x: Tensor, inner: nn.Linear, outer: nn.Linear, inner_p
     (:class:`~gatedformer.gates.EAU`, no ``unit``) on the body's output ``norm([gate](x, dropout(eau(FFN(x)))))``;
     each only without hooks. The masks are drawn in the order of the unfused sublayer."""
     if not feed_forward_fusion_applies(x, inner, outer, inner_p, p, norm, training, gate, unit, eau):
+        if explaining():
+            declined("ops.fused_linear.feed_forward_add_norm",
+                     sublayer_reason(x, (inner, outer, norm), training, gate, unit, eau))
         return None
     inner_mask = _mask(inner_p)
     out = _FeedForwardAddNorm.apply(_rows(x), inner.weight, inner.bias, outer.weight, outer.bias, norm.weight,
@@ -690,7 +715,33 @@ def attention_add_norm(x: Tensor, qkv: nn.Linear, out: nn.Linear, n_heads: int, 
             and out.out_features == x.shape[-1] and qkv.out_features == 3 * out.in_features
             and _attention_kernel.kernel_takes(qkv.out_features, n_heads, attention_dropout, x.device, x.dtype)
             and _plain_layer_norm(norm, x.shape[-1]) and branches_fuse(x, p, training, gate, unit, eau)):
+        if explaining():
+            declined("ops.fused_linear.attention_add_norm", sublayer_reason(
+                x, (qkv, out, norm), training, gate, unit, eau,
+                extra=None if _attention_kernel.kernel_takes(qkv.out_features, n_heads, attention_dropout, x.device,
+                                                              x.dtype)
+                else f"the attention kernel does not take {n_heads} heads of width {out.in_features // n_heads} "
+                     f"with attention dropout {attention_dropout}"))
         return None
     result = _AttentionAddNorm.apply(_rows(x), qkv.weight, qkv.bias, out.weight, out.bias, norm.weight, norm.bias,
                                      *_branch_parameters(gate, unit, eau), norm.eps, x.shape[0], n_heads, _mask(p))
     return result.view(x.shape)
+
+
+def sublayer_reason(x: Tensor, layers: tuple[nn.Module, ...], training: bool, gate: nn.Module | None,
+                    unit: nn.Module | None, eau: nn.Module | None, extra: str | None = None) -> str:
+    """Why a whole-sublayer function declined (for :mod:`gatedformer.ops.explain`; worked out only then)."""
+    gates = [g for g in (gate, unit, eau) if g is not None]
+    kinds = [kind_of(g) for g in gates]
+    unlisted = [type(g).__name__ for g, k in zip(gates, kinds, strict=True)
+                if k is None or k.name not in WHOLE_SUBLAYER_KINDS]
+    if unlisted:
+        return f"it lists no gate kind for {', '.join(unlisted)} (WHOLE_SUBLAYER_KINDS)"
+    common = first_reason((x,), (*layers, *gates), (dropout_ops.KERNEL, KERNEL, _gate_kernel.KERNEL), training)
+    if common is not None:
+        return common
+    if extra is not None:
+        return extra
+    if unit is not None and (eau is not None or (gate is not None and kind_of(unit).replaces_residual)):
+        return "a unit beside an EAU or a GRC is computed in pieces"
+    return "a layer or shape it does not take (a LayerNorm over more than the last dimension, no bias, p = 1)"

@@ -31,20 +31,22 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from gatedformer.gates import SDU, GatedMHDPA, HighwayGate
+from gatedformer.gates.kinds import kind_of
 from gatedformer.kernels import blas as _blas
 from gatedformer.kernels import epilogue as _epilogue_kernel
 from gatedformer.kernels import gate as _gate_kernel
 from gatedformer.kernels.gate import TAILS
+from gatedformer.kernels.relative_attention import KERNEL as RELATIVE_KERNEL
 from gatedformer.kernels.relative_attention import kernel_addresses
-from gatedformer.nn.sublayer import FeedForward, Sublayer
 from gatedformer.ops import dropout as dropout_ops
+from gatedformer.ops.explain import declined, explaining, first_reason
 from gatedformer.ops.fused_linear import (
     _branch_parameters,
     _FeedForwardAddNorm,
     branches_fuse,
     feed_forward_layers_fuse,
     registered,
+    sublayer_reason,
     unhooked,
 )
 from gatedformer.ops.relative_sublayer import (
@@ -62,7 +64,10 @@ _PER_LAYER = 2 * _BRANCH + _ATTENTION + _FFN
 _PLAIN = _ATTENTION + _FFN  # a layer's inputs to StreamedLayerStack; then its two units' and its two GRCs' weights and
 _GATES = 14  # biases and its attention's EAU's six (Nones where there are none)
 _STREAMED = _PLAIN + _GATES
-_STREAMED_UNITS = (SDU, HighwayGate, GatedMHDPA, type(None))  # the gate units StreamedLayerStack computes
+STREAMED_KINDS = {"attn": ("sdu", "highway", "gated_mhdpa", "eau", "grc"),
+                  "ffn": ("sdu", "highway", "gated_mhdpa", "grc")}
+"""The gate kinds :class:`StreamedLayerStack` computes on each sublayer (never a unit beside a GRC or an EAU);
+layers with others stay with :class:`LayerStack`."""
 _PROJECTIONS = ("query", "key_value", "position", "out")
 _INT32_VALUES = 2 ** 32
 
@@ -253,7 +258,7 @@ class StreamedLayerStack(torch.autograd.Function):
 
 def _tail_code(tail: str | None) -> float:
     """An SDU tail's code for the stack kernels (the gate kernel's), -1 for no SDU."""
-    if tail == "mix":
+    if tail == "blend":
         return _epilogue_kernel.MIX_CODE
     return -1.0 if tail is None else float(TAILS[tail])
 
@@ -266,24 +271,25 @@ def tail_addresses() -> tuple[int, int, int]:
     return tuple(ctypes.cast(f, ctypes.c_void_p).value for f in functions)  # type: ignore[return-value]
 
 
-def _gates(sublayer: Sublayer) -> tuple[nn.Module | None, nn.Module | None, nn.Module | None]:
-    """The residual gate, the unit and the EAU, as :class:`~gatedformer.nn.sublayer.Sublayer` hands them to its
-    body's ``add_norm``."""
-    unit = next((u for u in (registered(sublayer, name) for name in ("sdu", "highway", "gated_mix")) if u is not None),
-                None)
-    return registered(sublayer, "residual_gate"), unit, registered(sublayer, "eau")
+def _streamable(sublayer: str, gates: tuple[nn.Module | None, nn.Module | None, nn.Module | None]) -> bool:
+    """Whether :class:`StreamedLayerStack` computes a sublayer's gates (residual gate, unit, output gate)."""
+    gate, unit, eau = gates
+    kinds = [kind_of(module) for module in gates if module is not None]
+    return (all(kind is not None and kind.name in STREAMED_KINDS[sublayer] for kind in kinds)
+            and (gate is None or unit is None) and (eau is None or unit is None))
 
 
-def _whole_sublayers(layer: nn.Module) -> tuple[Sublayer, Sublayer] | None:
-    """A layer's two sublayers where they are post-LN, without hooks, and their bodies each compute the whole
-    sublayer; else ``None``."""
+def _whole_sublayers(layer: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """A layer's two sublayers (:class:`~gatedformer.nn.sublayer.Sublayer`) where they are post-LN, without hooks,
+    each computes itself as one function (``fuse_sublayer``), and the FFN's body is the ReLU feed-forward (its
+    ``inner`` and ``outer`` layers, ``activation`` "relu"); else ``None``."""
     attn, ffn = registered(layer, "attn"), registered(layer, "ffn")
-    if not (isinstance(attn, Sublayer) and isinstance(ffn, Sublayer)
-            and type(registered(ffn, "body")) is FeedForward):
+    body = registered(ffn, "body") if ffn is not None else None
+    if not (getattr(attn, "fuse_sublayer", False) and getattr(ffn, "fuse_sublayer", False)
+            and getattr(body, "activation", None) == "relu"):
         return None
-    whole = (attn.fuse_sublayer and ffn.fuse_sublayer and not attn.pre_norm and not ffn.pre_norm
-             and all(unhooked(module) for module in (layer, attn, ffn, registered(attn, "body"),
-                                                      registered(ffn, "body"))))
+    whole = (not attn.pre_norm and not ffn.pre_norm
+             and all(unhooked(module) for module in (layer, attn, ffn, registered(attn, "body"), body)))
     return (attn, ffn) if whole else None
 
 
@@ -322,42 +328,48 @@ def _streams_whole_stack(x: Tensor, memories: list[Tensor | None], settings: lis
     return _epilogue_kernel.stack_blocks(batch, length, width, parameters[_ATTENTION].shape[0]) is not None
 
 
+def _declined(reason: str) -> None:
+    if explaining():
+        declined("ops.layer_stack.layer_stack", reason)
+
+
 def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tensor] | None,
                 pos: Tensor) -> tuple[Tensor, list[Tensor]] | None:
     """``layers`` (Transformer-XL layers) applied in turn to ``x (B, L, d)`` with their ``memories`` (one ``(B, M, d)``
     each, or ``None``) and the position encodings ``pos``, by :class:`LayerStack` where that applies (see the
     module): the last output and the list of every layer's input. Else ``None``."""
     if not layers or not torch.is_grad_enabled() or _global_hooks() or pos.requires_grad:
-        return None
+        return _declined("no layers, no gradients, global module hooks or position encodings that need gradients")
     memories = list(memories) if memories else [None] * len(layers)
     if any(m is not None and m.requires_grad for m in memories):
-        return None
+        return _declined("a memory needs gradients")
     memories = [m if m is not None and m.shape[1] > 0 else None for m in memories]
     # Every layer's input has x's shape, dtype and device: what the sublayers ask of their inputs is asked once, of x.
     if not relative_inputs_fuse(x, memories, pos):
-        return None
+        return _declined(first_reason((x, pos, *memories), kernels=(RELATIVE_KERNEL, _epilogue_kernel.KERNEL))
+                         or "memories or position encodings of shapes it does not take")
     width = x.shape[-1]
     settings, parameters, streamed = [], [], []
     streamable = True  # whether StreamedLayerStack takes every layer's gates
     for layer in layers:
         sublayers = _whole_sublayers(layer)
         if sublayers is None:
-            return None
+            return _declined("a layer's sublayers do not each run as one function (pre-LN, hooks, a GLU feed-forward "
+                             "or gates the whole-sublayer functions do not list)")
         attn, ffn = sublayers
         # Read from the modules' tables (see registered): a few hundred reads a step.
         attention, feed_forward = registered(attn, "body"), registered(ffn, "body")
         attention_norm, ffn_norm = registered(attn, "norm"), registered(ffn, "norm")
         inner, outer = registered(feed_forward, "inner"), registered(feed_forward, "outer")
         p_attention, p_inner, p_ffn = (registered(module, "dropout").p for module in (attn, feed_forward, ffn))
-        attention_gates, ffn_gates = _gates(attn), _gates(ffn)
-        streamable = streamable and ffn_gates[2] is None and all(  # an EAU on the attention's output only
-            (gate is None or unit is None) and (eau is None or unit is None) and isinstance(unit, _STREAMED_UNITS)
-            for gate, unit, eau in (attention_gates, ffn_gates))
+        attention_gates, ffn_gates = attn.fused_gates(), ffn.fused_gates()
+        streamable = streamable and _streamable("attn", attention_gates) and _streamable("ffn", ffn_gates)
         if not (relative_layers_fuse(attention, p_attention, attention_norm, width)
                 and feed_forward_layers_fuse(width, inner, outer, p_inner, p_ffn, ffn_norm, ffn.training)
                 and branches_fuse(x, p_attention, True, *attention_gates)
                 and branches_fuse(x, p_ffn, ffn.training, *ffn_gates)):
-            return None
+            return _declined(sublayer_reason(x, (attention_norm, inner, outer, ffn_norm), ffn.training,
+                                             *attention_gates))
         *attention_branch, attention_tail = _branch_parameters(*attention_gates)
         *ffn_branch, ffn_tail = _branch_parameters(*ffn_gates)
         settings.append((attention_norm.eps, attention.n_heads, p_attention, attention_tail, ffn_norm.eps, p_inner,

@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from gatedformer.kernels.build import kernel_threads
 from gatedformer.kernels.cross_entropy import KERNEL
+from gatedformer.ops.explain import declined, explaining, first_reason
 
 __all__ = ["LOGITS_BUDGET", "fused_loss_applies", "linear_cross_entropy", "logits_or_loss", "row_blocks"]
 
@@ -37,9 +38,12 @@ _REDUCTIONS = ("mean", "sum")
 def fused_loss_applies(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether :func:`linear_cross_entropy` runs the fused computation for these operands."""
     tensors = (hidden, weight) if bias is None else (hidden, weight, bias)
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-            and KERNEL.pick_backend(hidden.device) == "native")
+    applies = (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+               and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+               and KERNEL.pick_backend(hidden.device) == "native")
+    if not applies and explaining():
+        declined("ops.output_loss.linear_cross_entropy", first_reason(tensors, kernels=(KERNEL,)) or "")
+    return applies
 
 
 def row_blocks(rows: int, vocab: int, budget: int | None = None) -> int:

@@ -42,6 +42,7 @@ from gatedformer.kernels.relative_attention import (
     kernel_addresses,
 )
 from gatedformer.ops import dropout as dropout_ops
+from gatedformer.ops.explain import declined, explaining
 from gatedformer.ops.fused_linear import (
     _add_branch_grads,
     _branch_parameters,
@@ -53,6 +54,7 @@ from gatedformer.ops.fused_linear import (
     branches_fuse,
     inputs_fuse,
     registered,
+    sublayer_reason,
     unhooked,
 )
 
@@ -177,9 +179,14 @@ def relative_attention_add_norm(attention: nn.Module, x: Tensor, p: float, norm:
     :func:`~gatedformer.ops.fused_linear.attention_add_norm` takes them), by :class:`RelativeAttentionAddNorm`
     where that applies (see the module), else ``None``."""
     if pos is None:
+        if explaining():
+            declined("ops.relative_sublayer.relative_attention_add_norm", "no position encodings were given")
         return None
     memory = memory if memory is not None and memory.shape[1] > 0 else None
     if not relative_fusion_applies(attention, x, p, norm, gate, unit, eau, memory, pos):
+        if explaining():
+            declined("ops.relative_sublayer.relative_attention_add_norm",
+                     sublayer_reason(x, (attention, norm), True, gate, unit, eau))
         return None
     k_len = x.shape[1] + (0 if memory is None else memory.shape[1])
     return RelativeAttentionAddNorm.apply(x, memory, pos[pos.shape[0] - k_len :], attention.query.weight,

@@ -36,6 +36,7 @@ from torch import nn
 from gatedformer import __version__
 from gatedformer.config import RunConfig, config_from_dict
 from gatedformer.errors import CheckpointError, ConfigError
+from gatedformer.gates.kinds import canonical_name
 from gatedformer.io import _fsync_dir, atomic_write, atomic_write_text, cannot_write, make_folder
 
 CHECKPOINT_DIR = "ckpt"
@@ -152,7 +153,9 @@ def check_architecture(saved: dict[str, Any] | None, current: dict[str, Any], wh
 
 
 def load_model_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
-    """Load ``state`` into ``model``, naming what does not fit."""
+    """Load ``state`` into ``model``, naming what does not fit. Weights saved under a gate's legacy name
+    (:data:`~gatedformer.gates.kinds.LEGACY_NAMES`) load under today's."""
+    state = {canonical_name(key): tensor for key, tensor in state.items()}
     expected = model.state_dict()
     missing = [k for k in expected if k not in state and not _is_tied_copy(model, k, state)]
     unexpected = [k for k in state if k not in expected]

@@ -1,9 +1,11 @@
-"""The training loop: one readable function from config to results.
+"""The training loop: one readable function from config to results, for every task.
 
-``train(config, out_dir)`` reads the corpus, builds the model, trains for ``train.steps`` steps with
-evaluation and checkpoints every ``train.eval_every`` steps, and finally scores the whole valid and
-test splits. Everything it writes into ``out_dir`` is written atomically, and ``resume=True``
-continues bit for bit where a stopped run left off.
+``train(config, out_dir)`` asks the run's task (:mod:`gatedformer.tasks`) for its data and model, trains for
+``train.steps`` steps with evaluation and checkpoints every ``train.eval_every`` steps, and finally has the task
+score the whole valid and test splits. Everything it writes into ``out_dir`` is written atomically, and
+``resume=True`` continues bit for bit where a stopped run left off. The loop owns what every task shares: the run
+folder, checkpoints and exact resume, RNG states, data parallelism, signals, non-finite losses, the log,
+TensorBoard and the progress bar; the task owns its data, model, loss, metric and evaluation.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 import math
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,12 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from gatedformer.config import TRANSLATION_CORPORA, RunConfig, validate
-from gatedformer.data import Corpus, LMStream, load_corpus
+from gatedformer.config import RunConfig, validate
 from gatedformer.devices import resolve_device
 from gatedformer.errors import CheckpointError, ConfigError, GatedformerError
 from gatedformer.io import atomic_write_json, atomic_write_text, make_folder
-from gatedformer.models import build_model
+from gatedformer.tasks import task_for
 from gatedformer.train import distributed
 from gatedformer.train.checkpoint import (
     check_architecture,
@@ -35,8 +36,6 @@ from gatedformer.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     load_model_weights,
-    load_run_weights,
-    read_run_config,
     restoring,
     save_checkpoint,
     save_model_weights,
@@ -100,19 +99,6 @@ class RunResult:
                                   "again") from None
 
 
-def metric_value(metric: str, loss: float) -> float:
-    """Perplexity ``exp(loss)`` or bits per character ``loss / ln 2``, from a loss in nats."""
-    if metric == "ppl":
-        return math.exp(min(loss, 700.0))
-    return loss / math.log(2.0)
-
-
-def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def detach_state(state: Any) -> Any:
     """Stop gradients at the window boundary for whatever a model carries between windows."""
     if state is None:
@@ -128,25 +114,6 @@ def _state_to(state: Any, device: torch.device) -> Any:
     if isinstance(state, torch.Tensor):
         return state.to(device)
     return type(state)(_state_to(item, device) for item in state)
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, stream: LMStream, device: torch.device, precision: str = "fp32",
-             max_windows: int = 0) -> float:
-    """Mean negative log-likelihood (nats per token) over the stream's windows, in order."""
-    was_training = model.training
-    model.eval()
-    total, count, state = 0.0, 0, None
-    windows = len(stream) if max_windows <= 0 else min(max_windows, len(stream))
-    for k in range(windows):
-        x, y = stream.window(k)
-        x, y = x.to(device), y.to(device)
-        with _autocast(device, precision):
-            loss, state = model(x, state, targets=y, reduction="sum")
-        total += loss.item()
-        count += y.numel()
-    model.train(was_training)
-    return total / max(count, 1)
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -278,51 +245,34 @@ def saved_config_differences(run_dir: Path, config: RunConfig, ignore: set[str])
     return config_mismatch(saved, config.to_dict(), ignore)
 
 
-def _cycle_windows(stream: LMStream, start_step: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Training windows in order, epoch after epoch; the position follows from the step alone."""
-    step = start_step
-    while True:
-        k = step % len(stream)
-        x, y = stream.window(k)
-        yield k, x, y
-        step += 1
-
-
 def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = None, resume: bool = False,
-          progress: bool = True, stop_after: int | None = None, corpus: Corpus | None = None,
+          progress: bool = True, stop_after: int | None = None, shared: Any = None,
           on_record: Callable[[dict[str, Any]], None] | None = None) -> RunResult | None:
     """Train ``config`` into ``out_dir``; return the final results, or ``None`` if ``stop_after``
-    ended the run early (it can then be resumed). ``on_record`` sees every log record as it is
-    written."""
+    ended the run early (it can then be resumed). ``shared`` is data runs on the same corpus share (see
+    :meth:`gatedformer.tasks.base.Task.shared_data`); ``on_record`` sees every log record as it is written."""
+    validate(config)
+    task = task_for(config)
     if config.train.tensorboard:
-        from gatedformer.train.tensorboard import replay_log, require_tensorboard
+        from gatedformer.train.tensorboard import require_tensorboard
 
         require_tensorboard()  # fail before any work, not after it
-    if config.data.corpus in TRANSLATION_CORPORA:  # translation: the encoder-decoder trainer
-        from gatedformer.train.translation import train_translation
-        result = train_translation(config, out_dir, data_dir, resume, progress, stop_after, on_record)
-        if config.train.tensorboard:  # its log goes to TensorBoard once the run ends
-            replay_log(out_dir)
-        return result
-    validate(config)
     out_dir = Path(out_dir)
     checkpoint_path = prepare_run_dir(out_dir, config, resume)
     tcfg = config.train
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
-    # Under torchrun: join the process group; each rank trains on its share of the batch columns.
+    # Under torchrun: join the process group; each rank trains on its share of every batch.
     ddp = distributed.setup(config.data.batch_size, resolve_device(tcfg.device, "train.device"))
+    if ddp.enabled and not task.supports_ddp:
+        raise ConfigError(f"the {task.name} task trains in one process; run it without torchrun (or with "
+                          "--nproc_per_node 1)")
     device = ddp.device
 
-    corpus = corpus or load_corpus(config.data.corpus, data_dir)
-    eval_len = config.data.eval_seq_len or config.data.seq_len
-    train_stream = LMStream(corpus.train, config.data.batch_size, config.data.seq_len, shard=(ddp.rank, ddp.world),
-                            split="train")
-    valid_stream = LMStream(corpus.valid, config.data.eval_batch_size, eval_len, split="valid")
-    test_stream = LMStream(corpus.test, config.data.eval_batch_size, eval_len, split="test")
-
+    data = task.load_data(config, data_dir, (ddp.rank, ddp.world), progress and ddp.is_main, shared)
+    metric = task.metric(data)
     torch.manual_seed(tcfg.seed)
-    model = build_model(config.model, len(corpus.vocab))
+    model = task.build_model(config, data)
     initialise(model, config.init)
     distributed.seed_rank(ddp, tcfg.seed)  # every rank starts equal; dropout masks then differ per rank
     model.to(device)
@@ -333,11 +283,12 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
     make_folder(out_dir, "run folder")
     if ddp.is_main:
         atomic_write_json(out_dir / "config.json", config.to_dict())
+        for name, content in task.run_files(data).items():
+            atomic_write_json(out_dir / name, content)
     log_path = out_dir / "log.jsonl"
-    step, tokens_seen, carry = 0, 0, None
+    step, tokens_seen, carry, meta = 0, 0, None, None
     clock = TrainingClock()
     loss_sum, loss_count, skipped = 0.0, 0, 0
-    valid_loss: float | None = None
     if checkpoint_path is not None:
         ckpt = load_checkpoint(checkpoint_path)
         check_architecture(ckpt.meta.get("config"), config.to_dict(), str(checkpoint_path))
@@ -353,22 +304,27 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
             # This rank's RNG states and carried state (each rank saved its own).
             carry = _state_to(distributed.restore_rank_state(ddp, ckpt.trainer_state, meta, ckpt.carry, tcfg.seed),
                               device)
+            batches = task.train_batches(data, config, step, meta)
+            steps_per_epoch = task.steps_per_epoch(data, config, meta)
         if ddp.is_main:
             _truncate_log(log_path, step)
-    elif ddp.is_main:
-        log_path.unlink(missing_ok=True)
+    else:
+        batches = task.train_batches(data, config, step, meta)
+        steps_per_epoch = task.steps_per_epoch(data, config, meta)
+        if ddp.is_main:
+            log_path.unlink(missing_ok=True)
 
     net = distributed.wrap(model, ddp)  # DistributedDataParallel when torchrun started several processes
     compiled = compile_model(net) if tcfg.compile else net
     stats = GateStatistics(model)
-    windows = _cycle_windows(train_stream, step)
+    position: dict[str, int] = {}  # where the data stands, as the task says it (saved in the checkpoint's meta)
 
     def checkpoint_now() -> None:  # every rank calls it; rank 0 writes
         ranks = distributed.gather_rank_states(ddp, carry)
         if ddp.is_main:
             trainer_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                              **distributed.rng_state(device)}
-            meta = {"tokens_seen": tokens_seen, **clock.state(), "loss_sum": loss_sum,
+            meta = {**position, "tokens_seen": tokens_seen, **clock.state(), "loss_sum": loss_sum,
                     "loss_count": loss_count, "skipped": skipped, "config": config.to_dict()}
             trainer_state, saved_carry, extra = distributed.checkpoint_parts(ddp, trainer_state, carry, ranks)
             save_checkpoint(out_dir, step, model, trainer_state, {**meta, **extra}, saved_carry)
@@ -389,27 +345,29 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
             if listener is not None:
                 listener(record)
 
+    if checkpoint_path is None:
+        for record in task.start_records(data, params):
+            log(record)
     bar = _progress_bar(progress and ddp.is_main, tcfg.steps, step, out_dir.name)
     model.train()
+    final_eval: dict[str, Any] | None = None
     with _StopSignal() as stop_signal:
         while step < tcfg.steps:
-            window_index, x, y = next(windows)
-            if window_index == 0:
-                carry = None  # a new epoch starts from a fresh state
             started = time.perf_counter()
-            x, y = x.to(device), y.to(device)
-            with _autocast(device, tcfg.precision):
-                # the model's loss: its output layer and the cross-entropy as one function (see output_loss)
-                loss, new_carry = compiled(x, carry, targets=y)
+            batch = next(batches)
+            if batch.new_epoch:
+                carry = None  # a new epoch starts from a fresh state
+            loss, new_carry = task.loss(compiled, batch, carry, config, device)
             # The log records the loss of the global batch: the mean over the ranks.
             loss_value, stepped = optimise(loss, model, optimizer, scheduler, config, step, out_dir,
-                                  lambda loss: distributed.mean_over_ranks(ddp, loss))
+                                           lambda loss: distributed.mean_over_ranks(ddp, loss))
             carry = detach_state(new_carry)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             step += 1
-            tokens_seen += y.numel() * ddp.world
-            clock.add_step(time.perf_counter() - started, y.numel() * ddp.world)
+            position = batch.position
+            tokens_seen += batch.tokens
+            clock.add_step(time.perf_counter() - started, batch.tokens)
             if not stepped:
                 skipped += 1
             if math.isfinite(loss_value):
@@ -419,7 +377,8 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
 
             if step % tcfg.log_every == 0:
                 record = {"event": "train", "step": step, "lr": scheduler.get_last_lr()[0], "tokens": tokens_seen,
-                          "time": clock.step_seconds, "tokens_per_s": clock.tokens_per_second}
+                          "time": clock.step_seconds, "tokens_per_s": clock.tokens_per_second,
+                          **task.log_fields(position)}
                 if loss_count:
                     record["train_loss"] = loss_sum / loss_count
                     bar.set_postfix(loss=f"{loss_sum / loss_count:.3f}")
@@ -430,16 +389,12 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
 
             final = step == tcfg.steps
             if step % tcfg.eval_every == 0 or final:
-                if ddp.is_main:  # rank 0 evaluates the whole split; the others wait in checkpoint_now
-                    scored = len(valid_stream) if final or tcfg.eval_windows <= 0 else min(tcfg.eval_windows,
-                                                                                            len(valid_stream))
-                    with stats.recording():
-                        valid_loss = evaluate(model, valid_stream, device, tcfg.precision, scored)
+                if ddp.is_main:  # rank 0 evaluates; the others wait in checkpoint_now
+                    fields = task.evaluate(model, data, config, device, final, stats.recording)
                     log({"event": "eval", "step": step, "tokens": tokens_seen, "time": clock.step_seconds,
-                         "tokens_per_s": clock.tokens_per_second, "valid_loss": valid_loss, "valid_windows": scored,
-                         f"valid_{corpus.metric}": metric_value(corpus.metric, valid_loss),
-                         "gates": stats.summary()})
-                    bar.set_postfix(valid=f"{metric_value(corpus.metric, valid_loss):.3f} {corpus.metric}")
+                         "tokens_per_s": clock.tokens_per_second, **fields, "gates": stats.summary()})
+                    bar.set_postfix(valid=f"{fields[f'valid_{metric}']:.3f} {metric}")
+                    final_eval = fields if final else None
                 checkpoint_now()
             signal = (stop_signal.received or "on another rank") if distributed.any_rank(
                 ddp, stop_signal.received is not None) else None
@@ -450,25 +405,22 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
     # The last checkpoint is on disk: a signal while the run is scored stops at once, and --resume scores it.
     with _StopSignal(interrupt=(step, out_dir)):
         if ddp.is_main:
-            if valid_loss is None:  # resumed from the final checkpoint of a run stopped before writing its results
-                valid_loss = evaluate(model, valid_stream, device, tcfg.precision)
-            test_loss = evaluate(model, test_stream, device, tcfg.precision)
+            scores = task.score(model, data, config, device, out_dir, final_eval)
             save_model_weights(model, out_dir / "model.safetensors", weights_metadata(config.to_dict()))
             biases = gate_biases(model)
             if biases:
                 save_tensors_atomically(biases, out_dir / "gate_biases.safetensors")
         else:
-            valid_loss = test_loss = math.nan
-        valid_loss, test_loss = distributed.broadcast_floats(ddp, [valid_loss, test_loss])
+            scores = (math.nan,) * 4
+        valid_loss, valid_metric, test_loss, test_metric = distributed.broadcast_floats(ddp, list(scores))
         result = RunResult(
-            run_dir=str(out_dir), corpus=config.data.corpus, metric=corpus.metric, valid_loss=valid_loss,
-            valid_metric=metric_value(corpus.metric, valid_loss), test_loss=test_loss,
-            test_metric=metric_value(corpus.metric, test_loss), params=params, steps=step,
+            run_dir=str(out_dir), corpus=config.data.corpus, metric=metric, valid_loss=valid_loss,
+            valid_metric=valid_metric, test_loss=test_loss, test_metric=test_metric, params=params, steps=step,
             seconds_per_step=clock.seconds_per_step(step), train_seconds=clock.step_seconds,
             tokens_per_second=clock.tokens_per_second, setup_seconds=clock.setup_seconds,
-            wall_seconds=clock.wall_seconds, steps_per_epoch=len(train_stream),
+            wall_seconds=clock.wall_seconds, steps_per_epoch=steps_per_epoch,
         )
-        log({"event": "test", "step": step, "test_loss": test_loss, f"test_{corpus.metric}": result.test_metric})
+        log({"event": "test", "step": step, "test_loss": test_loss, f"test_{metric}": test_metric})
         if ddp.is_main:
             atomic_write_json(out_dir / "results.json", result.__dict__)
     distributed.barrier(ddp)  # every rank returns once the results are written
@@ -499,41 +451,3 @@ def _progress_bar(enabled: bool, total: int, initial: int, name: str) -> Any:
 
     return tqdm(total=total, initial=initial, desc=name, disable=not enabled or None, leave=False,
                 dynamic_ncols=True, unit="step")
-
-
-def evaluate_run(run_dir: str | Path, split: str = "valid", data_dir: str | Path | None = None,
-                 device: str = "auto") -> dict[str, float]:
-    """Loss and metric (bpc, perplexity or BLEU) of a trained run on a whole split."""
-    if _saved_corpus(Path(run_dir)) in TRANSLATION_CORPORA:
-        from gatedformer.train.translation import evaluate_translation_run
-
-        return evaluate_translation_run(run_dir, split, data_dir, device)
-    config, model, corpus = load_trained(run_dir, data_dir, device)
-    tokens = corpus.valid if split == "valid" else corpus.test
-    stream = LMStream(tokens, config.data.eval_batch_size, config.data.eval_seq_len or config.data.seq_len,
-                      split=split)
-    loss = evaluate(model, stream, resolve_device(device), config.train.precision)
-    return {"loss": loss, corpus.metric: metric_value(corpus.metric, loss)}
-
-
-def _saved_corpus(run_dir: Path) -> str | None:
-    try:
-        return json.loads((run_dir / "config.json").read_text(encoding="utf-8"))["data"]["corpus"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # load_trained reports what is wrong with the run directory
-
-
-def load_trained(run_dir: str | Path, data_dir: str | Path | None = None,
-                 device: str = "auto") -> tuple[RunConfig, nn.Module, Corpus]:
-    """The config, model (final weights, else the latest checkpoint) and corpus of a run directory."""
-    run_dir = Path(run_dir)
-    target = resolve_device(device)
-    config = read_run_config(run_dir)
-    if config.data.corpus in TRANSLATION_CORPORA:
-        raise ConfigError(f"{run_dir} is a translation run; use `gatedformer translate --run {run_dir}` "
-                          "or `gatedformer eval --run` for its loss and BLEU")
-    corpus = load_corpus(config.data.corpus, data_dir)
-    model = build_model(config.model, len(corpus.vocab))
-    load_run_weights(model, run_dir, config.to_dict())
-    model.to(target).eval()
-    return config, model, corpus

@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from gatedformer.analysis.runlog import read_log
 from gatedformer.errors import GatedformerError
+from gatedformer.train.runlog import read_log
 
 TENSORBOARD_DIR = "tensorboard"
 _SKIP = {"event", "step", "time", "tokens", "gates", "epoch"}

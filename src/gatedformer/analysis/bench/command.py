@@ -18,10 +18,9 @@ from gatedformer.analysis.bench.options import (
 )
 from gatedformer.analysis.bench.report import format_report
 from gatedformer.analysis.bench.sections import run_bench
-from gatedformer.config import INIT_SCHEMES
+from gatedformer.config import INIT_SCHEMES, backbone_names
 from gatedformer.errors import GatedformerError
 from gatedformer.io import make_folder
-from gatedformer.models import BUILDERS
 
 DESCRIPTION = "Speed and memory benchmarks: throughput, MFU and peak memory of every backbone and gate variant."
 
@@ -43,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rnn-type", choices=("gru", "lstm", "rnn"), default=size.rnn_type,
                        help="R-Transformer LocalRNN cell")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--backbones", nargs="+", help=f"default: all ({', '.join(BUILDERS)})")
+    parser.add_argument("--backbones", nargs="+", help=f"default: all ({', '.join(backbone_names())})")
     parser.add_argument("--variants", nargs="+",
                         help=f"gate variants by name ({', '.join(GATE_VARIANTS)}) or any gate spec; default: all")
     parser.add_argument("--repeats", type=int, default=options.repeats, help="timed rounds (median + IQR)")

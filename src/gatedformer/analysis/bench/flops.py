@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from gatedformer.config import ModelConfig
+from gatedformer.gates.kinds import GATE_KINDS
 from gatedformer.gates.spec import SublayerGates, resolve_placement
 
 _RNN_GATES = {"gru": 3, "lstm": 4, "rnn": 1}
@@ -35,15 +36,7 @@ def _mm(m: int, k: int, n: int) -> int:
 
 
 def _gate_flops(site: SublayerGates, tokens: int, d: int) -> int:
-    flops = 0
-    if site.unit in ("sdu", "highway", "gated_mhdpa"):
-        flops += _mm(tokens, d, 2 * d)  # gate and transform halves in one product
-    if site.eau:
-        h = d // 2
-        flops += _mm(tokens, d, h) + _mm(tokens, h, d) + _mm(tokens, d, d)
-    if site.grc:
-        flops += _mm(tokens, d, d)
-    return flops
+    return sum(tokens * GATE_KINDS[name].matmul_flops(d) for name in site.kinds)
 
 
 def count_flops(cfg: ModelConfig, vocab: int, batch: int, seq_len: int, memory_len: int | None = None) -> FlopCount:
@@ -60,7 +53,7 @@ def count_flops(cfg: ModelConfig, vocab: int, batch: int, seq_len: int, memory_l
         parts[key] = parts.get(key, 0) + value
 
     if cfg.backbone in ("transformer", "rtransformer", "transformer-xl", "sru-transformer"):
-        placement = resolve_placement(cfg.gates, cfg.n_layers, backbone=cfg.backbone)
+        placement = resolve_placement(cfg.gates, cfg.n_layers)
         f = cfg.d_ffn
         for i in range(cfg.n_layers):
             if cfg.backbone == "rtransformer":

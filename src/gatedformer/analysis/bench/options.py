@@ -7,10 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gatedformer.config import INIT_SCHEMES, ModelConfig
+from gatedformer.config import INIT_SCHEMES, ModelConfig, backbone_names
 from gatedformer.errors import ConfigError
 from gatedformer.gates.spec import parse_gate_spec
-from gatedformer.models import BUILDERS
 
 GATE_VARIANTS: dict[str, str] = {
     "baseline": "",
@@ -138,7 +137,7 @@ def check_selection(sections: Sequence[str], backbones: Sequence[str] | None, va
                     mem_lens: Sequence[int], windows: Sequence[int]) -> None:
     """Raise :class:`ConfigError` for an unknown section or backbone, a gate spec that does not parse, or a
     memory sweep value out of range: a typo must stop the run, not become a skipped row."""
-    for flag, names, known in (("--sections", sections, SECTIONS), ("--backbones", backbones or (), BUILDERS)):
+    for flag, names, known in (("--sections", sections, SECTIONS), ("--backbones", backbones or (), backbone_names())):
         unknown = [name for name in names if name not in known]
         _require(not unknown, f"unknown {flag} value(s) {', '.join(map(repr, unknown))}; "
                               f"choose from {', '.join(known)}")

@@ -35,10 +35,11 @@ from gatedformer.analysis.bench.timing import (
     peak_contenders,
     time_round_robin,
 )
+from gatedformer.config import backbone_names, get_backbone
 from gatedformer.devices import resolve_device
 from gatedformer.errors import ConfigError
 from gatedformer.gates.spec import resolve_placement
-from gatedformer.models import BUILDERS, build_model
+from gatedformer.models import build_model
 from gatedformer.train.compiling import compile_limits_fail, compile_model
 
 
@@ -53,27 +54,16 @@ def _variant_specs(variants: Sequence[str] | None) -> dict[str, str]:
     return specs
 
 
-def _gate_capable(backbone: str, n_layers: int) -> bool:
-    try:
-        resolve_placement("+σ SDU", n_layers, backbone=backbone)
-    except ConfigError:
-        return False
-    return True
-
-
 def _check_variants_place(variants: Sequence[str] | None, backbones: Sequence[str] | None, n_layers: int) -> None:
     """Raise :class:`ConfigError` for a variant that no chosen backbone can take (e.g. a layer beyond
-    ``--layers``); one that only some reject becomes a note on those."""
-    gated = [b for b in backbones or BUILDERS if _gate_capable(b, n_layers)]
+    ``--layers``)."""
+    if not any(get_backbone(b).gated for b in backbones or backbone_names()):
+        return
     for name, spec in _variant_specs(variants).items():
-        errors = []
-        for backbone in gated:
-            try:
-                resolve_placement(spec, n_layers, backbone=backbone)
-            except ConfigError as err:
-                errors.append(err)
-        if gated and len(errors) == len(gated):
-            raise ConfigError(f"--variants {name!r} with --layers {n_layers}: {errors[0]}")
+        try:
+            resolve_placement(spec, n_layers)
+        except ConfigError as err:
+            raise ConfigError(f"--variants {name!r} with --layers {n_layers}: {err}") from None
 
 
 def _time_steps(runners: Mapping[str, LMRunner], options: BenchOptions, device: torch.device
@@ -95,8 +85,8 @@ def _bench_models(report: BenchReport, size: BenchSize, options: BenchOptions, d
                   progress: Callable[[str], None]) -> None:
     method = memory_method(options.memory, device)
     specs = _variant_specs(variants)
-    for backbone in backbones or list(BUILDERS):
-        gated = _gate_capable(backbone, size.n_layers)
+    for backbone in backbones or list(backbone_names()):
+        gated = get_backbone(backbone).gated
         chosen = specs if gated else {"baseline": ""}
         if not gated and len(specs) > 1:
             report.notes.append(f"models: {backbone} has no sublayers to gate; only its baseline is measured")
@@ -323,9 +313,9 @@ def _bench_memory(report: BenchReport, size: BenchSize, options: BenchOptions, d
         return
     eager = dataclasses.replace(options, compile=False)
     sweeps: list[tuple[str, str, Sequence[int], dict[str, Any]]] = []
-    if "transformer-xl" in BUILDERS:
+    if "transformer-xl" in backbone_names():
         sweeps.append(("transformer-xl", "mem_len", mem_lens, {}))
-    if "rtransformer" in BUILDERS:
+    if "rtransformer" in backbone_names():
         sweeps.append(("rtransformer", "rnn_window", windows, {}))
         sweeps.append(("rtransformer", "rnn_window", windows, {"rnn_recompute": True}))
     for backbone, knob, values, extra in sweeps:

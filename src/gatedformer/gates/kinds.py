@@ -1,0 +1,150 @@
+"""The one table of gate kinds: everything the rest of the package needs to know about a gate, in one place.
+
+A :class:`GateKind` says how a spec names the gate (``words``), what it does to a sublayer (``role``), which other
+gates it excludes, where it may be placed, how a report labels it, the module that computes it, its parameters and
+FLOPs, and the name of its element-wise end in the gate kernel (``tail``). The spec grammar
+(:mod:`gatedformer.gates.spec`), the sublayer (:class:`gatedformer.nn.sublayer.Sublayer`), the fused paths
+(:mod:`gatedformer.ops`), the parameter and FLOP counts and the gate figures all read this table; a new gate is a new
+row here plus its unit module, and every fused path that does not list the new kind declines sublayers that carry
+it, so training and evaluation always compute the same thing.
+
+The roles, where :class:`~gatedformer.nn.sublayer.Sublayer` applies a gate (``X`` the residual stream, ``h`` the
+body's input: ``X`` post-LN, ``LN(X)`` pre-LN, ``S`` the body's output ``F(h)``):
+
+* ``output``: ``S ← unit(S)`` (EAU, after attention);
+* ``branch``: ``S ← S + unit(h)`` (SDU);
+* ``blend``: ``S ← unit(h, S)`` (gated MHDPA: ``(1 − T(h)) ⊙ S + T(h) ⊙ f(h)``);
+* ``stream``: ``X ← unit(X)`` before the residual add (highway gate: ``(1 − T(X)) ⊙ X + T(X) ⊙ f(X)``);
+* ``residual``: the residual add ``X + S`` becomes ``unit(X, S)`` (GRC: ``X + σ(Wg X + bg) ⊙ S``).
+
+in that order. Gates are leaves: this module imports nothing of the package outside ``gates``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from .eau import EAU
+from .gated_mhdpa import GatedMHDPA
+from .grc import GatedResidual
+from .highway import HighwayGate
+from .sdu import SDU
+
+ROLES = ("output", "branch", "blend", "stream", "residual")
+"""What a gate does to its sublayer, in the order the sublayer applies them (see the module docstring)."""
+SUBLAYERS = ("attn", "ffn", "cross")
+"""Sublayer kinds: self-attention, feed-forward and (encoder-decoder models) the decoder's cross-attention."""
+GATE_FNS = ("sigmoid", "tanh")
+"""The SDU's gate functions Ψ."""
+
+
+@dataclass(frozen=True)
+class GateKind:
+    """One kind of gate (see the module docstring)."""
+
+    name: str
+    """The one name of the gate in code, specs, saved statistics and reports' keys; also the attribute of
+    :class:`~gatedformer.nn.sublayer.Sublayer` that holds its unit (so parameter names read ``attn.sdu.proj``)."""
+    label: str
+    """How reports and figures print it."""
+    unit: type[nn.Module]
+    """The module that computes it (in :mod:`gatedformer.gates`)."""
+    words: tuple[str, ...]
+    """The spec words that name it (lower case; a two-word name joined by ``-``: ``highway-gate``)."""
+    role: str
+    """One of :data:`ROLES`."""
+    sublayers: tuple[str, ...]
+    """The sublayers it may go on; an item of a spec that names none gates all of these."""
+    paper: str
+    """Where the gate comes from."""
+    equation: str
+    """Its equation, as the papers write it."""
+    where: str = "on any sublayer"
+    """Where it goes, as an error names it (``after multi-head attention``)."""
+    exclusive: bool = False
+    """At most one exclusive gate per sublayer: they all reshape what the body's output becomes."""
+    replaces_residual: bool = False
+    """It changes the residual connection itself; two such gates cannot share a sublayer."""
+    takes_fn: bool = False
+    """It takes a gate function Ψ (σ or tanh) from the spec."""
+    parameters: Callable[[int], int] = lambda d: 0
+    """Its parameter count at width ``d``."""
+    matmul_flops: Callable[[int], int] = lambda d: 0
+    """The FLOPs of its matrix products per token at width ``d`` (forward)."""
+    tail: Callable[[nn.Module], str] = lambda unit: ""
+    """The name of the unit's element-wise end among the gate kernel's tails
+    (:data:`gatedformer.kernels.gate.TAILS`)."""
+
+    def build(self, d_model: int, fn: str = "sigmoid") -> nn.Module:
+        """A fresh unit of width ``d_model`` (``fn``: the SDU's Ψ)."""
+        return self.unit(d_model, fn) if self.takes_fn else self.unit(d_model)
+
+
+def _eau_parameters(d: int) -> int:
+    k = d // 2
+    return d * k + k + k * d + d + d * d + d
+
+
+GATE_KINDS: dict[str, GateKind] = {kind.name: kind for kind in (
+    GateKind(
+        "sdu", "SDU", SDU, ("sdu",), "branch", ("attn", "ffn", "cross"),
+        "Chai et al., Highway Transformer, ACL 2020", "SDU(X) = Ψ(XW1+b1) ⊙ (XW2+b2), U = LN(X + F(X) + SDU(X))",
+        exclusive=True, takes_fn=True, parameters=lambda d: 2 * d * (d + 1), matmul_flops=lambda d: 4 * d * d,
+        tail=lambda unit: f"sdu-{unit.gate}"),
+    GateKind(
+        "highway", "highway gate", HighwayGate, ("highway", "highway-gate", "highway_gate"), "stream",
+        ("attn", "ffn", "cross"), "Chai et al., Highway Transformer, ACL 2020",
+        "o = (1−T(X))⊙X + T(X)⊙f(X), U = LN(o + F(X))",
+        exclusive=True, replaces_residual=True, parameters=lambda d: 2 * d * (d + 1),
+        matmul_flops=lambda d: 4 * d * d, tail=lambda unit: "lerp"),
+    GateKind(
+        "gated_mhdpa", "gated MHDPA", GatedMHDPA, ("gated-mhdpa", "gated_mhdpa", "gmhdpa"), "blend",
+        ("attn", "ffn", "cross"), "Chai et al., Highway Transformer, ACL 2020",
+        "o = (1−T(X))⊙F(X) + T(X)⊙f(X), U = LN(o + X)",
+        exclusive=True, replaces_residual=True, parameters=lambda d: 2 * d * (d + 1),
+        matmul_flops=lambda d: 4 * d * d, tail=lambda unit: "lerp"),
+    GateKind(
+        "eau", "EAU", EAU, ("eau",), "output", ("attn", "cross"),
+        "Dhayalkar, Evaluator Adjuster Unit and Gated Residual Connections, 2024",
+        "y = x + tanh(W3x+b3) ⊙ σ(W2·ReLU(W1x+b1)+b2)", where="after multi-head attention",
+        parameters=_eau_parameters, matmul_flops=lambda d: 2 * (2 * d * (d // 2) + d * d), tail=lambda unit: "eau"),
+    GateKind(
+        "grc", "GRC", GatedResidual, ("grc",), "residual", ("attn", "ffn", "cross"),
+        "Dhayalkar, Evaluator Adjuster Unit and Gated Residual Connections, 2024", "y = r + σ(Wg r + bg) ⊙ s",
+        replaces_residual=True, parameters=lambda d: d * (d + 1), matmul_flops=lambda d: 2 * d * d,
+        tail=lambda unit: "sdu-sigmoid"),
+)}
+"""Every gate kind, in the order their slots are listed (and reports show them)."""
+
+LEGACY_NAMES = {"gated_mix": "gated_mhdpa", "residual_gate": "grc"}
+"""Names earlier versions gave the sublayer attributes of two kinds: weights, gate biases and logged statistics
+saved under them still load (:func:`canonical_name`)."""
+
+
+def kind_of(unit: nn.Module) -> GateKind | None:
+    """The kind whose unit ``unit`` is (exact type), or ``None`` for anything else."""
+    return _BY_UNIT.get(type(unit))
+
+
+def canonical_name(qualified: str) -> str:
+    """``qualified`` (a parameter or module name such as ``layers.0.attn.gated_mix.proj.bias``) with the legacy slot
+    names of :data:`LEGACY_NAMES` replaced by today's."""
+    parts = qualified.split(".")
+    return ".".join(LEGACY_NAMES.get(part, part) for part in parts)
+
+
+def kind_in_name(qualified: str) -> GateKind | None:
+    """The kind whose slot appears in a qualified name (``layers.0.attn.sdu`` → SDU), legacy names included."""
+    for part in canonical_name(qualified).split("."):
+        if part in GATE_KINDS:
+            return GATE_KINDS[part]
+    return None
+
+
+_BY_UNIT = {kind.unit: kind for kind in GATE_KINDS.values()}
+
+__all__ = ["GATE_FNS", "GATE_KINDS", "LEGACY_NAMES", "ROLES", "SUBLAYERS", "GateKind", "canonical_name",
+           "kind_in_name", "kind_of"]

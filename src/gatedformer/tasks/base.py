@@ -1,0 +1,133 @@
+"""What a task is: everything about one kind of experiment that the training loop does not know.
+
+The loop (:func:`gatedformer.train.loop.train`) owns what every run shares: the run folder, checkpoints and exact
+resume, RNG states, data parallelism, signals, non-finite losses, logging, TensorBoard and progress. A :class:`Task`
+owns the rest: how to read its data, build its model, turn the data into training steps and a step into a loss, and
+how to evaluate, score and decode. The loop calls these methods in this order::
+
+    data = task.load_data(config, data_dir, shard, progress)
+    model = task.build_model(config, data)                  # after torch.manual_seed(train.seed)
+    files = task.run_files(data)                            # written beside config.json
+    for batch in task.train_batches(data, config, ddp, step, meta):
+        loss, carry = task.loss(model, batch, carry, config, device)
+        ...                                                 # and, every train.eval_every steps,
+        fields = task.evaluate(model, data, config, device, final, recording)
+    valid_loss, valid_metric, test_loss, test_metric = task.score(model, data, config, device, out_dir, final_eval)
+
+A third task subclasses :class:`Task` in its own module of :mod:`gatedformer.tasks` and registers there; the loop
+does not change.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from gatedformer.config import RunConfig
+
+__all__ = ["Task", "TrainBatch"]
+
+
+@dataclass
+class TrainBatch:
+    """One training step's data, as :meth:`Task.train_batches` gives it."""
+
+    inputs: tuple[torch.Tensor, ...]
+    """What :meth:`Task.loss` takes (on the CPU; the task moves them)."""
+    tokens: int
+    """The tokens the step trains on, over every rank (for throughput and the log)."""
+    new_epoch: bool = False
+    """The first batch of an epoch: a recurrent state carried from the last batch starts afresh."""
+    position: dict[str, int] = field(default_factory=dict)
+    """Where the data stands once this batch is consumed, as the checkpoint's meta records it (empty where the step
+    alone says it)."""
+
+
+class Task(ABC):
+    """One kind of experiment: its data, model, loss, metric, evaluation and decoding."""
+
+    name: ClassVar[str]
+    """What :func:`gatedformer.config.task_of` calls it."""
+    title: ClassVar[str]
+    """How messages name its runs (``a language-model run``)."""
+    supports_ddp: ClassVar[bool] = False
+    """Whether it shards its batches over the ranks of a data-parallel run."""
+
+    def shared_data(self, config: RunConfig, data_dir: str | Path | None) -> Any:
+        """What runs on the same corpus may share instead of each reading it (``compare`` reads it once for all its
+        runs); ``None`` where each run reads its own."""
+        return None
+
+    @abstractmethod
+    def load_data(self, config: RunConfig, data_dir: str | Path | None, shard: tuple[int, int] = (0, 1),
+                  progress: bool = False, shared: Any = None) -> Any:
+        """The corpus, vocabularies and splits the config names; ``shard`` is ``(rank, world)`` of a data-parallel
+        run (this rank trains on its share of each batch); ``progress`` lets it say what it skipped; ``shared`` is
+        what :meth:`shared_data` gave for this corpus, if the caller has it."""
+
+    @abstractmethod
+    def build_model(self, config: RunConfig, data: Any) -> nn.Module:
+        """The network of ``config.model`` for this data (its vocabulary sizes)."""
+
+    @abstractmethod
+    def metric(self, data: Any) -> str:
+        """The name of the task's metric (``bpc``, ``ppl``, ``bleu``)."""
+
+    def run_files(self, data: Any) -> dict[str, Any]:
+        """JSON files (name → content) the run folder keeps beside ``config.json``, e.g. the vocabularies."""
+        return {}
+
+    def start_records(self, data: Any, params: int) -> list[dict[str, Any]]:
+        """Log records a new run starts with (not a resumed one)."""
+        return []
+
+    @abstractmethod
+    def train_batches(self, data: Any, config: RunConfig, step: int, meta: dict[str, Any] | None
+                      ) -> Iterator[TrainBatch]:
+        """The training batches from optimisation step ``step`` on, epoch after epoch, forever; ``meta`` is the
+        checkpoint's meta when resuming (where the data stood, see :attr:`TrainBatch.position`)."""
+
+    @abstractmethod
+    def steps_per_epoch(self, data: Any, config: RunConfig, meta: dict[str, Any] | None) -> int:
+        """Training steps in one pass over the training split."""
+
+    def log_fields(self, position: dict[str, int]) -> dict[str, Any]:
+        """What a ``train`` log record adds about where the data stands."""
+        return {}
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: TrainBatch, carry: Any, config: RunConfig,
+             device: torch.device) -> tuple[torch.Tensor, Any]:
+        """The training loss of one batch (the mean the optimiser minimises) and the state to carry to the next."""
+
+    @abstractmethod
+    def evaluate(self, model: nn.Module, data: Any, config: RunConfig, device: torch.device, final: bool,
+                 recording: Callable[[], AbstractContextManager[Any]]) -> dict[str, Any]:
+        """An evaluation during training, on the whole valid split when ``final``: the ``eval`` record's fields,
+        ``valid_loss`` and ``valid_<metric>`` among them. Gate activations are recorded inside ``with
+        recording():``, around the part of the evaluation that reads the model on the data as it is."""
+
+    @abstractmethod
+    def score(self, model: nn.Module, data: Any, config: RunConfig, device: torch.device, out_dir: Path,
+              final_eval: dict[str, Any] | None) -> tuple[float, float, float, float]:
+        """The finished run's ``(valid_loss, valid_metric, test_loss, test_metric)`` on the whole splits (the valid
+        ones from ``final_eval`` where the last evaluation scored them), writing what the task keeps of them."""
+
+    # ---- using a trained run ---------------------------------------------------------------------------------
+
+    @abstractmethod
+    def inference_data(self, config: RunConfig, run_dir: Path, data_dir: str | Path | None) -> Any:
+        """What a trained model needs besides its weights (vocabularies), from the run folder where it keeps them,
+        else from the corpus."""
+
+    @abstractmethod
+    def evaluate_split(self, model: nn.Module, config: RunConfig, split: str, data_dir: str | Path | None,
+                       device: torch.device, data: Any) -> dict[str, float]:
+        """The loss and metric of a trained model on a whole split (``valid`` or ``test``)."""
