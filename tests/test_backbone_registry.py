@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gatedformer import SRU, Seq2SeqTransformer, TransformerLM
+from gatedformer import Seq2SeqTransformer, TransformerLM
 from gatedformer.config import Backbone, RunConfig, apply_overrides, backbone_names, register_backbone, validate
 from gatedformer.errors import ConfigError
 from gatedformer.models import build_model
@@ -14,7 +14,7 @@ from gatedformer.models import build_model
 def test_each_model_module_registers_its_backbones() -> None:
     assert set(backbone_names("lm")) == {"transformer", "rtransformer", "transformer-xl", "gcnn", "sru",
                                          "sru-transformer"}
-    assert backbone_names("translation") == ("transformer",)
+    assert backbone_names("translation") == ("transformer", "sru-transformer", "convs2s")
     with pytest.raises(ConfigError, match=r"model.backbone='lstm' is not one of .*transformer-xl.* \(the lm models\)"):
         validate(apply_overrides(RunConfig(), ["model.backbone=lstm"]))
 
@@ -39,11 +39,23 @@ def test_each_backbone_builds_runs_and_is_causal(backbone: str) -> None:
     assert torch.allclose(logits[:, :5], model(changed)[0][:, :5], atol=1e-5)
 
 
-def test_sru_transformer_adds_one_sru_sublayer_per_layer() -> None:
-    plain = TransformerLM(11, d_model=16, n_layers=3, n_heads=2, d_ffn=32)
-    with_sru = TransformerLM(11, d_model=16, n_layers=3, n_heads=2, d_ffn=32, sru_sublayer=True)
-    assert all(layer.recurrent is None for layer in plain.layers)
-    assert all(isinstance(layer.recurrent.body.sru, SRU) for layer in with_sru.layers)
+def test_sru_transformer_puts_an_sru_in_place_of_every_feed_forward_hidden_layer() -> None:
+    from gatedformer.config import ModelConfig
+    from gatedformer.nn.sru import SRUFeedForward
+
+    plain = build_model(ModelConfig(d_model=16, n_layers=3, n_heads=2, d_ffn=32), 11)
+    with_sru = build_model(ModelConfig(backbone="sru-transformer", d_model=16, n_layers=3, n_heads=2, d_ffn=32), 11)
+    for layer in with_sru.layers:
+        body = layer.ffn.body
+        assert isinstance(body, SRUFeedForward) and not hasattr(layer, "recurrent")
+        # W2 · SRU(x) + b2: an SRU of d_ffn units without highway term (3 streams), then the output projection
+        assert (body.sru.input_size, body.sru.hidden_size, body.sru.num_streams, body.sru.alpha) == (16, 32, 3, 0.0)
+        assert tuple(body.outer.weight.shape) == (16, 32)
+    count = lambda model: sum(p.numel() for p in model.parameters())  # noqa: E731
+    # per layer: the SRU's 3·d·f weights and four f-vectors replace W1 (d·f) and b1 (f)
+    assert count(with_sru) - count(plain) == 3 * (3 * 16 * 32 + 4 * 32 - (16 * 32 + 32))
+    with pytest.raises(ConfigError, match="model.ffn='glu' does not apply"):
+        validate(apply_overrides(RunConfig(), ["model.backbone=sru-transformer", "model.ffn=glu"]))
 
 
 def test_module_argument_errors_become_config_errors() -> None:

@@ -142,7 +142,8 @@ def test_flop_counter_other_backbones() -> None:
     assert xl.forward["attn.scores"] == 2 * 2 * 2 * pairs * d
     sru_t = count_flops(ModelConfig(backbone="sru-transformer", d_model=d, n_layers=2, n_heads=2, d_ffn=16), 11, 2, 4)
     plain = count_flops(ModelConfig(backbone="transformer", d_model=d, n_layers=2, n_heads=2, d_ffn=16), 11, 2, 4)
-    assert sru_t.forward == {**plain.forward, "sru.proj": 2 * (2 * n * d * (3 * d))}  # + one d -> 3d product a layer
+    # The SRU takes the place of the feed-forward's hidden layer: one d -> 3f product, then W2 (f -> d) as before.
+    assert sru_t.forward == {**plain.forward, "ffn": 2 * (2 * n * 16 * d), "sru.proj": 2 * (2 * n * d * (3 * 16))}
     with pytest.raises(ValueError, match="no FLOP formula"):
         count_flops(ModelConfig(backbone="nothing-like-it"), 11, 2, 4)
 

@@ -22,10 +22,10 @@ def sets(overrides: list[str]) -> list[str]:
     return [arg for o in overrides for arg in ("--set", o)]
 
 
-def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """The installed entry point in a fresh process, as a user would call it."""
     return subprocess.run([sys.executable, "-m", "gatedformer", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
+                          env={**os.environ, **(env or {})}, timeout=300, cwd=cwd)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
@@ -56,10 +56,11 @@ def test_train_eval_generate_params(text_corpus: str, tmp_path: Path, capsys: py
     assert main(["params", "--recipe", "ptb-char-tiny", "--json", *sets(tiny_overrides(text_corpus))]) == 0
     report = json.loads(capsys.readouterr().out)
     names = [v["variant"] for v in report["variants"]]
-    assert names == ["baseline", "+σ SDU", "+tanh SDU"]
-    base, sdu = report["variants"][0], report["variants"][1]
+    assert names == ["baseline", "+σ SDU", "+tanh SDU", "baseline, params of +σ SDU"]
+    base, sdu, _, matched = report["variants"]
     assert sdu["total"] - base["total"] == 2 * 2 * 2 * 16 * 17  # 2 layers x 2 sublayers x 2d(d+1)
     assert sdu["components"]["gate: SDU"] == 2 * 2 * 2 * 16 * 17
+    assert abs(matched["total"] - sdu["total"]) <= 0.005 * sdu["total"] and "gate: SDU" not in matched["components"]
     assert "gate: SDU" not in base["components"]
 
 
@@ -98,7 +99,9 @@ def test_resume_from_the_command_line(text_corpus: str, tmp_path: Path) -> None:
     ],
 )
 def test_bad_input_is_one_line(args: list[str], fragment: str, tmp_path: Path) -> None:
-    assert_one_line_error(run_cli(*args), fragment)
+    assert_one_line_error(run_cli(*args, cwd=tmp_path), fragment)
+    # A command refused on its input leaves nothing behind: no half-made run folder "x" holding only a lock.
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_output_path_blocked_by_a_file_is_one_line(text_corpus: str, tmp_path: Path,
@@ -140,8 +143,8 @@ def test_bad_sampling_device_and_corpus_names_are_one_line(text_corpus: str, tmp
           *sets(tiny_overrides(text_corpus, steps=2))], "train.device=cudax is not a device"),
         (["data", "check", "ptb-chars"], "unknown corpus 'ptb-chars'; check one of: ptb, ptb-char"),
         (["data", "list", "ptb"], "data list takes no corpus name"),
-        (["data", "fetch", "multi31k"], "fetchable corpora: ptb, ptb-char, wikitext2, wikitext2-char, enwik8, "
-                                        "multi30k"),
+        (["data", "fetch", "multi31k"], "fetchable corpora: ptb, ptb-char, wikitext2, wikitext2-char, wikitext103, "
+                                        "enwik8, glue-cola"),
     ]:
         assert main(args) == 2, args
         out, err = capsys.readouterr()

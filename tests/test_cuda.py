@@ -188,3 +188,22 @@ def test_a_compiled_recurrent_step_on_cuda_equals_the_eager_one(backbone: str) -
         results.append((loss, *torch.autograd.grad(loss, list(model.parameters()))))
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-3, atol=1e-4)
+
+
+def test_fp16_training_on_cuda_scales_its_loss_and_resumes(text_corpus: str, tmp_path: Path) -> None:
+    from gatedformer.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    config = _train_config(text_corpus, "train.precision=fp16")
+    whole = train(config, tmp_path / "whole", progress=False)
+    assert train(config, tmp_path / "split", progress=False, stop_after=5) is None
+    saved = load_checkpoint(latest_checkpoint(tmp_path / "split")).trainer_state["scaler"]
+    assert saved["scale"] > 0 and saved["_growth_tracker"] == 5  # five steps without an overflow
+    resumed = train(config, tmp_path / "split", resume=True, progress=False)
+    log = [json.loads(line) for line in (tmp_path / "whole" / "log.jsonl").read_text().splitlines()]
+    losses = [r["train_loss"] for r in log if "train_loss" in r]
+    assert len(losses) == 12 and losses[-1] < losses[0]
+    # The same steps and the same scale from the checkpoint: the same weights, to the GPU's summation order (the
+    # embedding's backward adds in a varying order, as in the fp32 test above).
+    assert resumed.test_loss == pytest.approx(whole.test_loss, rel=1e-3)
+    resumed_log = [json.loads(line) for line in (tmp_path / "split" / "log.jsonl").read_text().splitlines()]
+    assert [r["train_loss"] for r in resumed_log if "train_loss" in r] == pytest.approx(losses, rel=1e-3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -284,8 +285,8 @@ def test_check_corpora_reports_ok_missing_corrupt(monkeypatch, tmp_path, no_defa
     assert rows["ptb"]["status"] == "ok" and rows["ptb"]["path"] == str(tmp_path / "ptb")
     assert rows["wikitext2"]["status"] == "corrupt" and "checksum mismatch" in rows["wikitext2"]["detail"]
     assert rows["enwik8"]["status"] == "missing" and "gatedformer data fetch enwik8" in rows["enwik8"]["detail"]
-    assert set(rows) == set(CORPORA) | {"multi30k"}
-    assert rows["multi30k"]["status"] == "missing"
+    assert set(rows) == set(CORPORA) | {"multi30k", "wmt14"}
+    assert rows["multi30k"]["status"] == rows["wmt14"]["status"] == "missing"
     assert [row["name"] for row in check_corpora(tmp_path, "PTB")] == ["ptb"]  # one corpus alone, any case
 
 
@@ -358,7 +359,8 @@ def small_enwik8(monkeypatch):
     """enwik8 with the exact-size check set to 2,000 bytes."""
     n = 2000
     spec = CORPORA["enwik8"]
-    f = dataclasses.replace(spec.files[0], decoded_size=n)
+    # Synthetic bytes: the real zip's and content's hashes and the zip's size do not apply.
+    f = dataclasses.replace(spec.files[0], decoded_size=n, sha256=None, size=None, decoded_sha256=None)
     monkeypatch.setitem(CORPORA, "enwik8", dataclasses.replace(spec, files=(f,)))
     return n
 
@@ -490,6 +492,91 @@ def test_fetch_network_errors(monkeypatch, tmp_path, mirror):
         fetch_corpus("ptb", tmp_path / "d2", base_url=dead, progress=False)
     assert dead in one_line(err)
     assert leftovers(tmp_path / "d1") == [] and leftovers(tmp_path / "d2") == []
+
+
+def test_every_download_is_pinned_by_its_hash_and_size():
+    from gatedformer.data import registry
+    from gatedformer.data.translation import multi30k_download_spec
+
+    enwik8 = registry.CORPORA["enwik8"].files[0]
+    assert (enwik8.sha256, enwik8.size) == (registry.ENWIK8_ZIP_SHA256, 36_445_475)  # the zip at mattmahoney.net
+    assert (enwik8.decoded_size, enwik8.decoded_sha256) == (10**8, registry.ENWIK8_SHA256)  # what it holds
+    for spec in [registry.CORPORA[name] for name in ("ptb", "ptb-char", "wikitext2")] + [multi30k_download_spec()]:
+        assert all(len(f.sha256 or "") == 64 and f.size for f in spec.files), spec.name
+
+
+@pytest.mark.parametrize("form", ["zip", "raw"])
+def test_enwik8_of_the_right_size_but_other_bytes_is_refused(tmp_path, small_enwik8, monkeypatch, form):
+    good, other = fake_enwik8(small_enwik8, seed=0), fake_enwik8(small_enwik8, seed=1)
+    spec = CORPORA["enwik8"]
+    monkeypatch.setitem(CORPORA, "enwik8", dataclasses.replace(
+        spec, files=(dataclasses.replace(spec.files[0], decoded_sha256=sha(good)),)))
+    (tmp_path / "enwik8").mkdir()
+    path = tmp_path / "enwik8" / ("enwik8.zip" if form == "zip" else "enwik8")
+    path.write_bytes(zipped(other) if form == "zip" else other)
+    with pytest.raises(DataError) as err:
+        load_corpus("enwik8", tmp_path)
+    assert "checksum mismatch" in one_line(err) and "its content has sha256" in str(err.value)
+    path.write_bytes(zipped(good) if form == "zip" else good)
+    assert bytes(load_corpus("enwik8", tmp_path).train.tolist()) == good[:1800]
+
+
+class _Endless(http.server.BaseHTTPRequestHandler):
+    """A server that streams bytes without end and without saying how many."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+        with contextlib.suppress(OSError):
+            for _ in range(4096):  # 256 MiB at most, should the client not stop
+                self.wfile.write(b"x" * (1 << 16))
+
+
+def test_a_download_stops_at_the_known_size(monkeypatch, tmp_path, mirror):
+    root, url = mirror
+    install_word_corpus(monkeypatch, root, WORDS)
+    (root / "ptb" / "train.txt").write_bytes(b"the cat sat " * 1000)  # far more than the file has
+    with pytest.raises(DataError) as err:
+        fetch_corpus("ptb", tmp_path / "d1", base_url=url, progress=False)
+    assert f"announces 12000 bytes, more than the {len(WORDS['train'])} bytes the file has" in one_line(err)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Endless)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        with pytest.raises(DataError) as err:
+            fetch_corpus("ptb", tmp_path / "d2", base_url=f"http://127.0.0.1:{server.server_address[1]}",
+                         progress=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "sent more than the" in one_line(err) and "nothing was saved" in str(err.value)
+    assert leftovers(tmp_path / "d1") == [] and leftovers(tmp_path / "d2") == []
+
+
+def test_a_killed_fetch_is_cleaned_up_by_the_next_and_two_fetches_never_share_a_folder(tmp_path, mirror,
+                                                                                         small_enwik8):
+    from gatedformer.data.fetch import FETCH_LOCK
+    from gatedformer.errors import InUseError
+    from gatedformer.io import FolderLock
+
+    root, url = mirror
+    (root / "enwik8").mkdir()
+    (root / "enwik8" / "enwik8.zip").write_bytes(zipped(fake_enwik8(small_enwik8)))
+    dest = tmp_path / "dest"
+    (dest / "enwik8").mkdir(parents=True)
+    for name in (".enwik8.zip.k1lled.part", ".enwik8.zip.k2lled.part.plain", ".keep"):
+        (dest / "enwik8" / name).write_bytes(b"left behind")
+    lock = FolderLock(dest / FETCH_LOCK, "fetch enwik8")
+    assert lock.acquire()
+    try:
+        with pytest.raises(InUseError, match=f"is being fetched into by process {os.getpid()} "):
+            fetch_corpus("enwik8", dest, base_url=url, progress=False)
+    finally:
+        lock.release()
+    fetch_corpus("enwik8", dest, base_url=url, progress=False)
+    assert leftovers(dest) == [".keep", "enwik8.zip"]
 
 
 def _small_multi30k(monkeypatch, root: Path) -> dict[str, bytes]:

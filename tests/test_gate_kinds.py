@@ -75,11 +75,14 @@ def _lm(cls: type, **extra: object) -> Callable[[str], nn.Module]:
 PATHS: dict[str, Callable[[str], nn.Module]] = {
     "transformer": _lm(TransformerLM),
     "transformer pre-LN": _lm(TransformerLM, norm="pre"),
-    "sru-transformer": _lm(TransformerLM, sru_sublayer=True),
+    "sru-transformer": _lm(TransformerLM, ffn="sru"),
     "rtransformer": _lm(RTransformerLM, rnn_window=3),
     "transformer-xl": _lm(TransformerXLLM, mem_len=6),
     "translation": lambda gates: Seq2SeqTransformer(23, 19, layers=2, d_model=32, ffn=48, heads=2, max_len=16,
                                                     dropout=0.1, gates=gates, pad_id=1),
+    "translation sru-transformer": lambda gates: Seq2SeqTransformer(23, 19, layers=2, d_model=32, ffn=48, heads=2,
+                                                                    max_len=16, dropout=0.1, gates=gates, pad_id=1,
+                                                                    ffn_kind="sru"),
 }
 
 

@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "gatedformer"
 # What each part may import of the package (besides itself). A part is a subpackage or a top-level module.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
+    "version": set(),
     "io": {"errors"},
     "devices": {"errors"},
     "gates": {"errors"},
@@ -23,13 +24,14 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"data", "gates", "errors"},
     "models": {"nn", "ops", "kernels", "gates", "config", "errors"},
     "tasks": {"models", "data", "config", "devices", "io", "errors"},
-    "train": {"tasks", "config", "data", "gates", "devices", "io", "errors", "__init__"},
+    "train": {"tasks", "config", "data", "gates", "devices", "io", "errors", "version", "__init__"},
     "runs": {"tasks", "train", "config", "devices", "errors"},
+    "pretrained": {"runs", "tasks", "train", "config", "devices", "io", "errors", "version"},
     "analysis": {"runs", "train", "tasks", "models", "nn", "ops", "kernels", "gates", "data", "config", "devices",
                  "io", "errors", "__init__"},
-    "cli": {"analysis", "runs", "train", "tasks", "data", "config", "errors", "__init__"},
+    "cli": {"analysis", "runs", "pretrained", "train", "tasks", "data", "config", "errors", "__init__"},
     "__main__": {"cli"},
-    "__init__": {"models", "gates", "config", "errors", "runs", "tasks", "train"},
+    "__init__": {"models", "gates", "config", "errors", "runs", "pretrained", "tasks", "train", "version"},
 }
 
 

@@ -7,9 +7,11 @@ and need no shared data); a few tests read the real Multi30K files when they are
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -391,6 +393,46 @@ def test_translate_cli_reads_stdin_strictly_and_takes_a_length_penalty(
     assert "--length-penalty must be a finite number >= 0" in capsys.readouterr().err
 
 
+def test_translate_reads_bounded_lines_as_they_come_and_beams_up_to_the_vocabulary(
+        trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from gatedformer.cli import main
+
+    def one_line() -> str:
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("gatedformer: error: "), lines
+        return lines[0]
+
+    started = time.monotonic()
+    assert main(["translate", "--run", str(trained_run), "--input", "/dev/zero"]) == 2  # endless, no line breaks
+    assert "line 1 of --input /dev/zero is longer than 65536 bytes" in one_line()
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"a dog .\n" + b"\0" * 10**6), encoding="utf-8"))
+    assert main(["translate", "--run", str(trained_run)]) == 2
+    assert "line 2 of standard input is longer than 65536 bytes" in one_line()
+    assert time.monotonic() - started < 60
+    assert main(["translate", "--run", str(trained_run), "--input", str(tmp_path)]) == 2
+    assert "cannot read --input" in one_line()
+    vocabulary = len(load_translation_run(trained_run).data.tgt)
+    source = tmp_path / "in.en"
+    source.write_text("a dog .\n", encoding="utf-8")
+    assert main(["translate", "--run", str(trained_run), "--input", str(source), "--beam", "100000"]) == 2
+    assert f"--beam must be from 1 (greedy) to the target vocabulary's {vocabulary} tokens" in one_line()
+    assert main(["translate", "--run", str(trained_run), "--input", str(source), "--beam", str(vocabulary)]) == 0
+
+    run = load_translation_run(trained_run)
+    pulled = []
+
+    def lines():  # an input that goes on: the first translations come before it ends
+        for k in itertools.count():
+            pulled.append(k)
+            yield "a big dog ." if k % 2 else "a cat ."
+
+    translations = translation_task.translate_stream(run.model, run.config, run.data, lines(), beam=1, batch_size=2)
+    first = [next(translations), next(translations)]
+    assert first == translate_lines(trained_run, ["a cat .", "a big dog ."], beam=1) and len(pulled) == 2
+
+
 def test_translation_weights_of_another_architecture_are_refused_by_name(trained_run: Path) -> None:
     assert recorded_config(trained_run / "model.safetensors")["model"]["d_model"] == 16
     config = json.loads((trained_run / "config.json").read_text())
@@ -473,9 +515,12 @@ def test_config_validation_for_translation() -> None:
 def test_recipes_list_the_four_variants() -> None:
     for name in ("multi30k-tiny", "multi30k-paper"):
         recipe = load_recipe(name)
-        assert [v.name for v in recipe.variants] == ["baseline", "+EAU", "+GRC", "+EAU+GRC"]
+        assert [v.name for v in recipe.variants][:4] == ["baseline", "+EAU", "+GRC", "+EAU+GRC"]
         for variant in recipe.variants:
             assert build_config(recipe, [], variant).data.corpus == "multi30k"
+    assert load_recipe("multi30k-tiny").variants[4].match_params == "+EAU+GRC"  # and Table 3's other sizes:
+    assert [v.name for v in load_recipe("multi30k-paper").variants][4:] == [
+        "baseline l2", "+EAU+GRC l2", "baseline l2 n64 k128 f512", "+EAU+GRC l2 n64 k128 f512"]
     paper = build_config(load_recipe("multi30k-paper"))
     assert (paper.model.n_layers, paper.translation.max_len, paper.model.d_model, paper.model.d_ffn) == (3, 128, 256,
                                                                                                           1024)
@@ -487,7 +532,8 @@ def test_params_report_shows_the_paper_sizes_side_by_side() -> None:
     from gatedformer.analysis.params import parameter_report
 
     report = parameter_report("multi30k-tiny", ["translation.src_vocab=1000", "translation.tgt_vocab=1200"])
-    assert [row["variant"] for row in report["variants"]] == ["baseline", "+EAU", "+GRC", "+EAU+GRC"]
+    assert [row["variant"] for row in report["variants"]] == ["baseline", "+EAU", "+GRC", "+EAU+GRC",
+                                                            "baseline, params of +EAU+GRC"]
     assert [(r["l"], r["n"], r["k"], r["f"]) for r in report["paper_sizes"]] == [
         (3, 128, 256, 1024), (2, 128, 256, 1024), (2, 64, 128, 512)]
     for row in report["paper_sizes"]:

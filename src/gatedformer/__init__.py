@@ -1,8 +1,6 @@
 """gatedformer: gated sequence models — SDU, highway gate, gated MHDPA, EAU, GRC, GLU and SRU —
 with the backbones, data and recipes to reproduce the papers that introduced them."""
 
-__version__ = "0.1.0"
-
 from gatedformer.config import RunConfig, apply_overrides, build_config, load_recipe  # noqa: E402
 from gatedformer.errors import CheckpointError, ConfigError, DataError, GatedformerError  # noqa: E402
 from gatedformer.gates import EAU, GLU, SDU, GatedMHDPA, GatedResidual, GLUFeedForward, HighwayGate  # noqa: E402
@@ -18,6 +16,8 @@ from gatedformer.models import (  # noqa: E402
     resolve_placement,
 )
 from gatedformer.models.seq2seq import Seq2SeqTransformer  # noqa: E402
+from gatedformer.pretrained import Pretrained, from_pretrained, load  # noqa: E402
+from gatedformer.version import __version__
 
 __all__ = [
     "EAU",
@@ -33,6 +33,7 @@ __all__ = [
     "GatedResidual",
     "GatedformerError",
     "HighwayGate",
+    "Pretrained",
     "RTransformerLM",
     "RunConfig",
     "SRULanguageModel",
@@ -43,6 +44,8 @@ __all__ = [
     "apply_overrides",
     "build_config",
     "build_model",
+    "from_pretrained",
+    "load",
     "load_recipe",
     "parse_gate_spec",
     "resolve_placement",

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from gatedformer.errors import GatedformerError
@@ -58,9 +60,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _nothing_to_resume(out: Path) -> bool:
     from gatedformer.train.checkpoint import latest_checkpoint
+    from gatedformer.train.rundir import held_here
 
-    if (out / "results.json").is_file():
-        return False  # the trainer says the run is finished
+    if (out / "results.json").is_file() or held_here(out):
+        return False  # the trainer says the run is finished, or that another process holds it
     try:
         return latest_checkpoint(out) is None
     except GatedformerError:
@@ -70,7 +73,8 @@ def _nothing_to_resume(out: Path) -> bool:
 def _print_result(result: dict) -> None:
     metric = result["metric"]
     print(f"valid loss {result['valid_loss']:.4f}  valid {metric} {result['valid_metric']:.4f}")
-    print(f"test  loss {result['test_loss']:.4f}  test  {metric} {result['test_metric']:.4f}")
+    if not math.isnan(result["test_loss"]):  # GLUE's test labels are not public: nothing to print
+        print(f"test  loss {result['test_loss']:.4f}  test  {metric} {result['test_metric']:.4f}")
     print(f"params {result['params']:,}  {result['seconds_per_step'] * 1000:.1f} ms/step  "
           f"{result['tokens_per_second']:,.0f} tokens/s  results: {result['run_dir']}/results.json")
 
@@ -85,14 +89,26 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from gatedformer.runs import load_trained
-    from gatedformer.tasks.lm import generate
+    from gatedformer.tasks.lm import generate_stream
 
     run = load_trained(args.run, args.data_dir, args.device)
     run.require("lm", "generate", f"use `gatedformer translate --run {args.run}` to translate with it, or "
-                                  f"`gatedformer eval --run {args.run}` for its loss and BLEU")
-    text = generate(run.model, run.data.vocab, args.prompt, max_tokens=args.tokens, temperature=args.temperature,
-                    top_k=args.top_k, seed=args.seed)
-    print(text)
+                                  f"`gatedformer eval --run {args.run}` for its loss and BLEU"
+                if run.task.name == "translation" else f"use `gatedformer eval --run {args.run}` for its scores")
+    for piece in generate_stream(run.model, run.data.vocab, args.prompt, max_tokens=args.tokens,
+                                 temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                                 context=args.context, cache=not args.no_cache):
+        print(piece, end="", flush=True)  # as it is sampled: a long generation shows from its first token
+    print()
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from gatedformer.pretrained import export_run
+
+    folder = export_run(args.run, args.out, args.device, args.data_dir)
+    print(f"exported {args.run} to {folder} (config.json, model.safetensors, vocabulary, README.md); load it with "
+          f"gatedformer.from_pretrained({str(folder)!r})")
     return 0
 
 
@@ -123,7 +139,8 @@ def cmd_data(args: argparse.Namespace) -> int:
 def cmd_params(args: argparse.Namespace) -> int:
     from gatedformer.analysis.params import parameter_report
 
-    report = parameter_report(args.recipe, _overrides(args), data_dir=args.data_dir, vocab_size=args.vocab_size)
+    report = parameter_report(args.recipe, _overrides(args), data_dir=args.data_dir, vocab_size=args.vocab_size,
+                              matched_baseline=args.matched_baseline)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -133,11 +150,24 @@ def cmd_params(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from gatedformer.analysis.compare import run_comparison
+    from gatedformer.analysis.text_tasks import comparison_for
     from gatedformer.config import load_recipe
+    from gatedformer.errors import ConfigError
 
-    report = run_comparison(load_recipe(args.recipe), Path(args.out), seeds=args.seeds,
-                            overrides=_overrides(args), data_dir=args.data_dir, progress=not args.quiet,
-                            only=args.variants)
+    recipe = load_recipe(args.recipe)
+    compare_tasks = comparison_for(recipe)  # pretraining and GLUE (Table 2), or sentence classification's folds
+    if compare_tasks is not None:
+        if args.matched_baseline is not None:
+            raise ConfigError(f"--matched-baseline does not apply to {recipe.name}'s comparison (pretraining and "
+                              "fine-tuning, or cross-validation); leave it out")
+        report = compare_tasks(recipe, Path(args.out), seeds=args.seeds,
+                               overrides=_overrides(args) + (["train.tensorboard=true"] if args.tensorboard else []),
+                               data_dir=args.data_dir, progress=not args.quiet, only=args.variants)
+    else:
+        report = run_comparison(recipe, args.out, seeds=args.seeds,
+                                overrides=_overrides(args), data_dir=args.data_dir, progress=not args.quiet,
+                                only=args.variants, matched_baseline=args.matched_baseline,
+                                step_timing=args.step_timing)
     print(report.table)
     print(f"\nreport: {report.report_path}")
     for figure in report.figures:
@@ -147,10 +177,42 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from gatedformer.tasks.glue import finetune_config
+    from gatedformer.train.loop import train
+
+    config = finetune_config(args.run, args.task, args.overrides, args.data_dir)
+    if args.resume and _nothing_to_resume(Path(args.out)):
+        print(f"note: {args.out} holds no checkpoint to resume; starting a new run", file=sys.stderr)
+    result = train(config, args.out, data_dir=args.data_dir, resume=args.resume, progress=not args.quiet)
+    scores = json.loads((Path(args.out) / "results.json").read_text(encoding="utf-8"))
+    named = ", ".join(f"{k} {scores[k]:.4f}" for k in ("accuracy", "f1", "matthews", "pearson", "spearman")
+                      if k in scores)
+    print(f"{config.data.corpus}: best validation evaluation: loss {result.valid_loss:.4f}, {named}")
+    print(f"params {result.params:,}  {result.seconds_per_step * 1000:.1f} ms/step  results: {args.out}/results.json, "
+          f"dev_predictions.tsv and the test submission file")
+    return 0
+
+
 def cmd_analyze(args: argparse.Namespace) -> int:
     from gatedformer.analysis.gates import analyze_run
 
-    analysis = analyze_run(args.run, args.out)
+    if len(args.run) > 1:
+        if not args.out:
+            raise GatedformerError("analyze with several --run needs --out FOLDER for the figures")
+        from gatedformer.analysis.gates import analyze_runs
+
+        analysis = analyze_runs(args.run, args.out)
+    else:
+        analysis = analyze_run(args.run[0], args.out)
+    if any(_is_translation_run(Path(run)) for run in args.run):
+        from gatedformer.analysis.attention import analyze_attention
+
+        for run in args.run:
+            prefix = f"{Path(run).name}-" if len(args.run) > 1 else ""
+            figures, notes = analyze_attention(run, args.out, args.data_dir, prefix)
+            analysis.figures += figures
+            analysis.notes += notes
     for note in analysis.notes:
         print(note)
     for figure in analysis.figures:
@@ -158,36 +220,68 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_translation_run(run: Path) -> bool:
+    from gatedformer.config import task_of
+    from gatedformer.train.checkpoint import read_run_config
+
+    try:
+        return task_of(read_run_config(run)) == "translation"
+    except GatedformerError:
+        return False  # analyze_run has named what is wrong with the folder
+
+
 def cmd_init_check(args: argparse.Namespace) -> int:
     from gatedformer.analysis.init_check import format_init_check, init_check
     from gatedformer.config import build_config, load_recipe
 
     config = build_config(load_recipe(args.recipe), _overrides(args))
-    rows = init_check(config, data_dir=args.data_dir, batches=args.batches)
+    if args.sru_cells:
+        from gatedformer.analysis.sru_variance import format_cell_variance, sru_cell_check
+
+        result = sru_cell_check(config, args.data_dir, args.depth, Path(args.figure) if args.figure else None)
+        print(json.dumps(result.rows(), indent=2) if args.json else format_cell_variance(result))
+        if args.figure:
+            print(f"figure: {args.figure}")
+        return 0
+    rows = init_check(config, data_dir=args.data_dir, batches=args.batches, dropout=not args.no_dropout)
     print(json.dumps(rows, indent=2) if args.json else format_init_check(rows))
     return 0
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
     from gatedformer.runs import load_trained
-    from gatedformer.tasks.translation import translate_lines
+    from gatedformer.tasks.translation import source_lines, translate_stream
 
-    if args.input:
-        try:
-            lines = Path(args.input).read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as err:
-            raise GatedformerError(f"cannot read --input {args.input} ({err}); give a UTF-8 text file") from None
-    else:
-        try:
-            lines = sys.stdin.buffer.read().decode("utf-8").splitlines()
-        except UnicodeDecodeError as err:
-            raise GatedformerError(f"standard input is not UTF-8 text ({err}); give UTF-8 source sentences, "
-                                   "one a line") from None
+    figure = None
+    if args.attention_plot:
+        from gatedformer.analysis.attention import require_plotting
+
+        figure = require_plotting(args.attention_plot)
+    lines = source_lines(args.input or None)  # read as it is translated, a line at most 64 KiB
     run = load_trained(args.run, args.data_dir, args.device)
     run.require("translation", "translate", f"use `gatedformer generate --run {args.run}` to sample from it")
-    for line in translate_lines(run.model, run.config, run.data, lines, beam=args.beam,
-                                length_penalty=args.length_penalty):
-        print(line)
+    first: list[str] = []  # the first non-empty line, for the attention figure
+
+    def remembered(lines: Iterable[str]) -> Iterator[str]:
+        for line in lines:
+            if not first and line.strip():
+                first.append(line)
+            yield line
+
+    for line in translate_stream(run.model, run.config, run.data, remembered(lines), beam=args.beam,
+                                 length_penalty=args.length_penalty):
+        print(line, flush=True)
+    if figure is not None:
+        from gatedformer.analysis.attention import plot_attention
+        from gatedformer.tasks.translation import attention_for_line
+
+        if not first:
+            raise GatedformerError("--attention-plot draws the first input sentence, but the input has no non-empty "
+                                   "line")
+        maps = attention_for_line(run.model, run.config, run.data, first[0], beam=args.beam,
+                                  length_penalty=args.length_penalty)
+        path = plot_attention(maps, figure, title=f"{Path(args.run).name}: {run.config.model.backbone}")
+        print(f"attention figure: {path}", file=sys.stderr)  # stdout keeps one line per input line
     return 0
 
 
@@ -232,9 +326,22 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
     generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--context", type=int, default=512,
+                          help="the most tokens the model reads at once (default 512)")
+    generate.add_argument("--no-cache", action="store_true",
+                          help="read the whole window again for every token (no key/value cache or carried "
+                               "state): slower, the same text")
     generate.add_argument("--data-dir")
     generate.add_argument("--device", default="auto")
     generate.set_defaults(handler=cmd_generate)
+
+    export = commands.add_parser("export", help="write a trained run as a Hugging Face Hub folder (config.json, "
+                                                "model.safetensors, vocabulary, model card)")
+    export.add_argument("--run", required=True)
+    export.add_argument("--out", required=True, help="a new or empty folder (or an earlier export, overwritten)")
+    export.add_argument("--data-dir")
+    export.add_argument("--device", default="cpu")
+    export.set_defaults(handler=cmd_export)
 
     data = commands.add_parser("data", help="list, check or fetch corpora")
     data.add_argument("action", choices=("list", "check", "fetch"))
@@ -248,29 +355,58 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(params)
     params.add_argument("--vocab-size", type=int, metavar="N",
                         help="count for this vocabulary size instead of reading the corpus")
+    params.add_argument("--matched-baseline", nargs="?", const="", default=None, metavar="VARIANT",
+                        help="also count the first variant at the parameter count of VARIANT (default: the largest)")
     params.add_argument("--json", action="store_true")
     params.set_defaults(handler=cmd_params)
+
+    finetune = commands.add_parser("finetune", help="fine-tune a pretrained BERT run on a GLUE task (best validation "
+                                   "evaluation in results.json, dev predictions and the GLUE submission file)")
+    finetune.add_argument("--run", required=True, help="a finished masked-LM pretraining run (gatedformer train)")
+    finetune.add_argument("--task", required=True, choices=("cola", "sst2", "mrpc", "stsb", "rte", "wnli", "qnli"))
+    finetune.add_argument("--out", required=True, help="run directory to create (or continue with --resume)")
+    finetune.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                          help="override a field of the fine-tuning run, e.g. --set finetune.epochs=2 (repeatable)")
+    finetune.add_argument("--data-dir", help="folder holding glue/ (default: as for train)")
+    finetune.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    finetune.add_argument("--quiet", action="store_true", help="no progress bar")
+    finetune.set_defaults(handler=cmd_finetune)
 
     compare = commands.add_parser("compare", help="train every variant of a recipe and report them side by side")
     _add_config_args(compare)
     compare.add_argument("--out", required=True, help="folder for the runs, report.md and figures")
     compare.add_argument("--seeds", type=int, default=1, help="seeds per variant")
     compare.add_argument("--variants", nargs="+", help="train only these variants (by name)")
+    compare.add_argument("--matched-baseline", nargs="?", const="", default=None, metavar="VARIANT",
+                         help="add the first variant at the parameter count of VARIANT (default: the largest), its "
+                              "feed-forward width solved for")
+    compare.add_argument("--no-step-timing", dest="step_timing", action="store_false",
+                         help="skip timing every variant's step interleaved for the training-time table")
     compare.add_argument("--quiet", action="store_true")
     compare.add_argument("--tensorboard", action="store_true", help="also log every run's scalars to "
                          "OUT/<variant>/seed-<k>/tensorboard (needs the tensorboard package)")
     compare.set_defaults(handler=cmd_compare)
 
     analyze = commands.add_parser("analyze", help="gate figures of a run: bias heatmap, t-SNE of the biases, "
-                                  "gate activation during training")
-    analyze.add_argument("--run", required=True, help="a run directory written by train (or compare)")
+                                  "gate activation during training; for a translation run, its decoder attention")
+    analyze.add_argument("--run", required=True, action="append",
+                         help="a run directory written by train (or compare); repeat it to draw several runs' gate "
+                              "biases side by side")
     analyze.add_argument("--out", help="folder for the figures (default: the run directory)")
+    analyze.add_argument("--data-dir", help="corpus folder, for a translation run's attention figure (its first test "
+                                            "sentence)")
     analyze.set_defaults(handler=cmd_analyze)
 
     init_check = commands.add_parser("init-check", help="per-layer forward/backward variance ratios at "
                                      "initialisation, beside what theory predicts")
     _add_config_args(init_check)
     init_check.add_argument("--batches", type=int, default=4, help="training windows to measure over")
+    init_check.add_argument("--no-dropout", action="store_true",
+                            help="measure in evaluation mode (dropout off), beside what theory predicts there")
+    init_check.add_argument("--sru-cells", action="store_true",
+                            help="an SRU recipe: Var[c]/Var[x] per layer of a deep stack (the SRU appendix's Fig. 6)")
+    init_check.add_argument("--depth", type=int, default=20, help="layers of the stack --sru-cells measures")
+    init_check.add_argument("--figure", help="with --sru-cells: draw the ratios per layer to this PNG file")
     init_check.add_argument("--json", action="store_true")
     init_check.set_defaults(handler=cmd_init_check)
 
@@ -283,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="beam scores divided by ((5 + length) / 6)^ALPHA (0: none; default: the run's "
                                 "translation.length_penalty)")
     translate.add_argument("--data-dir", help="corpus folder, needed only if the run has no vocab.json")
+    translate.add_argument("--attention-plot", metavar="FILE.png",
+                           help="also draw every decoder layer's attention over the first input sentence (needs the "
+                                "plot extra)")
     translate.add_argument("--device", default="auto")
     translate.set_defaults(handler=cmd_translate)
 
@@ -298,12 +437,26 @@ def build_parser() -> argparse.ArgumentParser:
 def _out_of_memory(err: BaseException) -> bool:
     """Whether ``err`` is an allocation failure (CPU allocator, CUDA out of memory or Python's MemoryError)."""
     text = str(err).lower()
-    return isinstance(err, MemoryError) or "out of memory" in text or "can't allocate memory" in text
+    return isinstance(err, MemoryError) or any(sign in text for sign in ("out of memory", "can't allocate memory",
+                                                                         "bad_alloc"))
+
+
+def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                      line: str | None = None) -> str:
+    # gatedformer's own warnings read like its errors: one line, no source location.
+    text = str(message)
+    if text.startswith("gatedformer:"):
+        return "gatedformer: warning: " + text.removeprefix("gatedformer:").strip().replace("\n", " ") + "\n"
+    return _format_warning(message, category, filename, lineno, line)
+
+
+_format_warning = warnings.formatwarning
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    warnings.formatwarning = _one_line_warning
     try:
         return args.handler(args)
     except GatedformerError as err:
@@ -316,8 +469,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not _out_of_memory(err):
             raise
         reason = (str(err).strip().splitlines() or ["no detail"])[0][:200]
-        print(f"gatedformer: error: out of memory ({reason}); lower the model's sizes (model.d_model, model.d_ffn, "
-              "model.n_layers) or data.batch_size / data.seq_len", file=sys.stderr)
+        fix = ("use a smaller --beam" if args.command == "translate" else
+               "lower the model's sizes (model.d_model, model.d_ffn, model.n_layers) or data.batch_size / data.seq_len")
+        print(f"gatedformer: error: out of memory ({reason}); {fix}", file=sys.stderr)
         return 1
     except BrokenPipeError:
         # The reader of our output went away (``| head``): nothing is left to say, and nobody to say it to.

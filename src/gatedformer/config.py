@@ -28,7 +28,7 @@ from gatedformer.gates.spec import resolve_placement
 # More threads than any machine's cores: torch crashes (not errs) on very large counts.
 MAX_THREADS = 1024
 OPTIMIZERS = ("sgd", "adam", "adamw")
-SCHEDULES = ("constant", "linear", "cosine", "noam")
+SCHEDULES = ("constant", "linear", "cosine", "noam", "plateau")
 INIT_SCHEMES = ("default", "uniform", "normal", "xavier")
 
 
@@ -37,6 +37,9 @@ class DataConfig:
     """Which corpus, and how it is cut into training and evaluation windows."""
 
     corpus: str = "ptb-char"
+    task: str = ""
+    """The task to train: empty for the corpus's own (``gatedformer data list``), or ``mlm`` for masked language
+    modelling (BERT pretraining) on a language-model corpus."""
     batch_size: int = 16
     seq_len: int = 128
     eval_batch_size: int = 16
@@ -60,8 +63,10 @@ class ModelConfig:
     norm: str = "post"
     """``post`` (the papers' ``LN(X + Sublayer(X))``) or ``pre``."""
     ffn: str = "relu"
-    """``relu`` or ``glu`` (the gated linear unit feed-forward)."""
+    """``relu``, ``gelu`` (BERT's) or ``glu`` (the gated linear unit feed-forward)."""
     tie_embeddings: bool = False
+    share_embeddings: bool = False
+    """Translation: the encoder reads the decoder's embedding table (needs ``translation.shared_vocab``)."""
     gates: str = ""
     """Gate placement spec, e.g. ``"+σ SDU"``, ``"+tanh L1-3"``, ``"+σ L1-6\\FFN"``, ``"+EAU+GRC"``."""
     # R-Transformer
@@ -77,6 +82,22 @@ class ModelConfig:
     kernel_size: int = 4
     bottleneck: int = 0
     weight_norm: bool = False
+    # ConvS2S
+    conv_layers: str = ""
+    """The encoder's convolutions, ``CHANNELSxWIDTH`` items with an optional ``*COUNT``, e.g.
+    ``"512x3*9, 1024x3*4, 2048x1*2"``; empty: ``n_layers`` layers of ``d_model`` channels and width ``kernel_size``."""
+    decoder_conv_layers: str = ""
+    """The decoder's convolutions, as ``conv_layers``; empty: the same as the encoder's."""
+    out_dim: int = 0
+    """The decoder's width before the output layer (ConvS2S's output embedding); 0: ``d_model``."""
+    # BERT
+    max_positions: int = 512
+    """Learned positions: the longest sequence the encoder takes, ``[CLS]`` and ``[SEP]`` included."""
+    type_vocab: int = 2
+    """Token types (segments A and B)."""
+    init_from_hf: str = ""
+    """A local Hugging Face BERT checkpoint folder (``config.json``, weights, ``vocab.txt``) the encoder starts from;
+    gates the spec adds start fresh."""
     # SRU
     highway_bias: float = 0.0
     rescale: bool = True
@@ -94,10 +115,16 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     momentum: float = 0.0
+    nesterov: bool = False
+    """SGD with Nesterov's momentum (needs ``optim.name=sgd`` and ``optim.momentum`` > 0)."""
     schedule: str = "constant"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
-    """Linear and cosine schedules end at ``lr * min_lr_ratio``."""
+    """Linear and cosine schedules end at ``lr * min_lr_ratio``; the plateau schedule never goes below it."""
+    plateau_factor: float = 0.1
+    """``schedule=plateau``: multiply the learning rate by this when the validation loss has not improved for
+    ``plateau_patience`` evaluations in a row."""
+    plateau_patience: int = 1
     clip: float = 0.0
     """Clip gradients to this global L2 norm; 0 turns clipping off."""
 
@@ -131,6 +158,16 @@ class TrainConfig:
     """What to do with a non-finite loss or gradient: ``stop`` or ``skip`` the step."""
     tensorboard: bool = False
     """Also write the log's scalars to ``<run>/tensorboard`` (needs the ``tensorboard`` package)."""
+    wandb: bool = False
+    """Also send the log's scalars to Weights & Biases (needs the ``wandb`` package; ``WANDB_MODE=offline`` keeps
+    them in ``<run>/wandb`` without a network)."""
+    wandb_project: str = "gatedformer"
+    """The W&B project of ``train.wandb``."""
+    grad_accum: int = 1
+    """Micro-batches per optimisation step: their gradients add up (weighted by their tokens) before one update."""
+    init_from: str = ""
+    """A finished run folder (or a ``.safetensors`` file) whose weights a new run starts from, as its task maps them
+    (GLUE fine-tuning takes a pretrained encoder and starts its heads fresh)."""
 
 
 @dataclass
@@ -145,6 +182,8 @@ class TranslationConfig:
     label_smoothing: float = 0.1
     max_tokens: int = 0
     """Batch by length up to this many tokens per batch (0: ``data.batch_size`` sentences per batch)."""
+    shared_vocab: bool = False
+    """One vocabulary for both languages, from both sides of the training split (e.g. joint BPE)."""
     decode: str = "beam"
     beam_size: int = 4
     length_penalty: float = 0.6
@@ -160,6 +199,73 @@ class TranslationConfig:
 
 
 @dataclass
+class TokenizerConfig:
+    """The WordPiece tokenizer of the BERT tasks (masked LM, GLUE): learned from the training split, or given."""
+
+    vocab_size: int = 30522
+    """Tokens of the WordPiece vocabulary learned from the training text, the five specials included."""
+    vocab_file: str = ""
+    """A given ``vocab.txt`` (one token a line, e.g. bert-base-uncased's) instead of a learned vocabulary."""
+    lowercase: bool = True
+    min_frequency: int = 2
+    """Pieces seen fewer times in the training text are not learned."""
+
+
+@dataclass
+class MaskedLMConfig:
+    """Masked language modelling (``data.task=mlm``)."""
+
+    mask_prob: float = 0.15
+    """The share of each sequence's tokens chosen for prediction (80 % become [MASK], 10 % a random token, 10 %
+    stay)."""
+    valid_fraction: float = 0.0
+    """0: the corpus's own validation split; above 0: the last such share of the training text is the validation
+    split instead (the EAU/GRC paper splits WikiText-103 85/15)."""
+
+
+@dataclass
+class FinetuneConfig:
+    """How ``gatedformer finetune`` and the GLUE comparison fine-tune a pretrained run on a GLUE task."""
+
+    tasks: str = "cola sst2 mrpc stsb rte wnli qnli"
+    """The GLUE tasks a comparison fine-tunes on (those whose data is present)."""
+    epochs: float = 0.0
+    """0: the paper's schedule (3 epochs; CoLA 5, RTE 8); else this many for every task."""
+    batch_size: int = 32
+    seq_len: int = 512
+    """The longest input, ``[CLS] a [SEP] b [SEP]``; longer pairs lose tokens from the longer side."""
+    lr: float = 2e-5
+    beta2: float = 0.999
+    weight_decay: float = 0.01
+    evals_per_epoch: int = 1
+    max_train_examples: int = 0
+    """Train on this many examples of each task, drawn once with a fixed seed (0: all)."""
+    max_eval_examples: int = 0
+    """Evaluate on this many validation examples, drawn likewise (0: all)."""
+
+
+@dataclass
+class SentClassConfig:
+    """Sentence classification (MR, CR, SUBJ, MPQA, TREC, SST) with a recurrent encoder."""
+
+    folds: int = 10
+    """Cross-validation folds of the sets without a split (MR, CR, SUBJ, MPQA)."""
+    sets: str = "mr cr subj mpqa trec sst"
+    """The sets a comparison covers (``compare``: every fold of each, or ``train.seed`` + 0 .. seeds - 1 where a set
+    has its own split)."""
+    fold: int = 0
+    """The fold held out for testing (0-based); of the rest, one more fold validates."""
+    word_vectors: str = ""
+    """A word2vec or GloVe text file of pretrained vectors; words it lacks start uniform in [-0.25, 0.25]."""
+    embedding_dim: int = 300
+    """Word vector size without ``word_vectors`` (with them, theirs)."""
+    freeze_vectors: bool = True
+    """Keep the pretrained vectors fixed (Kim 2014's static vectors)."""
+    max_train_examples: int = 0
+    """Train on this many examples, drawn once with a fixed seed (0: all; SST's phrases are 77k)."""
+
+
+@dataclass
 class RunConfig:
     """Everything that defines one training run."""
 
@@ -169,6 +275,10 @@ class RunConfig:
     init: InitConfig = field(default_factory=InitConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     translation: TranslationConfig = field(default_factory=TranslationConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    mlm: MaskedLMConfig = field(default_factory=MaskedLMConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    sentclass: SentClassConfig = field(default_factory=SentClassConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -227,8 +337,9 @@ def get_backbone(name: str, task: str = "lm") -> Backbone:
 
 
 def task_of(config: RunConfig) -> str:
-    """The task a run is: ``translation`` for a parallel corpus, ``lm`` for every other."""
-    return corpus_task(config.data.corpus)
+    """The task a run is: ``data.task`` where it names one, else the corpus's (``translation`` for a parallel corpus,
+    ``glue`` and ``sentclass`` for the classification sets, ``lm`` for every other)."""
+    return config.data.task.strip().lower() or corpus_task(config.data.corpus)
 
 
 @dataclass
@@ -238,6 +349,10 @@ class Variant:
     name: str
     overrides: list[str] = field(default_factory=list)
     published: float | None = None
+    match_params: str | None = None
+    """The name of another variant whose parameter count this one matches by its feed-forward width
+    (``model.d_ffn``, within 0.5 %; see :mod:`gatedformer.analysis.matching`): a baseline as large as a gated
+    variant, to tell a gate's effect from its size's."""
 
 
 @dataclass
@@ -393,6 +508,7 @@ def validate(config: RunConfig) -> RunConfig:
     for key in ("batch_size", "seq_len", "eval_batch_size"):
         _positive(f"data.{key}", getattr(data, key))
     _check(data.eval_seq_len >= 0, "data.eval_seq_len must be 0 (same as seq_len) or positive")
+    _check_task(config)
 
     backbone = get_backbone(model.backbone, task_of(config))
     for key in ("d_model", "n_layers", "n_heads", "d_ffn"):
@@ -405,13 +521,14 @@ def validate(config: RunConfig) -> RunConfig:
     for key in ("dropout", "emb_dropout", "attn_dropout"):
         _dropout(f"model.{key}", getattr(model, key))
     _one_of("model.norm", model.norm, ("post", "pre"))
-    _one_of("model.ffn", model.ffn, ("relu", "glu"))
+    _one_of("model.ffn", model.ffn, ("relu", "gelu", "glu"))
     _one_of("model.rnn_type", model.rnn_type, ("gru", "lstm", "rnn"))
     _positive("model.rnn_window", model.rnn_window)
     _check(model.mem_len >= 0, "model.mem_len must be 0 (no memory) or positive")
     _positive("model.kernel_size", model.kernel_size)
     _check(model.bottleneck >= 0, "model.bottleneck must be 0 (off) or positive")
     _check(model.projection_size >= 0, "model.projection_size must be 0 (off) or positive")
+    _check(model.out_dim >= 0, "model.out_dim must be 0 (model.d_model) or positive")
     if backbone.check is not None:
         backbone.check(model)
 
@@ -421,6 +538,12 @@ def validate(config: RunConfig) -> RunConfig:
     for key in ("beta1", "beta2"):
         _check(0.0 <= getattr(optim, key) < 1.0, f"optim.{key} must be in [0, 1)")
     _check(optim.momentum >= 0, "optim.momentum must be >= 0")
+    _check(not optim.nesterov or (optim.name == "sgd" and optim.momentum > 0),
+           "optim.nesterov=true needs optim.name=sgd and optim.momentum > 0; e.g. optim.momentum=0.99")
+    _check(0.0 < optim.plateau_factor < 1.0,
+           f"optim.plateau_factor must be in (0, 1), got {optim.plateau_factor}; e.g. optim.plateau_factor=0.1")
+    _check(optim.plateau_patience >= 1,
+           f"optim.plateau_patience must be at least 1 evaluation, got {optim.plateau_patience}")
     _one_of("optim.schedule", optim.schedule, SCHEDULES)
     _check(optim.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
     _check(
@@ -437,6 +560,7 @@ def validate(config: RunConfig) -> RunConfig:
     _positive("train.eval_every", train.eval_every)
     _check(train.eval_windows >= 0, "train.eval_windows must be 0 (whole split) or positive")
     _positive("train.log_every", train.log_every)
+    _positive("train.grad_accum", train.grad_accum)
     _check(0 <= train.threads <= MAX_THREADS,
            f"train.threads={train.threads} must be 0 (torch's default) or 1 to {MAX_THREADS}")
     # Seeds reach torch.manual_seed plus per-rank and per-seed offsets: keep them well inside 64 bits.
@@ -445,7 +569,7 @@ def validate(config: RunConfig) -> RunConfig:
         train.device == "auto" or train.device == "cpu" or train.device.startswith("cuda"),
         f"train.device={train.device!r} is not auto, cpu or cuda[:N]",
     )
-    _one_of("train.precision", train.precision, ("fp32", "bf16"))
+    _one_of("train.precision", train.precision, ("fp32", "bf16", "fp16"))
     _one_of("train.nonfinite", train.nonfinite, ("stop", "skip"))
 
     # The gate spec is checked against the model here so a bad one fails before any data loads.
@@ -453,9 +577,57 @@ def validate(config: RunConfig) -> RunConfig:
     _check(backbone.gated or placement.is_empty(),
            f"model.backbone={model.backbone} has no attention/FFN sublayers to gate; use a Transformer backbone or "
            "clear model.gates")
+    if task_of(config) in ("mlm", "glue", "sentclass"):
+        _validate_text_tasks(config)
     if task_of(config) == "translation":
         _validate_translation(config)
+    else:
+        _check(not model.share_embeddings, "model.share_embeddings shares a translation model's source and target "
+               "embeddings; a language model has one embedding (model.tie_embeddings ties it to the output)")
     return config
+
+
+TEXT_TASKS = ("mlm",)
+"""Tasks ``data.task`` may name on a language-model corpus in place of causal language modelling."""
+
+
+def _check_task(config: RunConfig) -> None:
+    """``data.task`` must be empty, the corpus's own task, or a task that reads a language-model corpus's text."""
+    task, own = config.data.task.strip().lower(), corpus_task(config.data.corpus)
+    if not task or task == own:
+        return
+    _check(task in TEXT_TASKS and own == "lm",
+           f"data.task={config.data.task!r} does not apply to corpus {config.data.corpus} (a {own} corpus); leave "
+           f"data.task empty, or set data.task=mlm on a language-model corpus such as wikitext2")
+
+
+def _validate_text_tasks(config: RunConfig) -> None:
+    tk, mlm, ft, sc = config.tokenizer, config.mlm, config.finetune, config.sentclass
+    _check(tk.vocab_size > 5, f"tokenizer.vocab_size={tk.vocab_size} leaves no room beside the five special tokens; "
+           "raise it, e.g. tokenizer.vocab_size=8000")
+    _positive("tokenizer.min_frequency", tk.min_frequency)
+    _check(0.0 < mlm.mask_prob < 1.0, f"mlm.mask_prob must be in (0, 1), got {mlm.mask_prob}; BERT's is 0.15")
+    _check(0.0 <= mlm.valid_fraction < 1.0,
+           f"mlm.valid_fraction must be in [0, 1) (0: the corpus's validation split), got {mlm.valid_fraction}")
+    _check(ft.epochs >= 0, "finetune.epochs must be 0 (the paper's schedule) or positive")
+    for key in ("batch_size", "seq_len", "lr", "evals_per_epoch"):
+        _positive(f"finetune.{key}", getattr(ft, key))
+    _check(ft.seq_len >= 3, f"finetune.seq_len={ft.seq_len} leaves no room beside [CLS] and [SEP]; raise it")
+    _check(0.0 <= ft.beta2 < 1.0, "finetune.beta2 must be in [0, 1)")
+    _check(ft.weight_decay >= 0, "finetune.weight_decay must be >= 0")
+    for key in ("max_train_examples", "max_eval_examples"):
+        _check(getattr(ft, key) >= 0, f"finetune.{key} must be 0 (all) or positive")
+    _check(sc.folds >= 2, f"sentclass.folds={sc.folds}: cross-validation needs at least 2 folds")
+    _check(0 <= sc.fold < sc.folds, f"sentclass.fold={sc.fold} is not one of the folds 0 .. {sc.folds - 1}")
+    _positive("sentclass.embedding_dim", sc.embedding_dim)
+    _check(sc.max_train_examples >= 0, "sentclass.max_train_examples must be 0 (all) or positive")
+    if task_of(config) in ("mlm", "glue"):
+        _check(config.data.seq_len >= 3, f"data.seq_len={config.data.seq_len} leaves no room beside [CLS] and "
+               "[SEP]; raise it")
+        _check(config.data.seq_len <= config.model.max_positions and config.data.eval_seq_len
+               <= config.model.max_positions,
+               f"data.seq_len={config.data.seq_len} is longer than the model's model.max_positions="
+               f"{config.model.max_positions}; lower data.seq_len or raise model.max_positions")
 
 
 def _validate_translation(config: RunConfig) -> None:
@@ -474,6 +646,11 @@ def _validate_translation(config: RunConfig) -> None:
     for key in ("src_vocab", "tgt_vocab"):
         value = getattr(tr, key)
         _check(value == 0 or value > 4, f"translation.{key} must be 0 (from the data) or above 4 (the specials)")
+    _check(not config.model.share_embeddings or tr.shared_vocab,
+           "model.share_embeddings needs one vocabulary for both languages; set translation.shared_vocab=true")
+    _check(not tr.shared_vocab or tr.src_vocab == tr.tgt_vocab,
+           f"translation.shared_vocab=true makes one vocabulary, but translation.src_vocab={tr.src_vocab} and "
+           f"translation.tgt_vocab={tr.tgt_vocab} differ; give both the same size")
 
 
 # --------------------------------------------------------------------------------------------
@@ -530,7 +707,7 @@ def load_recipe(name: str) -> Recipe:
     for i, entry in enumerate(raw_variants):
         if not isinstance(entry, dict) or "name" not in entry:
             raise ConfigError(f"recipe {recipe_name}: variant {i + 1} needs a name")
-        unknown = set(entry) - {"name", "set", "published"}
+        unknown = set(entry) - {"name", "set", "published", "match_params"}
         if unknown:
             raise ConfigError(f"recipe {recipe_name}: variant {entry['name']!r} has unknown keys {sorted(unknown)}")
         overrides = entry.get("set", [])
@@ -543,11 +720,20 @@ def load_recipe(name: str) -> Recipe:
         if published is not None and (isinstance(published, bool) or not isinstance(published, int | float)):
             raise ConfigError(f"recipe {recipe_name}: variant {entry['name']!r} has published = {published!r}; "
                               "write the published number, e.g. published = 1.37")
-        variants.append(
-            Variant(str(entry["name"]), [str(o) for o in overrides], None if published is None else float(published))
-        )
+        match = entry.get("match_params")
+        if match is not None and not isinstance(match, str):
+            raise ConfigError(f"recipe {recipe_name}: variant {entry['name']!r} has match_params = {match!r}; name "
+                              "the variant whose parameter count it matches, e.g. match_params = \"+σ SDU\"")
+        variants.append(Variant(str(entry["name"]), [str(o) for o in overrides],
+                                None if published is None else float(published), match))
     if not variants:
         variants = [Variant("baseline")]
+    names = [v.name for v in variants]
+    for variant in variants:
+        if variant.match_params is not None and (variant.match_params not in names
+                                                 or variant.match_params == variant.name):
+            raise ConfigError(f"recipe {recipe_name}: variant {variant.name!r} matches the parameters of "
+                              f"{variant.match_params!r}, which is not another of its variants ({', '.join(names)})")
     return Recipe(recipe_name, description, config, variants, published_source, published_metric)
 
 

@@ -35,7 +35,18 @@ def resolve_device(name: str, option: str = "device") -> torch.device:
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """The autocast context of ``train.precision`` (``bf16``: bfloat16 autocast on ``device``; ``fp32``: none)."""
+    """The autocast context of ``train.precision`` (``bf16``: bfloat16 autocast on ``device``; ``fp16``: float16
+    autocast, on CUDA only, see :func:`check_precision`; ``fp32``: none)."""
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if precision == "fp16" and device.type == "cuda":  # elsewhere an fp16 run is evaluated in fp32
+        return torch.autocast(device_type=device.type, dtype=torch.float16)
     return contextlib.nullcontext()
+
+
+def check_precision(device: torch.device, precision: str) -> None:
+    """A :class:`ConfigError` where ``precision`` cannot train on ``device``: float16 needs a CUDA GPU (its narrow
+    range is what the gradient scaler is for; CPUs have no fast float16 arithmetic and bf16 serves them)."""
+    if precision == "fp16" and device.type != "cuda":
+        raise ConfigError(f"train.precision=fp16 (float16 autocast with a gradient scaler) needs a CUDA GPU, and this "
+                          f"run is on {device}; use train.precision=bf16 (--bf16) or fp32 here")

@@ -33,3 +33,7 @@ class CheckpointError(GatedformerError):
 class OutputError(GatedformerError, OSError):
     """An output path (run folder, report, figure) that cannot be created or written. It is an ``OSError`` too,
     so code that tolerates an unwritable cache by catching ``OSError`` still does."""
+
+
+class InUseError(GatedformerError):
+    """A folder another process holds (a run being trained, a corpus being fetched); the message names it."""

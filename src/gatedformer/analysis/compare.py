@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 
+from gatedformer.analysis.matching import matched_config, with_matched_baseline
 from gatedformer.analysis.report import (
     ComparisonReport,
     VariantSummary,
     format_table,
     render_report,
 )
+from gatedformer.analysis.step_timing import ROUNDS, interleaved_step_times
 from gatedformer.config import (
     Recipe,
     RunConfig,
@@ -30,7 +32,7 @@ from gatedformer.config import (
     check_overrides_spare_variants,
 )
 from gatedformer.errors import ConfigError, GatedformerError
-from gatedformer.io import atomic_write_text, make_folder
+from gatedformer.io import atomic_write_text, make_folder, output_path
 from gatedformer.tasks import task_for
 from gatedformer.train.checkpoint import latest_checkpoint
 from gatedformer.train.loop import (
@@ -181,21 +183,26 @@ class ComparisonInterrupted(GatedformerError):
 
 def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: list[str] | None = None,
                    data_dir: str | Path | None = None, progress: bool = True,
-                   only: list[str] | None = None, tensorboard: bool = False) -> ComparisonReport:
-    """Train (or pick up) every variant × seed, then write ``report.md`` and its figures."""
+                   only: list[str] | None = None, tensorboard: bool = False, matched_baseline: str | None = None,
+                   step_timing: bool = True) -> ComparisonReport:
+    """Train (or pick up) every variant × seed, then write ``report.md`` and its figures. ``matched_baseline`` (a
+    variant's name, or ``""`` for the largest) adds a baseline of that variant's size; ``step_timing`` times every
+    variant's training step interleaved in this process for the training-time table."""
     if seeds < 1:
         raise ConfigError(f"--seeds must be at least 1, got {seeds}")
     check_overrides_spare_variants(recipe, list(overrides or []))
+    if matched_baseline is not None:
+        recipe = with_matched_baseline(recipe, list(overrides or []), matched_baseline)
     variants = _select(recipe, only)
     if len({slug(v.name) for v in variants}) != len(variants):
         raise ConfigError(f"recipe {recipe.name} has two variants with the same folder name; rename one")
     overrides = list(overrides or []) + (["train.tensorboard=true"] if tensorboard else [])
-    out_dir = Path(out_dir)
+    out_dir = output_path(out_dir, "--out")  # "" would mean the current folder
     # Build every config before training anything, so a bad variant fails at once.
     plans = []
     for variant in variants:
         for seed in range(seeds):
-            config = build_config(recipe, overrides, variant)
+            config = matched_config(recipe, overrides, variant)
             config.train.seed += seed
             plans.append((variant, seed, config, out_dir / slug(variant.name) / f"seed-{seed}"))
     for _, _, config, run_dir in plans:
@@ -224,9 +231,11 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
             result = train(config, run_dir, data_dir=data_dir, resume=resuming, progress=progress, shared=shared,
                            on_record=tracker.record)
         except TrainingInterrupted as stop:
-            raise ComparisonInterrupted(
+            interrupted = ComparisonInterrupted(
                 f"stopped by signal {stop.signal} at step {stop.step} of {run_dir}; checkpoint saved — run the same "
-                "compare command again to continue: finished runs are kept and this one resumes") from None
+                "compare command again to continue: finished runs are kept and this one resumes")
+            interrupted.exit_code = stop.exit_code  # 128 + the signal, as for train
+            raise interrupted from None
         tracker.finish(index, result)
         trained += 1
     if trained:
@@ -243,6 +252,14 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
     metric = summaries[0].results[0].metric
     table = format_table(summaries, metric, recipe)
     notes: list[str] = []
+    step_times = None
+    if step_timing:
+        tracker.say(f"timing every variant's training step, interleaved ({ROUNDS} rounds)")
+        firsts = {v.name: next(c for p, _, c, _ in plans if p is v) for v in variants}
+        step_times = interleaved_step_times(firsts, data_dir, shared)
+    if seeds == 1:
+        notes.append("One seed per variant: the changes against the baseline carry no spread, so a small one may be "
+                     "seed-to-seed variation; `--seeds 3` pairs each change with its spread over seeds.")
     convergence = _convergence(summaries, metric, out_dir, notes)
     gate_figures = _gate_figures(summaries, out_dir, notes)
     base_config = build_config(recipe, overrides)
@@ -252,7 +269,8 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
              + (f", overrides: `{' '.join(overrides)}`" if overrides else "") + ".")
     report_path = out_dir / "report.md"
     text = render_report(recipe, summaries, table, metric=metric, corpus=base_config.data.corpus, setup=setup,
-                         convergence=convergence, gate_figures=gate_figures, notes=notes, out_dir=out_dir)
+                         convergence=convergence, gate_figures=gate_figures, notes=notes, out_dir=out_dir,
+                         step_times=step_times)
     atomic_write_text(report_path, text)
     figures = convergence + [f for group in gate_figures.values() for f in group]
     return ComparisonReport(table, report_path, figures, summaries, notes)

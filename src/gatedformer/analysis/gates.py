@@ -107,13 +107,15 @@ def gate_activation_series(run_dir: str | Path) -> dict[str, tuple[list[int], li
     """``{gate name: (steps, mean activations)}`` from the eval records of ``log.jsonl``."""
     out: dict[str, tuple[list[int], list[float]]] = {}
     for record in read_log(run_dir):
-        if record.get("event") != "eval":
-            continue
-        for name, stats in (record.get("gates") or {}).items():
-            if isinstance(stats, dict) and "mean" in stats:
-                steps, means = out.setdefault(name, ([], []))
-                steps.append(int(record["step"]))
-                means.append(float(stats["mean"]))
+        gates = record.get("gates")
+        if record.get("event") != "eval" or "step" not in record or not isinstance(gates, dict):
+            continue  # a record the run did not write this way (damaged, or edited by hand)
+        for name, stats in gates.items():
+            mean = stats.get("mean") if isinstance(stats, dict) else None
+            if isinstance(mean, int | float) and not isinstance(mean, bool) and math.isfinite(mean):
+                steps, means = out.setdefault(str(name), ([], []))
+                steps.append(record["step"])
+                means.append(float(mean))
     return out
 
 
@@ -298,3 +300,61 @@ def plot_gate_activations(series: dict[str, tuple[list[int], list[float]]], out_
         axis.axis("off")
     fig.suptitle(f"gate activation during training{f' — {title}' if title else ''}")
     return _save(fig, Path(out_path))
+
+
+def plot_runs_gate_biases(runs: dict[str, dict[str, np.ndarray]], out_path: str | Path) -> Path:
+    """Several runs' gate biases side by side (Highway Transformer, Fig. 13(e)/(f): a 6- and a 12-layer model): one
+    column per run, one row per sublayer kind, rows of each heatmap = layers; one colour scale for all."""
+    from gatedformer.analysis.plots import _pyplot, _save
+
+    plt = _pyplot()
+    grouped = {title: group_by_panel(list(biases)) for title, biases in runs.items()}
+    kinds = list(dict.fromkeys(panel for panels in grouped.values() for panel in panels))
+    limit = max(float(np.abs(v).max()) for biases in runs.values() for v in biases.values()) or 1.0
+    width = max(len(v) for biases in runs.values() for v in biases.values())
+    fig, axes = plt.subplots(len(kinds), len(runs), squeeze=False, layout="constrained",
+                             figsize=(min(6.0, 2.0 + width / 16) * len(runs) + 1.0, 1.0 + 2.6 * len(kinds)))
+    image = None
+    for col, (title, panels) in enumerate(grouped.items()):
+        biases = runs[title]
+        for row, kind in enumerate(kinds):
+            axis = axes[row, col]
+            sites = panels.get(kind)
+            if not sites:
+                axis.axis("off")
+                continue
+            n_layers = max(s.layer for s in sites) + 1
+            matrix = np.full((n_layers, max(len(biases[s.name]) for s in sites)), np.nan)
+            for site in sites:
+                matrix[site.layer, : len(biases[site.name])] = biases[site.name]
+            image = axis.imshow(matrix, aspect="auto", cmap="coolwarm", vmin=-limit, vmax=limit,
+                                interpolation="nearest")
+            axis.set_yticks(range(n_layers), [f"L{i + 1}" for i in range(n_layers)])
+            axis.set(title=f"{title}\n{kind}", xlabel="bias dimension", ylabel="layer" if col == 0 else None)
+    if image is not None:
+        fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.9, label="gate bias b1")
+    fig.suptitle("learned gate biases, run by run")
+    return _save(fig, Path(out_path))
+
+
+def analyze_runs(run_dirs: list[str | Path], out_dir: str | Path) -> GateAnalysis:
+    """Each run's gate figures (named after the run), and their gate biases side by side in one figure,
+    ``gate_biases_runs.png``, in ``out_dir``."""
+    out_dir = Path(out_dir)
+    combined = GateAnalysis(out_dir)
+    titles: dict[str, dict[str, np.ndarray]] = {}
+    for run_dir in map(Path, run_dirs):
+        title = _run_title(run_dir.resolve())
+        if title in titles:
+            title = str(run_dir)
+        single = analyze_run(run_dir, out_dir, prefix=f"{re.sub(r'[^A-Za-z0-9.-]+', '-', title)}-", title=title)
+        combined.figures += single.figures
+        combined.notes += single.notes
+        biases = load_gate_biases(run_dir)
+        if biases:
+            titles[title] = biases
+    if len(titles) > 1:
+        combined.figures.append(plot_runs_gate_biases(titles, out_dir / "gate_biases_runs.png"))
+    else:
+        combined.notes.append("fewer than two of these runs have saved gate biases: no side-by-side figure")
+    return combined

@@ -8,13 +8,16 @@ For every layer of a backbone this measures, on a few real training windows and 
 with ``L`` the training loss (mean cross-entropy) and ``∂L/∂in`` the gradient that flows into the
 layer's input *through that layer alone* (a full backward hook), so a residual path around the site
 does not count. Variances are pooled over every element of every window (batch, time and channel), and
-the model runs in training mode, dropout included, exactly as the trainer's first step sees it.
+the model runs in training mode, dropout included, exactly as the trainer's first step sees it; with
+``dropout=False`` (``--no-dropout``) in evaluation mode, the same weights without dropout, beside what theory
+predicts there. A translation run's windows are its first training batches (source, decoder input and target).
 
 What is a layer, and what theory predicts for it:
 
 * a model may offer ``init_check_layers()``, returning dicts with ``name``, ``module`` and optionally
-  ``kind``, ``forward``/``backward`` (predicted ratios), ``forward_out_var`` (a predicted output
-  variance, so the predicted ratio is that over the measured input variance) and ``note``;
+  ``kind``, ``forward``/``backward`` (predicted ratios), ``forward_no_dropout``/``backward_no_dropout`` (the
+  same without dropout), ``forward_out_var`` (a predicted output variance, so the predicted ratio is that over the
+  measured input variance) and ``note``;
 * otherwise the first ``nn.ModuleList`` called ``layers`` (at any depth, e.g. ``sru.layers``) holds them.
 
 Predictions:
@@ -24,7 +27,13 @@ Predictions:
   :math:`\rho_f = \rho_b = 1` to first order in the gate input (Gehring et al. 2017, appendix A). The
   next order adds about :math:`\mathrm E[x^2]/p` per gated convolution, since
   :math:`\mathrm E[\sigma(b)^2] \approx 1/4 + \mathrm{Var}[b]/16`; small embeddings keep it small, but the
-  residual sum doubles the stream's variance each block, so deep blocks read a little above 1.
+  residual sum doubles the stream's variance each block, so deep blocks read a little above 1. Without dropout the
+  same weights give ``p`` per gated convolution (they were drawn for inputs scaled by ``1/p``).
+* **ConvS2S GLU blocks** (:class:`~gatedformer.models.convs2s.ConvS2S`), ``dropout → conv → GLU`` in both stacks:
+  with dropout :math:`\rho_f = 1` and :math:`\rho_b = C_{out}/C_{in}` (appendix A, eq. 32-33: the backward fan-in
+  is the next layer's ``w · C_out``); without dropout ``p`` and ``p · C_out/C_in``. The residuals scaled by
+  :math:`\sqrt{0.5}` keep the stream's variance at the embeddings' (0.01), where the first-order approximation
+  holds.
 * **SRU layers**: with :math:`c` of about the input's variance and the reset gate near
   :math:`\sigma(b)`, :math:`\mathrm{Var}[h]/\mathrm{Var}[x] \approx \sigma(b)^2 + (1-\sigma(b))^2\alpha^2`,
   which is 1 for :math:`\alpha = \sqrt{1 + 2e^b}` (:math:`\sqrt 3` at :math:`b = 0`; SRU paper,
@@ -38,6 +47,7 @@ Predictions:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -59,7 +69,8 @@ def predict_sru_ratio(highway_bias: float, alpha: float) -> float:
     return r * r + (1.0 - r) ** 2 * alpha * alpha
 
 
-_LAYER_KINDS = {"RTransformerLayer": "R-Transformer layer", "TransformerXLLayer": "Transformer-XL layer"}
+_LAYER_KINDS = {"RTransformerLayer": "R-Transformer layer", "TransformerXLLayer": "Transformer-XL layer",
+                "EncoderLayer": "Transformer encoder layer", "DecoderLayer": "Transformer decoder layer"}
 
 
 def _describe(name: str, module: nn.Module) -> dict[str, Any]:
@@ -67,7 +78,7 @@ def _describe(name: str, module: nn.Module) -> dict[str, Any]:
     site: dict[str, Any] = {"name": name, "module": module, "kind": type(module).__name__}
     if all(hasattr(module, attr) for attr in ("alpha", "highway_bias", "rescale")):  # an SRU layer
         site["kind"] = f"SRU layer (α={module.alpha:.3g}, b={module.highway_bias:g})"
-        site["forward"] = predict_sru_ratio(module.highway_bias, module.alpha)
+        site["forward"] = site["forward_no_dropout"] = predict_sru_ratio(module.highway_bias, module.alpha)
         site["note"] = "σ(b)² + (1-σ(b))²α², Var[c] ≈ Var[x]"
         return site
     sub = getattr(module, "ffn", None)
@@ -83,11 +94,13 @@ def _describe(name: str, module: nn.Module) -> dict[str, Any]:
     return site
 
 
-def _find_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+def _find_layers(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """The first ``layers`` list, or an encoder-decoder's top-level ``encoder_layers`` and ``decoder_layers``."""
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and (name == "layers" or name.endswith(".layers")):
-            return name, module
-    return None
+            return [(name, module)]
+    return [(name, module) for name, module in model.named_children()
+            if isinstance(module, nn.ModuleList) and name in ("encoder_layers", "decoder_layers")]
 
 
 def layer_sites(model: nn.Module) -> list[dict[str, Any]]:
@@ -96,13 +109,12 @@ def layer_sites(model: nn.Module) -> list[dict[str, Any]]:
     if callable(offered):
         return [dict(site) for site in offered()]
     found = _find_layers(model)
-    if found is None:
+    if not found:
         raise ConfigError(
             f"{type(model).__name__} has no `layers` ModuleList and no init_check_layers(); "
             "the init check cannot tell what its layers are"
         )
-    prefix, layers = found
-    return [_describe(f"{prefix}.{i}", layer) for i, layer in enumerate(layers)]
+    return [_describe(f"{prefix}.{i}", layer) for prefix, layers in found for i, layer in enumerate(layers)]
 
 
 class _Moments:
@@ -171,6 +183,7 @@ def measure_layers(model: nn.Module, batches: Iterable[Sequence[Any]],
     """
     sites = layer_sites(model) if sites is None else sites
     loss_fn = loss_fn or _default_loss
+    dropout_on = model.training
     stats = [{key: _Moments() for key in ("in", "out", "grad_in", "grad_out")} for _ in sites]
     handles = []
 
@@ -208,7 +221,7 @@ def measure_layers(model: nn.Module, batches: Iterable[Sequence[Any]],
     for site, moments in zip(sites, stats, strict=True):
         var_in, var_out = moments["in"].var, moments["out"].var
         g_in, g_out = moments["grad_in"].var, moments["grad_out"].var
-        predicted_forward = site.get("forward")
+        predicted_forward = site.get("forward" if dropout_on else "forward_no_dropout")
         if predicted_forward is None and site.get("forward_out_var") is not None:
             predicted_forward = _ratio(site["forward_out_var"], var_in)
         rows.append({
@@ -216,38 +229,71 @@ def measure_layers(model: nn.Module, batches: Iterable[Sequence[Any]],
             "var_in": var_in, "var_out": var_out, "forward": _ratio(var_out, var_in),
             "forward_predicted": predicted_forward,
             "grad_out_var": g_out, "grad_in_var": g_in, "backward": _ratio(g_in, g_out),
-            "backward_predicted": site.get("backward"), "note": site.get("note", ""),
+            "backward_predicted": site.get("backward" if dropout_on else "backward_no_dropout"),
+            "note": site.get("note", ""), "dropout": dropout_on,
         })
     return rows
 
 
 def init_check(config: RunConfig, data_dir: str | Path | None = None, batches: int = 4,
-               device: str = "cpu") -> list[dict[str, Any]]:
+               device: str = "cpu", dropout: bool = True) -> list[dict[str, Any]]:
     """Per-layer variance ratios of ``config``'s model at initialisation, on its first training windows.
 
     The model is built and initialised as the trainer does (same seed, same ``init`` scheme) and run in
     training mode on ``batches`` windows of the configured corpus, carrying the recurrent state from
-    window to window. Returns one dict per layer (see :func:`measure_layers`).
+    window to window (a translation model: its first ``batches`` training batches). ``dropout=False`` runs it in
+    evaluation mode instead. Returns one dict per layer (see :func:`measure_layers`).
     """
-    from gatedformer.data import LMStream, load_corpus
-    from gatedformer.models import build_model
     from gatedformer.train.init import initialise
 
     validate(config)
     if batches < 1:
         raise ConfigError(f"batches must be at least 1, got {batches}")
-    if task_of(config) != "lm":
-        raise ConfigError(f"init-check measures the language models' layers; {config.data.corpus} is a translation "
-                          "corpus: pick a language-model recipe (e.g. ptb-char-tiny, wikitext2-gcnn-tiny)")
+    if task_of(config) not in ("lm", "translation"):
+        raise ConfigError(f"init-check measures language and translation models' layers; {config.data.corpus} is "
+                          "neither's corpus: pick such a recipe (e.g. ptb-char-tiny, wikitext2-gcnn-tiny, "
+                          "multi30k-convs2s-tiny)")
+    torch.manual_seed(config.train.seed)
+    if task_of(config) == "translation":
+        from gatedformer.tasks.translation import TranslationTask
+
+        task = TranslationTask()
+        data = task.load_data(config, data_dir)
+        torch.manual_seed(config.train.seed)
+        model = task.build_model(config, data)
+        initialise(model, config.init)
+        model.to(device).train(dropout)
+        windows = [batch.inputs for batch in itertools.islice(task.train_batches(data, config, 0, None), batches)]
+        return measure_layers(_TranslationRunner(model, torch.device(device)).train(dropout), windows,
+                              loss_fn=_cross_entropy, sites=layer_sites(model))
+    from gatedformer.data import LMStream, load_corpus
+    from gatedformer.models import build_model
+
     corpus = load_corpus(config.data.corpus, data_dir)
     stream = LMStream(corpus.train, config.data.batch_size, config.data.seq_len)
     torch.manual_seed(config.train.seed)
     model = build_model(config.model, len(corpus.vocab))
     initialise(model, config.init)
-    model.to(device).train()
+    model.to(device).train(dropout)
     windows = [stream.window(k) for k in range(min(batches, len(stream)))]
-    runner = _Runner(model, torch.device(device))
+    runner = _Runner(model, torch.device(device)).train(dropout)
     return measure_layers(runner, windows, loss_fn=_cross_entropy, sites=layer_sites(model))
+
+
+class _TranslationRunner(nn.Module):
+    """``runner(src, tgt_in, tgt_out) -> (logits, targets)``: a translation model under teacher forcing, the padded
+    target positions left out of the loss (marked ``-100``)."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        super().__init__()
+        self.model = model
+        self.device = device
+
+    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> tuple[Tensor, Tensor]:
+        from gatedformer.data.translation import PAD_ID
+
+        logits = self.model(src.to(self.device), tgt_in.to(self.device))
+        return logits, tgt_out.to(self.device).masked_fill(tgt_out.to(self.device) == PAD_ID, -100)
 
 
 class _Runner(nn.Module):
@@ -297,6 +343,8 @@ def format_init_check(rows: list[dict[str, Any]]) -> str:
             f"{_number(r['backward_predicted'], 9)}  {r['note']}".rstrip()
         )
     lines.append("")
+    mode = ("training mode, dropout on" if rows[0].get("dropout", True)
+            else "evaluation mode, dropout off (--no-dropout)")
     lines.append("fwd = Var[out]/Var[in]; bwd = Var[dL/d in]/Var[dL/d out] through the layer alone; "
-                 "pooled over batch, time and channels, training mode, at initialisation.")
+                 f"pooled over batch, time and channels, {mode}, at initialisation.")
     return "\n".join(lines)

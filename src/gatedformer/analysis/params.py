@@ -8,11 +8,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from gatedformer.analysis.matching import matched_config, with_matched_baseline
 from gatedformer.config import (
     Recipe,
     RunConfig,
     build_config,
     check_overrides_spare_variants,
+    get_backbone,
     load_recipe,
     task_of,
 )
@@ -20,8 +22,9 @@ from gatedformer.errors import ConfigError
 from gatedformer.gates.kinds import kind_in_name
 from gatedformer.models import build_model
 
-# The recurrent parts' module names: the R-Transformer's LocalRNN, and the SRU alone or inside a Transformer layer.
-_RECURRENT = {"local_rnn": "local RNN", "sru": "SRU", "recurrent": "SRU"}
+# The recurrent parts' module names: the R-Transformer's LocalRNN, and the SRU alone or inside a Transformer's
+# feed-forward sublayer.
+_RECURRENT = {"local_rnn": "local RNN", "sru": "SRU"}
 
 
 def component_of(name: str) -> str:
@@ -32,19 +35,22 @@ def component_of(name: str) -> str:
         return f"gate: {kind.label}"
     if any("norm" in part for part in parts[:-1]):
         return "norms"
-    if parts[0].startswith("embed"):
+    if parts[0].startswith("embed") or any(part.startswith("embed_") for part in parts[:-1]):
         return "embeddings"
     if parts[0] in ("output", "head", "lm_head"):
         return "output"
+    recurrent = next((_RECURRENT[part] for part in parts if part in _RECURRENT), None)
+    if recurrent is not None:  # an SRU in a feed-forward sublayer counts as the SRU, not as the feed-forward
+        return recurrent
     for part in parts:
         if part in ("attn", "self_attn", "cross_attn"):
             return "attention"
         if part in ("ffn", "feed_forward"):
             return "feed-forward"
-        if part in _RECURRENT:
-            return _RECURRENT[part]
         if part == "conv":
             return "convolutions"
+        if part in ("fc1", "fc2", "projections"):  # ConvS2S's maps between the embeddings and the channels
+            return "projections"
     return parts[0]
 
 
@@ -60,28 +66,36 @@ def count_by_component(model: nn.Module) -> dict[str, int]:
 
 
 def parameter_report(recipe_name: str, overrides: list[str], data_dir: str | None = None,
-                     vocab_size: int | None = None) -> dict[str, Any]:
-    """Counts for the recipe's config and for each of its variants, with a printable table."""
+                     vocab_size: int | None = None, matched_baseline: str | None = None) -> dict[str, Any]:
+    """Counts for the recipe's config and for each of its variants (with ``matched_baseline``, as ``compare``
+    takes it, one more: the baseline at that variant's size), with a printable table."""
     if vocab_size is not None and vocab_size < 1:
         raise ConfigError(f"--vocab-size must be a positive number of tokens, got {vocab_size}")
     recipe = load_recipe(recipe_name)
     check_overrides_spare_variants(recipe, overrides)
+    if matched_baseline is not None:
+        recipe = with_matched_baseline(recipe, overrides, matched_baseline)
     if task_of(build_config(recipe, overrides)) == "translation":
         return translation_parameter_report(recipe, overrides, data_dir, vocab_size)
+    if task_of(build_config(recipe, overrides)) in ("mlm", "glue", "sentclass"):
+        from gatedformer.analysis.text_params import text_parameter_report
+
+        return text_parameter_report(recipe, overrides, data_dir, vocab_size)
     rows = []
     for variant in recipe.variants:
-        config = build_config(recipe, overrides, variant)
+        config = matched_config(recipe, overrides, variant)
         size = vocab_size or _vocab_size(config.data.corpus, data_dir)
         with torch.device("meta"):  # shapes only: counting needs no memory for the weights
             components = count_by_component(build_model(config.model, size))
         rows.append({"variant": variant.name, "total": sum(components.values()), "components": components,
                      "vocab_size": size})
     base = rows[0]["total"]
-    lines = [f"{'variant':<24} {'total':>12} {'vs first':>10}  components"]
+    width = max(24, *(len(row["variant"]) for row in rows))
+    lines = [f"{'variant':<{width}} {'total':>12} {'vs first':>10}  components"]
     for row in rows:
         extra = f"{(row['total'] - base) / base * 100:+.2f}%"
         parts = ", ".join(f"{k} {v:,}" for k, v in row["components"].items())
-        lines.append(f"{row['variant']:<24} {row['total']:>12,} {extra:>10}  {parts}")
+        lines.append(f"{row['variant']:<{width}} {row['total']:>12,} {extra:>10}  {parts}")
     return {"recipe": recipe.name, "variants": rows, "text": "\n".join(lines)}
 
 
@@ -109,13 +123,15 @@ def translation_parameter_report(recipe: Recipe, overrides: list[str], data_dir:
     src_size, tgt_size, source = _translation_vocab_sizes(config, data_dir, vocab_size)
     rows = []
     for variant in recipe.variants:
-        variant_config = build_config(recipe, overrides, variant)
+        variant_config = matched_config(recipe, overrides, variant)
         with torch.device("meta"):
             components = count_by_component(build_seq2seq(variant_config, src_size, tgt_size))
         rows.append({"variant": variant.name, "total": sum(components.values()), "components": components,
                      "vocab_size": [src_size, tgt_size]})
     sizes = []
-    for layers, max_len, width, ffn in PAPER_TRANSLATION_SIZES:
+    # The EAU paper's sizes, where the recipe's network takes its gates (ConvS2S has none to place).
+    gated = get_backbone(config.model.backbone, "translation").gated
+    for layers, max_len, width, ffn in PAPER_TRANSLATION_SIZES if gated else ():
         counts = {}
         for name, spec in (("baseline", ""), ("+EAU+GRC", "+EAU+GRC")):
             sized = build_config(recipe, [*overrides, f"model.n_layers={layers}", f"translation.max_len={max_len}",
@@ -127,15 +143,17 @@ def translation_parameter_report(recipe: Recipe, overrides: list[str], data_dir:
         sizes.append({"l": layers, "n": max_len, "k": width, "f": ffn, **counts})
 
     tr = config.translation
+    name_width = max(24, *(len(row["variant"]) for row in rows))
     lines = [f"{recipe.name}: {tr.src_lang}→{tr.tgt_lang}, vocabularies: source {src_size:,}, target {tgt_size:,} "
-             f"({source})", "", f"{'variant':<24} {'total':>12} {'vs first':>10}  components"]
+             f"({source})", "", f"{'variant':<{name_width}} {'total':>12} {'vs first':>10}  components"]
     base = rows[0]["total"]
     for row in rows:
         extra = f"{(row['total'] - base) / base * 100:+.2f}%"
         parts = ", ".join(f"{k} {v:,}" for k, v in row["components"].items())
-        lines.append(f"{row['variant']:<24} {row['total']:>12,} {extra:>10}  {parts}")
-    lines += ["", "paper sizes (l layers, n max length, k width, f feed-forward; n does not change the count):",
-              f"{'l':>2} {'n':>4} {'k':>4} {'f':>5} {'baseline':>12} {'+EAU+GRC':>12} {'added':>10}"]
+        lines.append(f"{row['variant']:<{name_width}} {row['total']:>12,} {extra:>10}  {parts}")
+    if sizes:
+        lines += ["", "paper sizes (l layers, n max length, k width, f feed-forward; n does not change the count):",
+                  f"{'l':>2} {'n':>4} {'k':>4} {'f':>5} {'baseline':>12} {'+EAU+GRC':>12} {'added':>10}"]
     for row in sizes:
         added = (row["+EAU+GRC"] - row["baseline"]) / row["baseline"] * 100
         lines.append(f"{row['l']:>2} {row['n']:>4} {row['k']:>4} {row['f']:>5} {row['baseline']:>12,} "

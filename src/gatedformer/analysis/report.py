@@ -1,14 +1,22 @@
 """The tables and the markdown report of a comparison (see :mod:`gatedformer.analysis.compare`).
 
 Everything here formats numbers that are already known: the finished runs' ``results.json``, the
-recipe's published numbers and the per-component parameter counts. Nothing trains or plots.
+recipe's published numbers, the per-component parameter counts and the interleaved step times. Nothing trains or
+plots.
+
+Changes against the baseline are paired by seed: seed k of a variant against seed k of the baseline (same data
+order, same initial draws where the shapes agree), so what the seeds share cancels. With several seeds the change is
+the mean and standard deviation of the per-seed changes, and it is marked "within spread" when the 95 % t-interval
+of that mean includes zero (with scipy, which ``gatedformer[analysis]`` brings): such a difference is not a finding.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gatedformer.config import Recipe
 from gatedformer.train.loop import RunResult
@@ -73,6 +81,52 @@ def _change(value: float, base: float) -> str:
     return f"{(value - base) / base * 100:+.2f}%" if base else "—"
 
 
+@dataclass
+class PairedChange:
+    """A variant's relative change (%) against the baseline, paired by seed."""
+
+    changes: list[float]
+    """Per seed, ``100 · (variant − baseline) / baseline``."""
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.changes)
+
+    @property
+    def std(self) -> float | None:
+        return statistics.stdev(self.changes) if len(self.changes) > 1 else None
+
+    def interval(self) -> tuple[float, float] | None:
+        """The 95 % t-interval of the mean change (``None`` with one seed, or without scipy)."""
+        if len(self.changes) < 2:
+            return None
+        try:
+            from scipy.stats import t as student
+        except ImportError:
+            return None
+        half = student.ppf(0.975, len(self.changes) - 1) * self.std / math.sqrt(len(self.changes))
+        return self.mean - half, self.mean + half
+
+    @property
+    def within_spread(self) -> bool | None:
+        """Whether the interval includes zero (``None`` where there is no interval)."""
+        interval = self.interval()
+        return None if interval is None else bool(interval[0] <= 0.0 <= interval[1])
+
+    def __str__(self) -> str:
+        if self.std is None:
+            return f"{self.mean:+.2f}% (1 seed)"
+        text = f"{self.mean:+.2f}% ± {self.std:.2f}"
+        return text + " (within spread)" if self.within_spread else text
+
+
+def paired_change(summary: VariantSummary, base: VariantSummary, key: str = "test_metric") -> PairedChange:
+    """``summary``'s change against ``base`` in ``key``, seed by seed (the seeds both have)."""
+    pairs = zip(summary.results, base.results, strict=False)
+    return PairedChange([(getattr(s, key) - getattr(b, key)) / getattr(b, key) * 100 for s, b in pairs
+                         if getattr(b, key)])
+
+
 def published_header(recipe: Recipe, metric: str) -> str:
     return f"published test {recipe.published_metric or metric}"
 
@@ -85,7 +139,7 @@ def format_table(summaries: list[VariantSummary], metric: str, recipe: Recipe) -
     """
     has_published = any(s.published is not None for s in summaries)
     header = ["variant", "valid loss", f"valid {metric}", "test loss", f"test {metric}",
-              f"Δ test {metric} vs base"]
+              f"Δ test {metric} vs base (paired)"]
     if has_published:
         header += [published_header(recipe, metric), "published Δ"]
     header += ["params", "s/step", "total time (s)"]
@@ -93,7 +147,7 @@ def format_table(summaries: list[VariantSummary], metric: str, recipe: Recipe) -
     rows = []
     for s in summaries:
         row = [s.name, _pm(s, "valid_loss"), _pm(s, "valid_metric"), _pm(s, "test_loss"), _pm(s, "test_metric"),
-               "—" if s is base else _change(s.mean("test_metric"), base.mean("test_metric"))]
+               "—" if s is base else str(paired_change(s, base))]
         if has_published:
             row.append("—" if s.published is None else f"{s.published:g}")
             known = s is not base and s.published is not None and base.published is not None
@@ -104,26 +158,34 @@ def format_table(summaries: list[VariantSummary], metric: str, recipe: Recipe) -
     return _markdown(header, rows)
 
 
-def timing_table(summaries: list[VariantSummary]) -> str:
-    """Training-time cost of each variant (Highway Transformer, Table 7): time per step and per epoch,
-    relative to the baseline, with throughput and the extra parameters that cost buys. The time per step
-    leaves out the first step of each run (kernels built on first use, compilation), shown as setup."""
+def timing_table(summaries: list[VariantSummary], step_times: dict[str, Any] | None = None) -> str:
+    """Training-time cost of each variant (Highway Transformer, Table 7). With ``step_times``
+    (:class:`~gatedformer.analysis.step_timing.StepTimes`), first every variant's step timed interleaved in one
+    process and its ratio to the baseline's; then, from the runs themselves, which trained one after another: time
+    per step and per epoch, the relative time, throughput, setup, and the extra parameters that cost buys. The runs'
+    time per step leaves out the first step of each run (kernels built on first use, compilation), shown as setup."""
     base = summaries[0]
     base_step = base.mean("seconds_per_step")
     base_params = base.results[0].params
-    header = ["variant", "s/step", "s/epoch", "relative time", "Δ time/step", "tokens/s", "setup (s)", "params",
-              "Δ params"]
+    timed = step_times is not None and all(s.name in step_times for s in summaries)
+    header = (["variant", "s/step (interleaved)", "× base (interleaved)"] if timed else ["variant"]) + [
+        "s/step (runs)", "s/epoch", "× base (runs)", "tokens/s", "setup (s)", "params", "Δ params"]
     rows = []
     for s in summaries:
         step = s.mean("seconds_per_step")
         epoch = s.seconds_per_epoch
-        rows.append([
-            s.name, f"{step:.4f}" + (f" ± {s.std('seconds_per_step'):.4f}" if len(s.results) > 1 else ""),
+        row = [s.name]
+        if timed:
+            times = step_times[s.name]
+            q1, q3 = times.quartiles
+            row += [f"{times.median:.4f} [{q1:.4f}, {q3:.4f}]", f"×{step_times.ratio(s.name):.2f}"]
+        row += [
+            f"{step:.4f}" + (f" ± {s.std('seconds_per_step'):.4f}" if len(s.results) > 1 else ""),
             "—" if epoch is None else f"{epoch:,.1f}", f"×{step / base_step:.2f}" if base_step else "—",
-            "—" if s is base else _change(step, base_step), f"{s.mean('tokens_per_second'):,.0f}",
-            f"{s.mean('setup_seconds'):.2f}", f"{s.results[0].params:,}",
+            f"{s.mean('tokens_per_second'):,.0f}", f"{s.mean('setup_seconds'):.2f}", f"{s.results[0].params:,}",
             "—" if s is base else _change(s.results[0].params, base_params),
-        ])
+        ]
+        rows.append(row)
     return _markdown(header, rows)
 
 
@@ -145,12 +207,14 @@ def parameter_table(summaries: list[VariantSummary]) -> str | None:
 
 def render_report(recipe: Recipe, summaries: list[VariantSummary], table: str, *, metric: str, corpus: str,
                   setup: str, convergence: list[Path], gate_figures: dict[str, list[Path]],
-                  notes: list[str], out_dir: Path) -> str:
+                  notes: list[str], out_dir: Path, step_times: dict[str, Any] | None = None) -> str:
     """The whole ``report.md``: results, published numbers, time, parameters and figures."""
     better = "higher" if metric == "bleu" else "lower"
     parts = [f"# {recipe.name}: comparison", "", recipe.description, "", setup,
-             "Mean ± standard deviation over seeds; Δ is the relative change against the first variant "
-             f"({better} is better).", "", "## Results", "", table, ""]
+             "Mean ± standard deviation over seeds. Δ is the relative change against the first variant "
+             f"({better} is better), paired by seed: the mean ± standard deviation of each seed's change against the "
+             "baseline's run of the same seed; \"within spread\" marks a change whose 95 % t-interval over seeds "
+             "includes zero, which is not a finding.", "", "## Results", "", table, ""]
     if any(s.published is not None for s in summaries):
         recipe_corpus = recipe.config.data.corpus
         where = "" if corpus == recipe_corpus else (
@@ -159,12 +223,18 @@ def render_report(recipe: Recipe, summaries: list[VariantSummary], table: str, *
         parts += [f"Published numbers: {recipe.published_source or 'see the recipe'}.{where}", ""]
     elif recipe.published_source:
         parts += [f"Published numbers: {recipe.published_source}.", ""]
+    interleaved = ("First, every variant's training step timed in this process one after another, round-robin in "
+                   "a shuffled order (median seconds per step [interquartile range] over the rounds, and the median "
+                   "per-round ratio to the baseline): load that comes and goes falls on every variant alike, so "
+                   "these ratios are the cost of the gates. Then, from the runs, which trained one after another: "
+                   if step_times else "")
     parts += ["## Training-time cost", "",
-              "Mean training time per step (evaluation excluded) and per epoch (steps per pass over the "
-              "training split × s/step), relative to the first variant. Each run's first step is left out of "
+              interleaved + ("m" if interleaved else "M") + "ean training time per step (evaluation excluded) and "
+              "per epoch (steps per pass over "
+              "the training split × s/step), relative to the first variant. Each run's first step is left out of "
               "s/step and tokens/s and shown as setup: it builds kernels on first use (once per machine, so "
               "whichever variant runs first pays it) and compiles under `--compile`. The results table's "
-              "total time is the whole run, evaluations included.", "", timing_table(summaries), ""]
+              "total time is the whole run, evaluations included.", "", timing_table(summaries, step_times), ""]
     params = parameter_table(summaries)
     if params:
         parts += ["## Parameters", "", params, ""]

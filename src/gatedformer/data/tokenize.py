@@ -128,7 +128,10 @@ def load_cached(name: str, key: str) -> tuple[Vocab, dict[str, np.ndarray]] | No
         ids = {}
         for split, n in meta["lengths"].items():
             arr = np.load(tokens_dir() / f"{stem}.{split}.npy", allow_pickle=False)
-            if arr.ndim != 1 or len(arr) != n:
+            if arr.ndim != 1 or len(arr) != n or arr.dtype.kind not in "iu":
+                return None
+            # A damaged cache may hold ids the vocabulary does not have: tokenize again rather than index past it.
+            if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= len(vocab)):
                 return None
             ids[split] = arr
     except (OSError, ValueError, KeyError, TypeError):

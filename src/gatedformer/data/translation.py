@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +42,8 @@ from .verify import verify_file
 from .vocab import Vocab
 
 CORPUS = "multi30k"
+CORPORA = (CORPUS, "wmt14")
+"""The parallel corpora: Multi30K's files are read here, WMT'14's are prepared by :mod:`.wmt14`."""
 SPECIALS = ("<unk>", "<pad>", "<bos>", "<eos>")
 UNK_ID, PAD_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 PAIRS = (("en", "de"), ("de", "en"))
@@ -65,6 +67,20 @@ MULTI30K_SHA256: dict[str, str] = {
     "multi30k/val.de": "660e09eb7e1da2f856ea13ee5ad3cf6d36b3d5b0b733c857e94c5747a3dfc660",
     "multi30k/test_2016_flickr.en": "399a4382932c1aadd3ceb9bef1008d388a64c76d4ae4e9d4728c6f4301cac182",
     "multi30k/test_2016_flickr.de": "4be6b5b3236b79c25475c6bb829800a7ce559e9ba7a1f6c2394fe4d40be46d16",
+}
+# The size of each of those files, by its sha256 (a fact of the content, so files a test swaps in have none): a
+# download stops there.
+MULTI30K_BYTES: dict[str, int] = {
+    "08925f8e0572bcd5a006702fc5fe20e2d77c6917d4eebd576fc20de6693c2119": 1_837_696,
+    "cb5a23529b65ec2061f1dc446192a9c37382b63cc75f81a0be59d34894b3a505": 2_150_008,
+    "46573ce391ae227f1c72f873392436a20ef18e0a6d518098cfbd70b77c8572ec": 64_608,
+    "97232bd273eceb7207f689527386a97e4be2616b18ada47576bdaf96c8ae1f00": 77_273,
+    "5b7f32627cf99eced828311b955dae9800bb52bc8b91cf8b6526829e605b29d2": 63_307,
+    "c6a33d39d48f9f510de147651316cd9d918e09ad0219df734a2f16b6baccacc4": 71_917,
+    "1f2a23d992769b5b3d209b0a10dd0b77c08cceb1f20dfb97ed0aafa49d107227": 63_297,
+    "660e09eb7e1da2f856ea13ee5ad3cf6d36b3d5b0b733c857e94c5747a3dfc660": 75_981,
+    "399a4382932c1aadd3ceb9bef1008d388a64c76d4ae4e9d4728c6f4301cac182": 62_076,
+    "4be6b5b3236b79c25475c6bb829800a7ce559e9ba7a1f6c2394fe4d40be46d16": 70_649,
 }
 
 
@@ -147,6 +163,48 @@ def detokenize(tokens: Sequence[str], lang: str = "de") -> str:
     return "".join(out)
 
 
+def text_tokens(text: str, lang: str, corpus: str = CORPUS, bpe_json: str | None = None) -> list[str]:
+    """The tokens of raw ``text`` as the corpus's training data has them: Multi30K's (:func:`tokenize`), or WMT'14's
+    Moses tokens split into the BPE units of ``bpe_json``."""
+    if corpus != "wmt14":
+        return tokenize(text, lang)
+    from .wmt14 import moses_tokenize
+
+    if bpe_json is None:
+        raise DataError("translating WMT'14 text needs its BPE model (bpe.json in the run folder or the corpus)")
+    if not text.strip():
+        return []
+    return _bpe(bpe_json).apply([moses_tokenize(text, lang)])[0].split()
+
+
+_BPE_MODELS: dict[str, object] = {}
+
+
+def _bpe(bpe_json: str):  # noqa: ANN202 - a wmt14.Bpe, imported lazily
+    """The BPE model of ``bpe_json``, parsed once per process."""
+    from .wmt14 import Bpe
+
+    if bpe_json not in _BPE_MODELS:
+        _BPE_MODELS.clear()  # one model at a time: a run translates with its own
+        _BPE_MODELS[bpe_json] = Bpe(bpe_json)
+    return _BPE_MODELS[bpe_json]
+
+
+def text_of(tokens: Sequence[str], lang: str, corpus: str = CORPUS) -> str:
+    """Readable text from a translation's tokens: :func:`detokenize` for Multi30K, BPE units joined and Moses
+    detokenised for WMT'14."""
+    if corpus != "wmt14":
+        return detokenize(tokens, lang)
+    from .wmt14 import detokenize as detokenize_units
+
+    return detokenize_units(tokens, lang)
+
+
+def bleu_is_lowercase(corpus: str) -> bool:
+    """Whether BLEU ignores case: on Multi30K, whose models read lower-cased text; not on WMT'14 (cased)."""
+    return corpus != "wmt14"
+
+
 # ---------------------------------------------------------------------------------------------
 # Files
 
@@ -186,14 +244,19 @@ def multi30k_download_spec() -> CorpusSpec:
     return CorpusSpec(CORPUS, "word", "bleu", "Multi30K en↔de (WMT16 multimodal task 1)", "multi30k", files)
 
 
+def _pinned(rel: str) -> tuple[str | None, int | None]:
+    sha = MULTI30K_SHA256.get(rel)
+    return sha, MULTI30K_BYTES.get(sha) if sha else None
+
+
 def _tok_files(languages: Sequence[str]) -> tuple[FileSpec, ...]:
-    return tuple(FileSpec(rel, split, MULTI30K_SHA256.get(rel), f"{_MULTI30K_BASE}/tok/{Path(rel).name}")
+    return tuple(FileSpec(rel, split, *_pinned(rel)[:1], f"{_MULTI30K_BASE}/tok/{Path(rel).name}", _pinned(rel)[1])
                  for split in SPLIT_FILES for lang in languages for rel in (tok_file(split, lang),))
 
 
 def _raw_references(languages: Sequence[str]) -> tuple[FileSpec, ...]:
-    return tuple(FileSpec(rel, split, MULTI30K_SHA256.get(rel), f"{_MULTI30K_BASE}/raw/{Path(rel).name}.gz",
-                          gzipped=True)
+    return tuple(FileSpec(rel, split, *_pinned(rel)[:1], f"{_MULTI30K_BASE}/raw/{Path(rel).name}.gz",
+                          _pinned(rel)[1], gzipped=True)
                  for split in ("valid", "test") for lang in languages for rel in (raw_file(split, lang),))
 
 
@@ -298,38 +361,41 @@ class TranslationData:
     valid: ParallelSplit
     test: ParallelSplit
     root: Path
+    bpe_json: str | None = None
+    """The joint BPE model of a subword corpus (WMT'14), which new text is split with; ``None`` for Multi30K."""
 
 
 def load_translation_data(src_lang: str = "en", tgt_lang: str = "de", data_dir: str | Path | None = None, *,
                           min_freq: int = 2, max_len: int = 128, src_vocab_size: int = 0, tgt_vocab_size: int = 0,
-                          train_sentences: int = 0, corpus: str = CORPUS) -> TranslationData:
+                          train_sentences: int = 0, corpus: str = CORPUS, shared_vocab: bool = False
+                          ) -> TranslationData:
     """Locate and verify the files, build the vocabularies from the training split, encode every split.
 
-    ``train_sentences`` > 0 keeps only the first that many training pairs (vocabulary included).
+    ``train_sentences`` > 0 keeps only the first that many training pairs (vocabulary included). ``shared_vocab``
+    builds one vocabulary from both sides' training sentences (of ``src_vocab_size`` tokens when capped) and uses it
+    for both.
     """
-    if corpus != CORPUS:
-        raise DataError(f"unknown translation corpus {corpus!r}; use data.corpus={CORPUS}")
+    if corpus not in CORPORA:
+        raise DataError(f"unknown translation corpus {corpus!r}; use data.corpus={' or '.join(CORPORA)}")
     check_pair(src_lang, tgt_lang, corpus)
     if max_len < 3:
         raise DataError(f"translation.max_len={max_len} leaves no room for a token between <bos> and <eos>; "
                         "raise it")
-    root, spec = locate_multi30k(src_lang, tgt_lang, data_dir)
-    paths = {}
-    for fspec in spec.files:
-        path = find_file(root, fspec.candidates)
-        assert path is not None  # locate_multi30k checked
-        verify_file(path, fspec, root, corpus)
-        paths[fspec.path] = path
+    files = _wmt14_files(tgt_lang, data_dir) if corpus == "wmt14" else _multi30k_files(src_lang, tgt_lang, data_dir)
+    root = files.root
 
     def tokens(split: str, lang: str) -> list[list[str]]:
-        return [line.split() for line in _read_lines(paths[tok_file(split, lang)])]
+        return [line.split() for line in _read_lines(files.tokens(split, lang))]
 
     train_src, train_tgt = tokens("train", src_lang), tokens("train", tgt_lang)
-    _check_aligned(train_src, train_tgt, paths[tok_file("train", src_lang)], paths[tok_file("train", tgt_lang)])
+    _check_aligned(train_src, train_tgt, files.tokens("train", src_lang), files.tokens("train", tgt_lang))
     if train_sentences > 0:
         train_src, train_tgt = train_src[:train_sentences], train_tgt[:train_sentences]
-    src_vocab = build_vocab(train_src, min_freq, src_vocab_size)
-    tgt_vocab = build_vocab(train_tgt, min_freq, tgt_vocab_size)
+    if shared_vocab:
+        src_vocab = tgt_vocab = build_vocab([*train_src, *train_tgt], min_freq, src_vocab_size)
+    else:
+        src_vocab = build_vocab(train_src, min_freq, src_vocab_size)
+        tgt_vocab = build_vocab(train_tgt, min_freq, tgt_vocab_size)
 
     longest = max_len - 2
     train = ParallelSplit("train", [], [])
@@ -344,9 +410,9 @@ def load_translation_data(src_lang: str = "en", tgt_lang: str = "de", data_dir: 
 
     def evaluation(split: str) -> ParallelSplit:
         src, tgt = tokens(split, src_lang), tokens(split, tgt_lang)
-        references = _read_lines(paths[raw_file(split, tgt_lang)])
-        _check_aligned(src, tgt, paths[tok_file(split, src_lang)], paths[tok_file(split, tgt_lang)])
-        _check_aligned(src, references, paths[tok_file(split, src_lang)], paths[raw_file(split, tgt_lang)])
+        references, reference_file = files.references(split, tgt)
+        _check_aligned(src, tgt, files.tokens(split, src_lang), files.tokens(split, tgt_lang))
+        _check_aligned(src, references, files.tokens(split, src_lang), reference_file)
         out = ParallelSplit(split, [], [], references)
         for s, t in zip(src, tgt, strict=True):
             if len(s) > longest or len(t) > longest:
@@ -359,7 +425,53 @@ def load_translation_data(src_lang: str = "en", tgt_lang: str = "de", data_dir: 
         return out
 
     return TranslationData(corpus, src_lang, tgt_lang, src_vocab, tgt_vocab, train, evaluation("valid"),
-                           evaluation("test"), root)
+                           evaluation("test"), root, files.bpe_json)
+
+
+@dataclass
+class _Files:
+    """Where a corpus keeps each split's tokens, and its references."""
+
+    root: Path
+    tokens: Callable[[str, str], Path]
+    """``(split, lang)`` -> the file of that split's tokens, one sentence a line."""
+    references: Callable[[str, list[list[str]]], tuple[list[str], Path]]
+    """``(split, target tokens)`` -> the split's raw target sentences, and where they come from."""
+    bpe_json: str | None = None
+
+
+def _multi30k_files(src_lang: str, tgt_lang: str, data_dir: str | Path | None) -> _Files:
+    root, spec = locate_multi30k(src_lang, tgt_lang, data_dir)
+    paths = {}
+    for fspec in spec.files:
+        path = find_file(root, fspec.candidates)
+        assert path is not None  # locate_multi30k checked
+        verify_file(path, fspec, root, CORPUS)
+        paths[fspec.path] = path
+
+    def references(split: str, tokens: list[list[str]]) -> tuple[list[str], Path]:
+        path = paths[raw_file(split, tgt_lang)]
+        return _read_lines(path), path
+
+    return _Files(root, lambda split, lang: paths[tok_file(split, lang)], references)
+
+
+def _wmt14_files(tgt_lang: str, data_dir: str | Path | None) -> _Files:
+    from . import wmt14
+
+    root = wmt14.locate_wmt14(data_dir)
+    wmt14.verify_prepared(root)
+    folder = root / wmt14.FOLDER
+
+    def references(split: str, tokens: list[list[str]]) -> tuple[list[str], Path]:
+        if split == "test":
+            path = folder / f"test.ref.{tgt_lang}"
+            return _read_lines(path), path
+        # the held-out training pairs have no raw text: their references are their detokenised units
+        return [wmt14.detokenize(units, tgt_lang) for units in tokens], folder / f"valid.{tgt_lang}"
+
+    bpe = (folder / "bpe.json").read_text(encoding="utf-8")
+    return _Files(root, lambda split, lang: folder / f"{split}.{lang}", references, bpe)
 
 
 def _check_aligned(a: Sequence, b: Sequence, path_a: Path, path_b: Path) -> None:

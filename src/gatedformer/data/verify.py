@@ -86,19 +86,26 @@ def read_decoded(path: Path, corpus: str) -> bytes:
         ) from None
 
 
-def decoded_size(path: Path, corpus: str, as_name: str | None = None) -> int:
-    """Length of the decompressed content, streamed so that big archives are not held in memory."""
+def decoded_facts(path: Path, corpus: str, as_name: str | None = None) -> tuple[int, str]:
+    """Length and sha256 of the decompressed content, streamed so that big archives are not held in memory."""
     total = 0
+    digest = hashlib.sha256()
     try:
         with contextlib.ExitStack() as stack:
             fh = _open_member(path, stack, corpus, as_name)
             while chunk := fh.read(_CHUNK):
                 total += len(chunk)
+                digest.update(chunk)
     except (zipfile.BadZipFile, zlib.error, EOFError, gzip.BadGzipFile) as err:
         raise DataError(
             f"{path} is corrupt ({err}); re-download with `gatedformer data fetch {corpus}`"
         ) from None
-    return total
+    return total, digest.hexdigest()
+
+
+def decoded_size(path: Path, corpus: str, as_name: str | None = None) -> int:
+    """Length of the decompressed content (see :func:`decoded_facts`)."""
+    return decoded_facts(path, corpus, as_name)[0]
 
 
 def _stamp_path() -> Path:
@@ -121,12 +128,12 @@ def _save_stamp(key: str, entry: dict) -> None:
         json.dump(stamps, fh, indent=0, sort_keys=True)
 
 
-def record_facts(path: Path, sha256: str, decoded: int | None = None) -> None:
+def record_facts(path: Path, sha256: str, decoded: int | None = None, decoded_sha256: str | None = None) -> None:
     """Remember facts computed elsewhere (e.g. while downloading) so the next load need not re-hash."""
     st = path.stat()
     entry: dict = {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    if decoded is not None:
-        entry["decoded_size"] = decoded
+    if decoded is not None and decoded_sha256 is not None:
+        entry["decoded_size"], entry["decoded_sha256"] = decoded, decoded_sha256
     _save_stamp(os.path.realpath(path), entry)
 
 
@@ -140,12 +147,13 @@ def file_facts(path: Path, want_decoded: bool, corpus: str) -> dict:
         and entry.get("size") == st.st_size
         and entry.get("mtime_ns") == st.st_mtime_ns
         and isinstance(entry.get("sha256"), str)
-        and (not want_decoded or isinstance(entry.get("decoded_size"), int))
+        and (not want_decoded or (isinstance(entry.get("decoded_size"), int)
+                                  and isinstance(entry.get("decoded_sha256"), str)))
     ):
         return entry
     entry = {"sha256": sha256_file(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     if want_decoded:
-        entry["decoded_size"] = decoded_size(path, corpus)
+        entry["decoded_size"], entry["decoded_sha256"] = decoded_facts(path, corpus)
     _save_stamp(key, entry)
     return entry
 
@@ -178,7 +186,7 @@ def verify_file(path: Path, fspec: FileSpec, root: Path, corpus: str) -> dict:
             f"checksum mismatch for {path}: {st.st_size} bytes, expected {fspec.size} "
             f"(truncated or modified); {fix}"
         )
-    facts = file_facts(path, fspec.decoded_size is not None, corpus)
+    facts = file_facts(path, fspec.decoded_size is not None or fspec.decoded_sha256 is not None, corpus)
     for want, source in expected_hashes(root, path, fspec):
         if facts["sha256"] != want:
             raise DataError(
@@ -189,5 +197,10 @@ def verify_file(path: Path, fspec: FileSpec, root: Path, corpus: str) -> dict:
         raise DataError(
             f"corrupt corpus file {path}: decompresses to {facts['decoded_size']} bytes, expected "
             f"exactly {fspec.decoded_size}; {fix}"
+        )
+    if fspec.decoded_sha256 is not None and facts["decoded_sha256"] != fspec.decoded_sha256:
+        raise DataError(
+            f"checksum mismatch for {path}: its content has sha256 {facts['decoded_sha256'][:16]}..., expected "
+            f"{fspec.decoded_sha256[:16]}... (known hash); {fix}"
         )
     return facts

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import codecs
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -102,6 +103,28 @@ class Vocab:
                 parts.append(t if at_line_start else " " + t)
                 at_line_start = False
         return "".join(parts)
+
+    def decode_stream(self, ids: Iterable[int]) -> Iterator[str]:
+        """:meth:`decode` a piece at a time, as ``ids`` come: the pieces joined are ``decode`` of all of them (bytes
+        of a character wait for its last byte)."""
+        if self.kind == "byte":
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            for i in ids:
+                if piece := decoder.decode(bytes((int(i),))):
+                    yield piece
+            if tail := decoder.decode(b"", final=True):
+                yield tail
+            return
+        at_line_start = True
+        for i in ids:
+            token = self.itos[int(i)]
+            if self.kind == "char":
+                yield token
+            elif self.kind == "ptb-char":
+                yield "\n" if token == EOS else " " if token == "_" else token
+            else:
+                yield "\n" if token == EOS else token if at_line_start else " " + token
+                at_line_start = token == EOS
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "itos": list(self.itos)}

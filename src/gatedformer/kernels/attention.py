@@ -39,9 +39,14 @@ def kernel_takes(width: int, n_heads: int, dropout: float, device: torch.device,
     if device.type != "cpu" or dtype != torch.float32 or dropout > 0.0:
         return False
     head, rest = divmod(width, 3 * n_heads)
-    if rest or head not in SUPPORTED_HEAD_SIZES or torch.compiler.is_compiling():
-        return False
-    return KERNEL.pick_backend(device) == "native" and _library_for(head) is not None
+    return not rest and head in SUPPORTED_HEAD_SIZES and _takes_head(head)
+
+
+@torch.compiler.assume_constant_result
+def _takes_head(head: int) -> bool:
+    """Whether a build that takes heads of ``head`` runs; under ``torch.compile`` a constant of the graph, taken once
+    while dynamo traces (the fused sublayers run there as custom operators; the check is Python not to trace)."""
+    return KERNEL.pick_backend(torch.device("cpu")) == "native" and _library_for(head) is not None
 
 
 def supported_head_sizes(lib: ctypes.CDLL | None = None) -> tuple[int, ...]:

@@ -33,11 +33,25 @@ KERNEL = NativeKernel(
 
 def streams(*tensors: Tensor) -> PackedGemm | None:
     """MKL's packed products where the kernel can run on these tensors, else ``None``: float32 on the CPU, the
-    kernel built, outside ``torch.compile``."""
-    if (any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors)
-            or torch.compiler.is_compiling() or KERNEL.pick_backend(tensors[0].device) != "native"):
+    kernel built. Under ``torch.compile``, :data:`TRACED_STREAMS` in their place: the recurrence runs there as a
+    custom operator, which looks them up itself when it runs."""
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return None
+    if torch.compiler.is_compiling():
+        return TRACED_STREAMS if _streams_available() else None
+    if KERNEL.pick_backend(tensors[0].device) != "native":
         return None
     return packed_gemm()
+
+
+TRACED_STREAMS = PackedGemm(0, 0, 0, 0, 0)
+"""What :func:`streams` gives under ``torch.compile`` where the kernel runs: no addresses (see there)."""
+
+
+@torch.compiler.assume_constant_result
+def _streams_available() -> bool:
+    """Whether :func:`streams` finds the products (taken once while dynamo traces, as a constant of the graph)."""
+    return KERNEL.pick_backend(torch.device("cpu")) == "native" and packed_gemm() is not None
 
 
 def _check(status: int) -> None:

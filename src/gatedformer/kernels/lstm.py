@@ -43,10 +43,11 @@ def backward(gi: Tensor, gh: Tensor, c: Tensor | None, grad_h: Tensor, grad_c: T
     may be ``None``); ``gi``, ``gh`` and ``c`` as given to it."""
     rows, d = gi.shape[0], gi.shape[1] // 4
     grad_a = gi.new_empty(rows, 4 * d)
-    dc = None if c is None or not need_c_grad else torch.empty_like(c)
+    # the kernel writes c's gradient whenever it reads a c: scratch for it where none is wanted
+    dc = None if c is None else torch.empty_like(c)
     getattr(KERNEL.library(), f"lstm_backward_{DTYPES[gi.dtype]}")(
         gi.data_ptr(), gi.stride(0), gh.data_ptr(), gh.stride(0), None if c is None else c.data_ptr(),
         grad_h.data_ptr(), None if grad_c is None else grad_c.data_ptr(), grad_a.data_ptr(),
         None if dc is None else dc.data_ptr(), rows, d, kernel_threads(grad_h.numel()),
     )
-    return grad_a, dc
+    return grad_a, dc if need_c_grad else None

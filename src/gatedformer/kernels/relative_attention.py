@@ -46,9 +46,14 @@ def kernel_takes(tensors: Sequence[Tensor], n_heads: int, dropout: float) -> boo
     if dropout > 0.0 or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return False
     width = tensors[0].shape[-1]
-    if width % n_heads or width // n_heads > MAX_HEAD_SIZE or torch.compiler.is_compiling():
-        return False
-    return KERNEL.pick_backend(tensors[0].device) == "native"
+    return width % n_heads == 0 and width // n_heads <= MAX_HEAD_SIZE and _runs()
+
+
+@torch.compiler.assume_constant_result
+def _runs() -> bool:
+    """Whether the kernel runs; under ``torch.compile`` a constant of the graph, taken once while dynamo traces (the
+    attention runs there as a custom operator; the check is Python not to trace)."""
+    return KERNEL.pick_backend(torch.device("cpu")) == "native"
 
 
 def _rows_apart(t: Tensor) -> bool:

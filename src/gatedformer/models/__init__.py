@@ -24,6 +24,9 @@ from gatedformer.models.rtransformer import RTransformerLM
 from gatedformer.models.transformer_xl import TransformerXLLM
 from gatedformer.models.sru import SRULanguageModel
 from gatedformer.models.seq2seq import Seq2SeqTransformer
+from gatedformer.models.convs2s import ConvS2S
+from gatedformer.models.bert import BertForMaskedLM, BertForSequenceClassification
+from gatedformer.models.sentclass import SentenceClassifier
 # isort: on
 
 
@@ -39,9 +42,13 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
 
 __all__ = [
     "SRU",
+    "BertForMaskedLM",
+    "BertForSequenceClassification",
+    "ConvS2S",
     "GatedConvLM",
     "RTransformerLM",
     "SRULanguageModel",
+    "SentenceClassifier",
     "Seq2SeqTransformer",
     "TransformerLM",
     "TransformerXLLM",

@@ -165,12 +165,22 @@ class GatedConvLayer(nn.Module):
             nn.utils.parametrizations.weight_norm(self.conv, name="weight", dim=0)
         self.glu = GLU(dim=-1)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.glu(self.convolve(x))
+    def forward(self, x: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
+        return self.glu(self.convolve(x, cache))
 
-    def convolve(self, x: Tensor) -> Tensor:
-        """``conv(dropout(x))``: the GLU's input, values then gates along the last dimension."""
-        return causal_conv1d(self.dropout(x), self.conv.weight, self.conv.bias)
+    def convolve(self, x: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
+        """``conv(dropout(x))``: the GLU's input, values then gates along the last dimension. With ``cache`` (a dict)
+        ``x`` follows the inputs of earlier calls, whose last ``kernel_size - 1`` (zeros before the start) the cache
+        keeps: the receptive field, all an incremental step needs."""
+        x = self.dropout(x)
+        if cache is None or self.kernel_size == 1:
+            return causal_conv1d(x, self.conv.weight, self.conv.bias)
+        past = cache.get("x")
+        if past is None:
+            past = x.new_zeros(x.shape[0], self.kernel_size - 1, x.shape[2])
+        joined = torch.cat([past, x], dim=1)
+        cache["x"] = joined[:, joined.shape[1] - (self.kernel_size - 1) :]
+        return causal_conv1d(joined, self.conv.weight, self.conv.bias)[:, self.kernel_size - 1 :]
 
 
 class GatedConvBlock(nn.Module):
@@ -190,12 +200,18 @@ class GatedConvBlock(nn.Module):
         else:
             self.branch = nn.Sequential(GatedConvLayer(d_model, d_model, kernel_size, dropout, weight_norm))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cache: list[dict[str, Tensor]] | None = None) -> Tensor:
+        """``X + F(X)``; with ``cache`` (one dict per convolution) on positions that follow the cached ones."""
         if len(self.branch) == 1 and unhooked(self.branch) and unhooked(self.branch[0]):
             # One gated convolution: its GLU and the residual add in one pass each way (on the CPU).
             layer = self.branch[0]
-            return glu_residual(layer.glu, x, layer.convolve(x))
-        return x + self.branch(x)
+            return glu_residual(layer.glu, x, layer.convolve(x, None if cache is None else cache[0]))
+        if cache is None:
+            return x + self.branch(x)
+        h = x
+        for layer, layer_cache in zip(self.branch, cache, strict=True):
+            h = layer(h, layer_cache)
+        return x + h
 
 
 class GatedConvLM(nn.Module):
@@ -248,14 +264,34 @@ class GatedConvLM(nn.Module):
             x = block(x)
         return logits_or_loss(self.output, self.dropout(x), targets, reduction=reduction), None
 
+    def new_cache(self, state: object = None) -> list[list[dict[str, Tensor]]]:
+        """An empty incremental-decoding cache for :meth:`step`: one dict per convolution of every block."""
+        return [[{} for _ in block.branch] for block in self.layers]
+
+    def step(self, tokens: Tensor, cache: list[list[dict[str, Tensor]]]) -> Tensor:
+        """Logits ``(B, L, V)`` of ``tokens (B, L)`` that follow the tokens already fed through ``cache``, as
+        ``forward`` gives them for the whole sequence: every convolution reads its last ``kernel_size - 1`` cached
+        inputs, so a step costs the same however long the sequence."""
+        x = self.embedding(tokens)
+        for block, block_cache in zip(self.layers, cache, strict=True):
+            x = block(x, block_cache)
+        return self.output(self.dropout(x))
+
+    def cache_state(self, cache: object) -> None:
+        """What ``forward`` would carry after the tokens fed through ``cache``: nothing."""
+        return None
+
     def init_check_layers(self) -> list[dict]:
         """The sites :func:`gatedformer.analysis.init_check.init_check` measures: each block's gated
         branch ``F`` (not ``X + F(X)``), whose forward ``Var[F(X)]/Var[X]`` and backward
         ``Var[dL/dX through F]/Var[dL/dF]`` the GLU initialisation sets to 1 to first order (a bottleneck's
         ``d -> b`` and ``b -> d`` layers scale the gradient by ``b/d`` and ``d/b``, which cancel)."""
         kind = "GCNN bottleneck branch" if self.bottleneck else "GCNN GLU branch"
+        # Without dropout each gated convolution scales both by p, the keep probability its weights were drawn for.
+        no_dropout = (1.0 - self.dropout_p) ** (3 if self.bottleneck else 1)
         return [
             {"name": f"layers.{i}.branch", "module": block.branch, "kind": kind, "forward": 1.0, "backward": 1.0,
+             "forward_no_dropout": no_dropout, "backward_no_dropout": no_dropout,
              "note": "GLU init, 1st order; +~E[x²]/p per gated conv"}
             for i, block in enumerate(self.layers)
         ]

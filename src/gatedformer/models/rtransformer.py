@@ -107,11 +107,25 @@ class LocalRNN(nn.Module):
         self.recompute = recompute
         self.rnn = RecurrentWeights(rnn_type, d_model)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
+        if cache is not None:
+            return self._cached_windows(x, cache)
         if self.recompute and torch.is_grad_enabled():
             # No randomness inside, so the recomputed steps are exactly the first ones.
             return checkpoint(self._windows, x, use_reentrant=False)
         return self._windows(x)
+
+    def _cached_windows(self, x: Tensor, cache: dict[str, Tensor]) -> Tensor:
+        """The outputs at positions that follow those of earlier calls: ``cache["x"]`` keeps the last ``window - 1``
+        inputs (zeros before the start, as in one call over the whole sequence), so each new window is complete."""
+        if self.window == 1:
+            return self._windows(x)
+        past = cache.get("x")
+        if past is None:
+            past = x.new_zeros(x.shape[0], self.window - 1, x.shape[2])
+        joined = torch.cat([past, x], dim=1)
+        cache["x"] = joined[:, joined.shape[1] - (self.window - 1) :]
+        return self._windows(joined)[:, self.window - 1 :]
 
     def _windows(self, x: Tensor) -> Tensor:
         batch, length, d_model = x.shape
@@ -189,9 +203,15 @@ class RTransformerLayer(nn.Module):
         self.attn = Sublayer(CausalSelfAttention(d_model, n_heads, attn_dropout), d_model, attn_gates,
                              dropout, norm)
         self.ffn = Sublayer(make_ffn(ffn, d_model, d_ffn, dropout), d_model, ffn_gates, dropout, norm)
+        self.recurrent_ffn = ffn == "sru"
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.ffn(self.attn(self.local_rnn(x)))
+    def forward(self, x: Tensor, cache: dict[str, dict] | None = None) -> Tensor:
+        """The layer on ``x``; with ``cache`` on positions that follow the cached ones (the LocalRNN's last inputs,
+        the attention's keys and values, an SRU feed-forward's cell)."""
+        if cache is None:
+            return self.ffn(self.attn(self.local_rnn(x)))
+        x = self.attn(self.local_rnn(x, cache["rnn"]), cache["attn"])
+        return self.ffn(x, cache["ffn"]) if self.recurrent_ffn else self.ffn(x)
 
 
 class RTransformerLM(nn.Module):
@@ -232,6 +252,25 @@ class RTransformerLM(nn.Module):
         if self.final_norm is not None:
             x = self.final_norm(x)
         return logits_or_loss(self.output, x, targets, reduction=reduction), None
+
+    def new_cache(self, state: object = None) -> dict:
+        """An empty incremental-decoding cache for :meth:`step`."""
+        return {"layers": [{"rnn": {}, "attn": {}, "ffn": {}} for _ in self.layers]}
+
+    def step(self, tokens: Tensor, cache: dict) -> Tensor:
+        """Logits ``(B, L, V)`` of ``tokens (B, L)`` that follow the tokens already fed through ``cache``, as
+        ``forward`` gives them for the whole sequence: each LocalRNN reads its last ``window - 1`` cached inputs,
+        each attention its cached keys and values."""
+        x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), dropout=self.emb_dropout)
+        for layer, layer_state in zip(self.layers, cache["layers"], strict=True):
+            x = layer(x, layer_state)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.output(x)
+
+    def cache_state(self, cache: dict) -> None:
+        """What ``forward`` would carry after the tokens fed through ``cache``: nothing."""
+        return None
 
 
 def _build(cfg: ModelConfig, vocab_size: int) -> RTransformerLM:

@@ -23,6 +23,11 @@ residual connection (two per encoder layer, three per decoder layer: ``5l`` unit
 spec of :mod:`gatedformer.gates.spec` works too (``gates="+σ SDU"``, ``"eau /cross"``...);
 layer ``Li`` of a spec is encoder layer i and decoder layer i.
 
+The feed-forward body is ``ffn_kind``: ``relu`` (the paper's), ``glu``, or ``sru``: the SRU paper's "Transformer w/
+SRU" (Lei et al. 2018, appendix B.3), whose feed-forward hidden layer is an SRU of ``f`` units without highway term
+(:class:`~gatedformer.nn.sru.SRUFeedForward`) in every encoder and decoder layer, registered as the ``sru-transformer``
+backbone. The SRU runs left to right, so the decoder stays causal; incremental decoding carries its last cell.
+
 Sequences: the source is ``tokens <eos>``, the decoder input ``<bos> tokens`` and its target
 ``tokens <eos>``, right-padded with ``pad_id``. Padded source positions are masked out of every
 attention; the decoder's self-attention is causal, which also keeps real positions away from the
@@ -40,8 +45,10 @@ from torch.nn import functional as F
 
 from gatedformer.config import Backbone, ModelConfig, register_backbone
 from gatedformer.gates.spec import SublayerGates, resolve_placement
+from gatedformer.models.transformer import check_sru_ffn
 from gatedformer.nn.attention import sinusoidal_positions
 from gatedformer.nn.dropout import Dropout
+from gatedformer.nn.sru import SRUFeedForward
 from gatedformer.nn.sublayer import Sublayer, make_ffn
 from gatedformer.ops.embedding import embed_tokens
 from gatedformer.ops.output_loss import logits_or_loss
@@ -124,6 +131,16 @@ class CrossAttention(nn.Module):
                                                   dropout_p=self.dropout if self.training else 0.0)
         return self.out(_merge(attended))
 
+    def probabilities(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None) -> Tensor:
+        """The attention weights ``(B, heads, T, S)`` of every query over the memory (what ``forward`` averages the
+        values with, before dropout)."""
+        q = _heads(self.q(x), self.n_heads)
+        k, _ = (_heads(t, self.n_heads) for t in self.kv(memory).chunk(2, dim=-1))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if memory_mask is not None:
+            scores = scores.masked_fill(~memory_mask[:, None, None, :], -math.inf)
+        return scores.float().softmax(dim=-1)
+
 
 class EncoderLayer(nn.Module):
     """``U = LN(X + Att(X))``, ``O = LN(U + FFN(U))`` with the gates of its two sublayers."""
@@ -149,11 +166,22 @@ class DecoderLayer(nn.Module):
         self.cross_attn = Sublayer(CrossAttention(d_model, n_heads, attn_dropout), d_model, cross_gates, dropout,
                                    norm)
         self.ffn = Sublayer(make_ffn(ffn, d_model, d_ffn, dropout), d_model, ffn_gates, dropout, norm)
+        self.recurrent_ffn = isinstance(self.ffn.body, SRUFeedForward)
+        """Whether the feed-forward carries a state from position to position (the SRU's cell)."""
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, cache: dict[str, Any] | None = None) -> Tensor:
         x = self.attn(x, None, True, None if cache is None else cache["self"])
         x = self.cross_attn(x, memory, src_mask, None if cache is None else cache["cross"])
+        if cache is not None and self.recurrent_ffn:
+            return self.ffn(x, cache["ffn"])
         return self.ffn(x)
+
+    def cross_attention(self, x: Tensor, memory: Tensor, src_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """This layer's output and its cross-attention weights ``(B, T, S)``, averaged over the heads."""
+        x = self.attn(x, None, True, None)
+        sub = self.cross_attn
+        weights = sub.body.probabilities(sub.norm(x) if sub.pre_norm else x, memory, src_mask).mean(dim=1)
+        return self.ffn(sub(x, memory, src_mask)), weights
 
 
 def gate_spec(gates: str = "", eau: bool = False, grc: bool = False) -> str:
@@ -168,7 +196,8 @@ class Seq2SeqTransformer(nn.Module):
 
     ``forward(src (B, S), tgt_in (B, T)) -> logits (B, T, V_tgt)``. For inference: :meth:`encode`,
     then :meth:`decode` (a whole prefix) or :meth:`decode_step` (one position, with a cache from
-    :meth:`new_cache`). ``tie_embeddings`` shares the target embedding with the output projection.
+    :meth:`new_cache`). ``tie_embeddings`` shares the target embedding with the output projection,
+    ``share_embeddings`` the source embedding with the target one (one vocabulary for both sides).
     ``attn_dropout`` / ``emb_dropout`` default to ``dropout`` (as in ``torch.nn.Transformer``); ``norm``
     is ``post`` (the paper's) or ``pre``; ``ffn_kind`` is ``relu`` or ``glu``.
     """
@@ -176,7 +205,8 @@ class Seq2SeqTransformer(nn.Module):
     def __init__(self, src_vocab: int, tgt_vocab: int, layers: int = 3, d_model: int = 256, ffn: int = 1024,
                  heads: int = 8, max_len: int = 128, dropout: float = 0.1, eau: bool = False, grc: bool = False,
                  gates: str = "", tie_embeddings: bool = False, pad_id: int = 1, attn_dropout: float | None = None,
-                 norm: str = "post", ffn_kind: str = "relu", emb_dropout: float | None = None) -> None:
+                 norm: str = "post", ffn_kind: str = "relu", emb_dropout: float | None = None,
+                 share_embeddings: bool = False) -> None:
         super().__init__()
         for name, value in (("src_vocab", src_vocab), ("tgt_vocab", tgt_vocab), ("layers", layers),
                             ("d_model", d_model), ("ffn", ffn), ("heads", heads), ("max_len", max_len)):
@@ -204,6 +234,11 @@ class Seq2SeqTransformer(nn.Module):
         )
         self.decoder_norm = nn.LayerNorm(d_model)
         self.output = nn.Linear(d_model, tgt_vocab)
+        if share_embeddings:
+            if src_vocab != tgt_vocab:
+                raise ValueError(f"share_embeddings needs one vocabulary for both sides, got {src_vocab} source and "
+                                 f"{tgt_vocab} target tokens")
+            self.embed_tgt.weight = self.embed_src.weight
         if tie_embeddings:
             self.output.weight = self.embed_tgt.weight
         self.register_buffer("positions", sinusoidal_positions(max_len, d_model), persistent=False)
@@ -248,11 +283,23 @@ class Seq2SeqTransformer(nn.Module):
         return logits_or_loss(self.output, self._decoder_states(tgt_in, memory, src_mask), targets, ignore_index,
                               reduction, label_smoothing)
 
+    def attention_maps(self, src: Tensor, tgt_in: Tensor) -> list[Tensor]:
+        """Every decoder layer's cross-attention weights ``(B, T, S)`` (averaged over the heads) as the decoder reads
+        ``tgt_in`` with teacher forcing: target position ``t`` over the source tokens."""
+        memory, src_mask = self.encode(src)
+        x = self._embed(self.embed_tgt, tgt_in)
+        maps = []
+        for layer in self.decoder_layers:
+            x, weights = layer.cross_attention(x, memory, src_mask)
+            maps.append(weights)
+        return maps
+
     # -- incremental decoding -------------------------------------------------------------------
 
     def new_cache(self) -> Cache:
-        """An empty cache for :meth:`decode_step`: self-attention keys/values and cross-attention ones."""
-        return [{"self": {}, "cross": {}} for _ in self.decoder_layers]
+        """An empty cache for :meth:`decode_step`: self-attention keys/values, cross-attention ones and the SRU
+        feed-forward's cell (``sru-transformer``)."""
+        return [{"self": {}, "cross": {}, "ffn": {}} for _ in self.decoder_layers]
 
     def decode_step(self, tokens: Tensor, position: int, memory: Tensor, src_mask: Tensor, cache: Cache) -> Tensor:
         """Logits ``(B, V)`` of the next token after feeding ``tokens (B,)`` at ``position`` (0 = ``<bos>``)."""
@@ -273,11 +320,15 @@ class Seq2SeqTransformer(nn.Module):
             for key in ("k", "v"):
                 if key in own:
                     own[key] = own[key].index_select(0, order)
+            recurrent = layer_cache["ffn"]
+            if "c" in recurrent:
+                recurrent["c"] = recurrent["c"].index_select(0, order)
 
 
 def seq2seq_parameter_count(src_vocab: int, tgt_vocab: int, layers: int, d_model: int, ffn: int,
-                            eau: bool = False, grc: bool = False, tie_embeddings: bool = False) -> int:
-    """The closed-form parameter count of :class:`Seq2SeqTransformer` (ReLU FFN).
+                            eau: bool = False, grc: bool = False, tie_embeddings: bool = False,
+                            ffn_kind: str = "relu") -> int:
+    """The closed-form parameter count of :class:`Seq2SeqTransformer` (ReLU or SRU FFN).
 
     With ``V_s, V_t`` the vocabularies, ``k = d_model``, ``f = ffn``, ``l = layers``::
 
@@ -288,10 +339,15 @@ def seq2seq_parameter_count(src_vocab: int, tgt_vocab: int, layers: int, d_model
         output       k V_t + V_t        (V_t only when tied)
         EAU          3l (k h + h + h k + k + k² + k), h = k // 2
         GRC          5l (k² + k)
+
+    With ``ffn_kind="sru"`` each feed-forward is ``3kf + 4f`` (the SRU: three streams, ``v_f, v_r, b_f, b_r``) plus
+    ``fk + k`` (the output projection) in place of ``2kf + f + k``.
     """
+    if ffn_kind not in ("relu", "sru"):
+        raise ValueError(f"ffn_kind must be relu or sru, got {ffn_kind!r}")
     k, f, h = d_model, ffn, d_model // 2
     attention = 4 * k * k + 4 * k
-    feed_forward = 2 * k * f + f + k
+    feed_forward = 2 * k * f + f + k if ffn_kind == "relu" else 3 * k * f + 4 * f + f * k + k
     total = src_vocab * k + tgt_vocab * k
     total += layers * (attention + feed_forward + 2 * 2 * k)
     total += layers * (2 * attention + feed_forward + 3 * 2 * k)
@@ -304,11 +360,13 @@ def seq2seq_parameter_count(src_vocab: int, tgt_vocab: int, layers: int, d_model
     return total
 
 
-def _build(cfg: ModelConfig, src_vocab: int, tgt_vocab: int, max_len: int, pad_id: int) -> Seq2SeqTransformer:
+def _build(cfg: ModelConfig, src_vocab: int, tgt_vocab: int, max_len: int, pad_id: int,
+           ffn_kind: str | None = None) -> Seq2SeqTransformer:
     return Seq2SeqTransformer(
         src_vocab, tgt_vocab, layers=cfg.n_layers, d_model=cfg.d_model, ffn=cfg.d_ffn, heads=cfg.n_heads,
         max_len=max_len, dropout=cfg.dropout, gates=cfg.gates, tie_embeddings=cfg.tie_embeddings, pad_id=pad_id,
-        attn_dropout=cfg.attn_dropout, norm=cfg.norm, ffn_kind=cfg.ffn, emb_dropout=cfg.emb_dropout,
+        attn_dropout=cfg.attn_dropout, norm=cfg.norm, ffn_kind=ffn_kind or cfg.ffn, emb_dropout=cfg.emb_dropout,
+        share_embeddings=cfg.share_embeddings,
     )
 
 
@@ -316,3 +374,8 @@ register_backbone(Backbone(
     "transformer", "translation", _build,
     "an encoder-decoder with the layout of torch.nn.Transformer; '+EAU+GRC' puts an EAU after every attention "
     "(encoder self, decoder self and cross) and a GRC on every residual connection", cross_attention=True))
+register_backbone(Backbone(
+    "sru-transformer", "translation",
+    lambda cfg, src_vocab, tgt_vocab, max_len, pad_id: _build(cfg, src_vocab, tgt_vocab, max_len, pad_id, "sru"),
+    "the SRU paper's Transformer w/ SRU: the encoder-decoder above with an SRU of model.d_ffn units (no highway term) "
+    "as every feed-forward's hidden layer; gates by the same spec", cross_attention=True, check=check_sru_ffn))

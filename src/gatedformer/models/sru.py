@@ -78,6 +78,20 @@ class SRULanguageModel(nn.Module):
             return logits_or_loss(self.output, hidden, targets.t(), reduction=reduction), new_state
         return self.output(hidden).transpose(0, 1), new_state
 
+    def new_cache(self, state: Tensor | None = None) -> dict[str, Tensor | None]:
+        """An incremental-decoding cache for :meth:`step`, starting from ``state`` (what ``forward`` returned)."""
+        return {"state": state}
+
+    def step(self, tokens: Tensor, cache: dict[str, Tensor | None]) -> Tensor:
+        """Logits ``(B, L, V)`` of ``tokens (B, L)`` that follow the tokens already fed through ``cache``: the
+        recurrence's cells are all it carries."""
+        logits, cache["state"] = self(tokens, cache["state"])
+        return logits
+
+    def cache_state(self, cache: dict[str, Tensor | None]) -> Tensor | None:
+        """The cell states ``forward`` would carry after the tokens fed through ``cache``."""
+        return cache["state"]
+
 
 def _build(cfg: ModelConfig, vocab_size: int) -> SRULanguageModel:
     return SRULanguageModel(

@@ -1,4 +1,5 @@
-"""The Transformer language model of the Highway Transformer paper, with gates placed by spec."""
+"""The Transformer language model of the Highway Transformer paper, with gates placed by spec, and the SRU paper's
+Transformer with an SRU in every feed-forward sublayer (``sru-transformer``)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import math
 from torch import Tensor, nn
 
 from gatedformer.config import Backbone, ModelConfig, register_backbone
-from gatedformer.gates.spec import SublayerGates, resolve_placement
+from gatedformer.errors import ConfigError
+from gatedformer.gates.spec import resolve_placement
 from gatedformer.nn.attention import CausalSelfAttention, sinusoidal_positions
 from gatedformer.nn.dropout import Dropout
-from gatedformer.nn.sru import SRU
 from gatedformer.nn.sublayer import Sublayer, check_lm_sizes, make_ffn
 from gatedformer.ops.embedding import embed_tokens
 from gatedformer.ops.output_loss import logits_or_loss
@@ -19,37 +20,33 @@ _POSITIONS_CACHED = 1024
 """Rows of the sinusoidal table built with the model (a longer input extends it)."""
 
 
-class SRUBody(nn.Module):
-    """A one-layer SRU over the window, batch-first in and out, as a Transformer sublayer body."""
-
-    def __init__(self, d_model: int) -> None:
-        super().__init__()
-        self.sru = SRU(d_model, d_model, num_layers=1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h, _ = self.sru(x.transpose(0, 1))
-        return h.transpose(0, 1)
-
-
 class TransformerLayer(nn.Module):
     """Attention sublayer then feed-forward sublayer: ``U = LN(X + Att(X))``, ``O = LN(U + FFN(U))``.
 
-    With ``sru_sublayer`` an SRU sublayer sits between them (the SRU paper's "Transformer w/ SRU").
+    ``ffn="sru"`` gives the SRU paper's "Transformer w/ SRU": the feed-forward's hidden layer is an SRU
+    (:class:`~gatedformer.nn.sru.SRUFeedForward`), ``O = LN(U + W2 · SRU(U) + b2)``.
     """
 
     def __init__(self, d_model: int, n_heads: int, d_ffn: int, dropout: float, attn_dropout: float,
-                 norm: str, ffn: str, attn_gates, ffn_gates, sru_sublayer: bool = False) -> None:
+                 norm: str, ffn: str, attn_gates, ffn_gates) -> None:
         super().__init__()
         self.attn = Sublayer(CausalSelfAttention(d_model, n_heads, attn_dropout), d_model, attn_gates,
                              dropout, norm)
-        self.recurrent = Sublayer(SRUBody(d_model), d_model, SublayerGates(), dropout, norm) if sru_sublayer else None
         self.ffn = Sublayer(make_ffn(ffn, d_model, d_ffn, dropout), d_model, ffn_gates, dropout, norm)
+        self.recurrent_ffn = ffn == "sru"
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = self.attn(x)
-        if self.recurrent is not None:
-            x = self.recurrent(x)
-        return self.ffn(x)
+    def forward(self, x: Tensor, cache: dict[str, dict] | None = None) -> Tensor:
+        """The layer on ``x``; with ``cache`` (from :func:`layer_cache`) on positions that follow the cached ones:
+        the attention's keys and values, and an SRU feed-forward's cell, are carried in it."""
+        if cache is None:
+            return self.ffn(self.attn(x))
+        x = self.attn(x, cache["attn"])
+        return self.ffn(x, cache["ffn"]) if self.recurrent_ffn else self.ffn(x)
+
+
+def layer_cache() -> dict[str, dict]:
+    """An empty incremental-decoding cache of one Transformer-style layer: attention keys/values, SRU cell."""
+    return {"attn": {}, "ffn": {}}
 
 
 class TransformerLM(nn.Module):
@@ -64,7 +61,7 @@ class TransformerLM(nn.Module):
     def __init__(self, vocab_size: int, d_model: int = 128, n_layers: int = 3, n_heads: int = 4,
                  d_ffn: int = 512, dropout: float = 0.1, emb_dropout: float | None = None,
                  attn_dropout: float = 0.0, norm: str = "post", ffn: str = "relu",
-                 tie_embeddings: bool = False, gates: str = "", sru_sublayer: bool = False) -> None:
+                 tie_embeddings: bool = False, gates: str = "") -> None:
         super().__init__()
         check_lm_sizes(vocab_size, d_model, n_layers, n_heads, d_ffn)
         placement = resolve_placement(gates, n_layers)
@@ -75,7 +72,7 @@ class TransformerLM(nn.Module):
         self.register_buffer("positions", sinusoidal_positions(_POSITIONS_CACHED, d_model), persistent=False)
         self.layers = nn.ModuleList(
             TransformerLayer(d_model, n_heads, d_ffn, dropout, attn_dropout, norm, ffn,
-                             placement.at(i, "attn"), placement.at(i, "ffn"), sru_sublayer)
+                             placement.at(i, "attn"), placement.at(i, "ffn"))
             for i in range(n_layers)
         )
         self.final_norm = nn.LayerNorm(d_model) if norm == "pre" else None
@@ -99,18 +96,49 @@ class TransformerLM(nn.Module):
             x = self.final_norm(x)
         return logits_or_loss(self.output, x, targets, reduction=reduction), None
 
+    def new_cache(self, state: object = None) -> dict:
+        """An empty incremental-decoding cache for :meth:`step` (``state``: what ``forward`` carries, ``None``)."""
+        return {"length": 0, "layers": [layer_cache() for _ in self.layers]}
 
-def _build(cfg: ModelConfig, vocab_size: int, sru_sublayer: bool = False) -> TransformerLM:
+    def step(self, tokens: Tensor, cache: dict) -> Tensor:
+        """Logits ``(B, L, V)`` of ``tokens (B, L)`` that follow the tokens already fed through ``cache``: the
+        logits ``forward`` gives at those positions for the whole sequence, computed from each layer's cached keys
+        and values (a key/value cache) in ``O(L · (past + L))`` attention work, not the whole prefix's."""
+        start = cache["length"]
+        positions = self._positions(start + tokens.shape[1])[start:]
+        x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), positions, self.emb_dropout)
+        for layer, layer_state in zip(self.layers, cache["layers"], strict=True):
+            x = layer(x, layer_state)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        cache["length"] = start + tokens.shape[1]
+        return self.output(x)
+
+    def cache_state(self, cache: dict) -> None:
+        """What ``forward`` would carry after the tokens fed through ``cache``: nothing."""
+        return None
+
+
+def _build(cfg: ModelConfig, vocab_size: int, ffn: str | None = None) -> TransformerLM:
     return TransformerLM(
         vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ffn=cfg.d_ffn,
         dropout=cfg.dropout, emb_dropout=cfg.emb_dropout, attn_dropout=cfg.attn_dropout, norm=cfg.norm,
-        ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, gates=cfg.gates, sru_sublayer=sru_sublayer,
+        ffn=ffn or cfg.ffn, tie_embeddings=cfg.tie_embeddings, gates=cfg.gates,
     )
+
+
+def check_sru_ffn(cfg: ModelConfig) -> None:
+    """The SRU takes the place of the feed-forward's hidden layer: ``model.ffn`` has nothing left to choose."""
+    if cfg.ffn != "relu":
+        raise ConfigError(f"model.backbone={cfg.backbone} puts an SRU in place of the feed-forward's hidden layer, so "
+                          f"model.ffn={cfg.ffn!r} does not apply; leave model.ffn at relu or use model.backbone="
+                          "transformer")
 
 
 register_backbone(Backbone(
     "transformer", "lm", _build,
     "the Highway Transformer paper's LM: sinusoidal positions, causal MHDPA, ReLU (or GLU) FFN, post- or pre-LN"))
 register_backbone(Backbone(
-    "sru-transformer", "lm", lambda cfg, vocab_size: _build(cfg, vocab_size, sru_sublayer=True),
-    "a Transformer with an SRU sublayer in every layer"))
+    "sru-transformer", "lm", lambda cfg, vocab_size: _build(cfg, vocab_size, ffn="sru"),
+    "the SRU paper's Transformer w/ SRU: every feed-forward's hidden layer is an SRU of model.d_ffn units (no "
+    "highway term) before the output projection", check=check_sru_ffn))

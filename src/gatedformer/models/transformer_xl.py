@@ -172,7 +172,9 @@ class RelativeMultiHeadAttention(nn.Module):
         mask = torch.zeros(q_len, k_len, dtype=scores.dtype, device=q.device).masked_fill_(future, float("-inf"))
         return scores.add_(position).add_(mask)
 
-    def forward(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> Tensor:
+    def forward(self, h: Tensor, memory: Tensor | None, pos: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
+        if cache is not None:
+            return self._cached(h, memory, pos, cache)
         batch, q_len, _ = h.shape
         q, kv, memory_kv, r = self._projections_apart(h, memory, pos)
         taken = (q, kv, r, self.u, self.v) + (() if memory_kv is None else (memory_kv,))
@@ -187,14 +189,40 @@ class RelativeMultiHeadAttention(nn.Module):
         attended = torch.matmul(weights, v)
         return self.out(attended.transpose(1, 2).reshape(batch, q_len, self.d_model))
 
+    def _cached(self, h: Tensor, memory: Tensor | None, pos: Tensor, cache: dict[str, Tensor]) -> Tensor:
+        """``forward`` for positions that follow those of earlier calls in the same segment: ``cache["kv"]`` keeps
+        the keys and values of the memory and of the segment so far, ``cache["r"]`` the position keys of every
+        distance ``pos`` holds (``pos`` may span more than the keys: its last rows are used)."""
+        batch, q_len, _ = h.shape
+        past = cache.get("kv")
+        if past is None and memory is not None and memory.shape[1] > 0:
+            past = self.key_value(memory.to(h.dtype))
+        q, kv = self.query(h), self.key_value(h)
+        k_len = q_len + (0 if past is None else past.shape[1])
+        if "r" not in cache or cache["r"].shape[0] != pos.shape[0]:
+            cache["r"] = self.position(pos)
+        if cache["r"].shape[0] < k_len:
+            raise ValueError(f"pos has {pos.shape[0]} rows but the attention spans {k_len} keys")
+        r = cache["r"][cache["r"].shape[0] - k_len :]
+        cache["kv"] = kv if past is None else torch.cat([past, kv], dim=1)
+        taken = (q, kv, r, self.u, self.v) + (() if past is None else (past,))
+        if kernel_takes(taken, self.n_heads, self.dropout.p if self.training else 0.0):
+            return self.out(relative_attention(q, kv, r, self.u, self.v, self.n_heads, past))
+        q, k, v, r = self._heads(q, cache["kv"], r)
+        weights = self.dropout(self.attention_scores(q, k, r).softmax(dim=-1))
+        return self.out(torch.matmul(weights, v).transpose(1, 2).reshape(batch, q_len, self.d_model))
+
     def add_norm(self, x: Tensor, p: float, norm: nn.LayerNorm, gate: nn.Module | None = None,
                  unit: nn.Module | None = None, eau: nn.Module | None = None, memory: Tensor | None = None,
-                 pos: Tensor | None = None) -> Tensor | None:
+                 pos: Tensor | None = None, cache: dict[str, Tensor] | None = None) -> Tensor | None:
         """``norm(x + dropout(self(x, memory, pos), p))``, the post-LN sublayer, as one autograd function
         (:class:`~gatedformer.ops.relative_sublayer.RelativeAttentionAddNorm`) where that applies (see its
         module), else ``None``. With a gated residual connection ``gate``, an SDU branch, highway gate or gated
         MHDPA ``unit`` and an ``eau`` on the output, as
-        :meth:`gatedformer.nn.attention.CausalSelfAttention.add_norm`."""
+        :meth:`gatedformer.nn.attention.CausalSelfAttention.add_norm`. Always ``None`` with a ``cache`` (the
+        incremental path is :meth:`forward`'s)."""
+        if cache is not None:
+            return None
         return relative_attention_add_norm(self, x, p, norm, gate, unit, eau, memory, pos)
 
     def scores(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> Tensor:
@@ -212,13 +240,19 @@ class TransformerXLLayer(nn.Module):
         self.attn = Sublayer(RelativeMultiHeadAttention(d_model, n_heads, attn_dropout), d_model, attn_gates,
                              dropout, norm)
         self.ffn = Sublayer(make_ffn(ffn, d_model, d_ffn, dropout), d_model, ffn_gates, dropout, norm)
+        self.recurrent_ffn = ffn == "sru"
 
-    def forward(self, x: Tensor, memory: Tensor | None, pos: Tensor) -> Tensor:
+    def forward(self, x: Tensor, memory: Tensor | None, pos: Tensor, cache: dict | None = None) -> Tensor:
+        """The layer on ``x`` after ``memory``; with ``cache`` on positions that follow the cached ones of the
+        same segment (the attention's keys and values, an SRU feed-forward's cell)."""
         # With pre-LN the attention reads LN(X); LayerNorm is per position, so the memory (raw layer
         # inputs) gets the same LN and the keys read LN([memory ∘ X]) throughout.
-        if memory is not None and self.attn.pre_norm:
+        if memory is not None and self.attn.pre_norm and (cache is None or "kv" not in cache["attn"]):
             memory = self.attn.norm(memory)
-        return self.ffn(self.attn(x, memory, pos))
+        if cache is None:
+            return self.ffn(self.attn(x, memory, pos))
+        x = self.attn(x, memory, pos, cache["attn"])
+        return self.ffn(x, cache["ffn"]) if self.recurrent_ffn else self.ffn(x)
 
 
 class TransformerXLLM(nn.Module):
@@ -301,6 +335,38 @@ class TransformerXLLM(nn.Module):
         if self.final_norm is not None:
             x = self.final_norm(x)
         return logits_or_loss(self.output, x, targets, reduction=reduction), self._update_memories(memories, inputs)
+
+    def new_cache(self, state: list[Tensor] | None = None) -> dict:
+        """An incremental-decoding cache for :meth:`step`: a new segment after the memories ``state`` (what
+        ``forward`` returned for the previous window, or ``None``)."""
+        return {"memory": state, "length": 0, "span": 0,
+                "layers": [{"attn": {}, "ffn": {}, "inputs": []} for _ in self.layers]}
+
+    def step(self, tokens: Tensor, cache: dict) -> Tensor:
+        """Logits ``(B, L, V)`` of ``tokens (B, L)`` that follow the tokens of this segment already fed through
+        ``cache``: what ``forward(segment, memory)`` gives at those positions, from each layer's cached keys and
+        values of the memory and of the segment so far, and its position keys."""
+        batch, length = tokens.shape
+        memories = self._check_state(cache["memory"], batch)
+        needed = (memories[0].shape[1] if memories else 0) + cache["length"] + length
+        if needed > cache["span"]:  # the position keys are projected once per doubling of the span, not per step
+            cache["span"] = max(needed, 2 * cache["span"])
+        x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), dropout=self.emb_dropout)
+        pos = self.emb_dropout(self._relative_positions(cache["span"], x.dtype))
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache["layers"], strict=True)):
+            layer_cache["inputs"].append(x)
+            x = layer(x, memories[i] if memories else None, pos, layer_cache)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        cache["length"] += length
+        return self.output(x)
+
+    def cache_state(self, cache: dict) -> list[Tensor] | None:
+        """The memories ``forward`` would return for the segment fed through ``cache``, after its memory."""
+        if cache["length"] == 0:
+            return cache["memory"]
+        memories = self._check_state(cache["memory"], cache["layers"][0]["inputs"][0].shape[0])
+        return self._update_memories(memories, [torch.cat(c["inputs"], dim=1) for c in cache["layers"]])
 
     @torch.no_grad()
     def _update_memories(self, memories: list[Tensor] | None, inputs: list[Tensor]) -> list[Tensor] | None:

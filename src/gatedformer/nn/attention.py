@@ -1,9 +1,11 @@
-"""Causal multi-head dot-product attention (MHDPA)."""
+"""Multi-head dot-product attention (MHDPA): causal for the language models, bidirectional with a padding mask for
+the encoders (BERT)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from gatedformer.ops.attention import causal_attention_packed
 from gatedformer.ops.fused_linear import attention_add_norm
@@ -31,23 +33,95 @@ class CausalSelfAttention(nn.Module):
     def output_projection(self) -> nn.Linear:
         return self.out
 
-    def features(self, x: Tensor) -> Tensor:
-        """The heads' outputs side by side, before the output projection."""
+    def features(self, x: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
+        """The heads' outputs side by side, before the output projection.
+
+        With ``cache`` (a dict, empty at the first call) ``x`` holds the positions that follow those of earlier
+        calls: their keys and values are kept in the cache, and each new position attends to every earlier one and
+        to the new ones up to itself, as it would in one call over the whole sequence (incremental decoding)."""
+        if cache is not None:
+            return self._cached_features(x, cache)
         dropout = self.dropout if self.training else 0.0
         return causal_attention_packed(self.qkv(x), self.n_heads, dropout)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.out(self.features(x))
+    def _cached_features(self, x: Tensor, cache: dict[str, Tensor]) -> Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.n_heads, width // self.n_heads).permute(2, 0, 3, 1, 4)
+        if "k" in cache:
+            k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+        cache["k"], cache["v"] = k, v
+        mask = None
+        if length > 1:  # new position i (after `past` cached ones) sees keys 0 .. past + i
+            past = k.shape[2] - length
+            mask = torch.ones(length, k.shape[2], dtype=torch.bool, device=x.device).tril(past)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                  dropout_p=self.dropout if self.training else 0.0)
+        return attended.transpose(1, 2).reshape(batch, length, width)
+
+    def forward(self, x: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
+        return self.out(self.features(x, cache))
 
     def add_norm(self, x: Tensor, p: float, norm: nn.LayerNorm, gate: nn.Module | None = None,
-                 unit: nn.Module | None = None, eau: nn.Module | None = None) -> Tensor | None:
+                 unit: nn.Module | None = None, eau: nn.Module | None = None,
+                 cache: dict[str, Tensor] | None = None) -> Tensor | None:
         """``norm(x + dropout(self(x), p))`` (with a gated residual connection ``gate`` and an SDU branch ``unit``:
         ``norm(gate(x, dropout(self(x) + unit(x), p)))``; with a highway gate ``unit``:
         ``norm(unit(x) + dropout(self(x), p))``; an ``eau`` on the output first) as one autograd function where that
         applies
-        (:func:`~gatedformer.ops.fused_linear.attention_add_norm`), else ``None``."""
+        (:func:`~gatedformer.ops.fused_linear.attention_add_norm`), else ``None`` (always with a ``cache``: the
+        incremental path is :meth:`features`)."""
+        if cache is not None:
+            return None
         return attention_add_norm(x, self.qkv, self.out, self.n_heads, self.dropout if self.training else 0.0, p,
                                   norm, self.training, gate, unit, eau)
+
+
+class BidirectionalSelfAttention(nn.Module):
+    """Multi-head self-attention where every position sees every real (unpadded) one: an encoder's attention.
+
+    Q, K and V come out of one fused projection ``qkv`` (rows in that order), the heads' outputs go through ``out``.
+    ``features(x, key_mask=None, context=None)`` is everything before ``out`` (so that
+    :class:`~gatedformer.nn.sublayer.Sublayer` fuses ``out`` with its dropout, residual add and LayerNorm): ``x``
+    ``(B, Lq, d)`` gives the queries, ``context`` ``(B, Lk, d)`` the keys and values (``x`` itself by default: an
+    encoder's last layer may ask for a few query rows only, e.g. the masked positions of masked language modelling,
+    and read keys and values from every row), ``key_mask`` ``(B, Lk)`` is True at the real tokens. The attention is
+    :func:`torch.nn.functional.scaled_dot_product_attention`.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    @property
+    def output_projection(self) -> nn.Linear:
+        return self.out
+
+    def _heads(self, x: Tensor) -> Tensor:
+        batch, length, width = x.shape
+        return x.view(batch, length, self.n_heads, width // self.n_heads).transpose(1, 2)
+
+    def features(self, x: Tensor, key_mask: Tensor | None = None, context: Tensor | None = None) -> Tensor:
+        """The heads' outputs side by side, before the output projection: ``(B, Lq, d)``."""
+        batch, length, width = x.shape
+        if context is None:
+            q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(batch, length, 3, self.n_heads, -1).unbind(2))
+        else:
+            weight, bias = self.qkv.weight, self.qkv.bias
+            q = self._heads(F.linear(x, weight[:width], bias[:width]))
+            k, v = (t.transpose(1, 2) for t in F.linear(context, weight[width:], bias[width:])
+                    .view(batch, context.shape[1], 2, self.n_heads, -1).unbind(2))
+        mask = None if key_mask is None else key_mask[:, None, None, :]
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                  dropout_p=self.dropout if self.training else 0.0)
+        return attended.transpose(1, 2).reshape(batch, length, width)
+
+    def forward(self, x: Tensor, key_mask: Tensor | None = None, context: Tensor | None = None) -> Tensor:
+        return self.out(self.features(x, key_mask, context))
 
 
 def sinusoidal_positions(length: int, d_model: int, device: torch.device | None = None,

@@ -15,12 +15,14 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from gatedformer.gates._checks import check_size
+from gatedformer.nn.dropout import Dropout
 from gatedformer.ops.dropout import dropout
 from gatedformer.ops.sru import kernel_backend, sru_recurrence, sru_recurrence_reference
 
 __all__ = [
     "MAX_HIGHWAY_BIAS",
     "SRU",
+    "SRUFeedForward",
     "SRULayer",
     "highway_scale",
     "kernel_backend",
@@ -71,6 +73,10 @@ class SRULayer(nn.Module):
     - ``v_f``, ``v_r``, ``b_f``, ``b_r``: ``(D, H)``;
     - ``norm``: a LayerNorm over the input when ``layer_norm`` (else ``None``).
 
+    ``skip=False`` drops the highway term, ``h_t = r_t ⊙ c_t`` (the ``sru`` package's ``has_skip_term=False``), for
+    an SRU inside a residual sublayer, whose residual connection carries ``x_t`` already; the input and hidden sizes
+    may then differ without a fourth stream.
+
     ``forward(x (L, B, input_size), c0 (B, D * H) or None) -> (h (L, B, D * H), c_last (B, D * H))``.
     """
 
@@ -83,6 +89,7 @@ class SRULayer(nn.Module):
         projection_size: int = 0,
         layer_norm: bool = False,
         bidirectional: bool = False,
+        skip: bool = True,
     ) -> None:
         super().__init__()
         self.input_size = check_size("input_size", input_size, 1)
@@ -96,9 +103,11 @@ class SRULayer(nn.Module):
         self.num_directions = 2 if bidirectional else 1
         self.output_size = hidden_size * self.num_directions
         # The skip input must have the size of h: x itself when the sizes match (split between the two
-        # directions when bidirectional), else a fourth stream W_s x of the fused product.
-        self.num_streams = 3 if input_size == self.output_size else 4
-        self.alpha = highway_scale(self.highway_bias, self.rescale)
+        # directions when bidirectional), else a fourth stream W_s x of the fused product. Without the skip term
+        # (h = r ⊙ c, where a residual connection around the layer carries x instead) three streams always do.
+        self.skip = bool(skip)
+        self.num_streams = 3 if input_size == self.output_size or not self.skip else 4
+        self.alpha = highway_scale(self.highway_bias, self.rescale) if self.skip else 0.0
         fused = self.num_directions * self.num_streams * hidden_size
         self.projection_size = self._check_projection(projection_size, fused)
 
@@ -159,7 +168,8 @@ class SRULayer(nn.Module):
         U = F.linear(x_in, self.weight)
         return U.view(x.shape[0], x.shape[1], self.num_directions, self.num_streams, self.hidden_size)
 
-    def forward(self, x: Tensor, c0: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def _recurrence_inputs(self, x: Tensor, c0: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``(U, skip, c0)`` as the recurrence takes them, the arguments checked."""
         if x.dim() != 3 or x.shape[-1] != self.input_size:
             raise ValueError(f"x must have shape (L, B, {self.input_size}), got {tuple(x.shape)}")
         L, B, _ = x.shape
@@ -171,9 +181,25 @@ class SRULayer(nn.Module):
                 raise ValueError(f"c0 must have shape ({B}, {D * H}), got {tuple(c0.shape)}")
             c0 = c0.reshape(B, D, H)
         U = self.fused_projection(x)
-        skip = x.reshape(L, B, D, H) if self.num_streams == 3 else None
+        skip = x.reshape(L, B, D, H) if self.num_streams == 3 and self.skip else None
+        if not self.skip:  # alpha = 0 leaves h = r ⊙ c: the recurrence reads a zero skip input, gives it no gradient
+            skip = U.new_zeros((L, B, D, H))
+        return U, skip, c0
+
+    def forward(self, x: Tensor, c0: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        U, skip, c0 = self._recurrence_inputs(x, c0)
+        L, B, _ = x.shape
         h, c_last = sru_recurrence(U, skip, self.v_f, self.v_r, self.b_f, self.b_r, c0, self.alpha)
-        return h.reshape(L, B, D * H), c_last.reshape(B, D * H)
+        return h.reshape(L, B, -1), c_last.reshape(B, -1)
+
+    def cell_states(self, x: Tensor, c0: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(h, c)``: the output and the cell state of every step, ``(L, B, directions · hidden)`` each, by the
+        reference recurrence (slow; for measuring, e.g. the SRU appendix's ``Var[c]/Var[x]``)."""
+        U, skip, c0 = self._recurrence_inputs(x, c0)
+        L, B, _ = x.shape
+        cells: list[Tensor] = []
+        h, _ = sru_recurrence_reference(U, skip, self.v_f, self.v_r, self.b_f, self.b_r, c0, self.alpha, cells=cells)
+        return h.reshape(L, B, -1), cells[0].reshape(L, B, -1)
 
     def extra_repr(self) -> str:
         s = f"{self.input_size}, {self.hidden_size}"
@@ -183,7 +209,10 @@ class SRULayer(nn.Module):
             s += ", bidirectional=True"
         if self.highway_bias:
             s += f", highway_bias={self.highway_bias}"
-        s += f", rescale={self.rescale} (alpha={self.alpha:.4g})"
+        if not self.skip:
+            s += ", no skip term"
+        else:
+            s += f", rescale={self.rescale} (alpha={self.alpha:.4g})"
         if self.num_streams == 4:
             s += ", projected skip"
         return s
@@ -303,3 +332,45 @@ class SRU(nn.Module):
         if self.dropout:
             s += f", dropout={self.dropout}" + (" (variational)" if self.variational_dropout else "")
         return s
+
+
+class SRUFeedForward(nn.Module):
+    r"""The Transformer's feed-forward sublayer with an SRU for its hidden layer: ``W2 · Dropout(SRU(x)) + b2``.
+
+    The SRU paper (Lei et al. 2018, §4.4 and appendix B.3, "Transformer w/ SRU") replaces the hidden layer
+    :math:`\mathrm{ReLU}(W_1 x + b_1)` of every feed-forward sublayer, in the encoder and the decoder, by an SRU layer
+    of ``d_ffn`` units, followed by the same output projection :math:`W_2`; as in the authors' own implementation
+    (flambe's ``TransformerSRU``, ``SRUCell(d_model, d_ffn, has_skip_term=False)``), the SRU has no highway term,
+    :math:`h_t = r_t \odot c_t`, since the sublayer's residual connection carries :math:`x_t`. Its parameters are
+    :math:`3 \cdot d \cdot f` weights and :math:`4f` vectors in place of :math:`W_1, b_1`'s :math:`d f + f`.
+
+    The recurrence runs left to right over ``(B, L, d)`` batch-first input, so it is causal: a decoder stays
+    autoregressive, and right-padding never reaches a real position. ``cache`` (a dict) carries the last cell ``c``
+    from one call to the next, so a decoder can be fed one position at a time. Like
+    :class:`~gatedformer.nn.sublayer.FeedForward` it offers ``features`` and ``output_projection``, so the sublayer
+    fuses :math:`W_2` with its dropout, residual add and LayerNorm.
+    """
+
+    activation = "sru"
+    """Not ``relu``: the fused paths that compute a ReLU feed-forward themselves decline it."""
+
+    def __init__(self, d_model: int, d_ffn: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.sru = SRULayer(d_model, d_ffn, skip=False)
+        self.outer = nn.Linear(d_ffn, d_model)
+        self.dropout = Dropout(_dropout_arg(dropout))
+
+    @property
+    def output_projection(self) -> nn.Linear:
+        return self.outer
+
+    def features(self, x: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
+        """``Dropout(SRU(x))``, ``(B, L, d_ffn)``, from ``x (B, L, d_model)``; ``cache`` carries the last cell."""
+        c0 = None if cache is None else cache.get("c")
+        h, c_last = self.sru(x.transpose(0, 1), c0)
+        if cache is not None:
+            cache["c"] = c_last
+        return self.dropout(h.transpose(0, 1))
+
+    def forward(self, x: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
+        return self.outer(self.features(x, cache))

@@ -20,12 +20,14 @@ Sublayers that carry no gate hold no gate parameters.
 from __future__ import annotations
 
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from gatedformer.gates import GLUFeedForward
 from gatedformer.gates._checks import check_size
 from gatedformer.gates.kinds import GATE_KINDS
 from gatedformer.gates.spec import SublayerGates
 from gatedformer.nn.dropout import Dropout
+from gatedformer.nn.sru import SRUFeedForward
 from gatedformer.ops import fused_gates
 from gatedformer.ops.explain import declined, explaining
 from gatedformer.ops.fused_linear import (
@@ -76,6 +78,29 @@ class FeedForward(nn.Module):
         return feed_forward_add_norm(x, self.inner, self.outer, self.dropout.p, p, norm, self.training, gate, unit, eau)
 
 
+class GELUFeedForward(nn.Module):
+    """Position-wise ``W2 · Dropout(GELU(W1 x + b1)) + b2``, GELU the exact (erf) one: BERT's feed-forward (which has
+    no dropout inside, ``dropout=0``). Offers ``features`` and ``output_projection`` as :class:`FeedForward` does."""
+
+    activation = "gelu"
+
+    def __init__(self, d_model: int, d_ffn: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.inner = nn.Linear(d_model, d_ffn)
+        self.outer = nn.Linear(d_ffn, d_model)
+        self.dropout = Dropout(dropout)
+
+    @property
+    def output_projection(self) -> nn.Linear:
+        return self.outer
+
+    def features(self, x: Tensor) -> Tensor:
+        return self.dropout(F.gelu(self.inner(x)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.outer(self.features(x))
+
+
 def check_lm_sizes(vocab_size: int, d_model: int, n_layers: int, n_heads: int, d_ffn: int) -> None:
     """A ValueError naming the first size of a Transformer-style language model that is not an integer >= 1,
     before any layer is built (an empty vocabulary would otherwise build and fail at the first forward)."""
@@ -85,8 +110,15 @@ def check_lm_sizes(vocab_size: int, d_model: int, n_layers: int, n_heads: int, d
 
 
 def make_ffn(kind: str, d_model: int, d_ffn: int, dropout: float) -> nn.Module:
+    """The feed-forward body ``kind`` names: ``relu`` (:class:`FeedForward`), ``gelu`` (:class:`GELUFeedForward`),
+    ``glu`` (:class:`~gatedformer.gates.GLUFeedForward`) or ``sru`` (:class:`~gatedformer.nn.sru.SRUFeedForward`,
+    the SRU paper's Transformer w/ SRU)."""
     if kind == "glu":
         return GLUFeedForward(d_model, d_ffn, dropout)
+    if kind == "sru":
+        return SRUFeedForward(d_model, d_ffn, dropout)
+    if kind == "gelu":
+        return GELUFeedForward(d_model, d_ffn, dropout)
     return FeedForward(d_model, d_ffn, dropout)
 
 
@@ -113,6 +145,10 @@ class Sublayer(nn.Module):
         self._by_role = {role: [(GATE_KINDS[name], getattr(self, name)) for name in self.kinds
                                 if GATE_KINDS[name].role == role]
                          for role in ("output", "branch", "blend", "stream", "residual")}
+        # Worked out once: forward passes them on several times per step.
+        unit = next((u for role in ("branch", "blend", "stream") for _, u in self._by_role[role]), None)
+        self._fused_gates = (next((u for _, u in self._by_role["residual"]), None), unit,
+                             next((u for _, u in self._by_role["output"]), None))
         roles = {GATE_KINDS[name].role for name in self.kinds}
         # With no gate between the body's last linear layer and the residual add (a gate on the stream only changes
         # what is added to), the two can be one pass (gatedformer.ops.fused_linear).
@@ -133,15 +169,13 @@ class Sublayer(nn.Module):
         """The gates as the whole-sublayer functions take them: the residual gate, the unit (a branch, blend or stream
         gate) and the output gate, each ``None`` where there is none. Only for the kinds
         :func:`~gatedformer.ops.fused_linear.whole_sublayer_takes` accepts."""
-        units = self._by_role
-        unit = next((u for role in ("branch", "blend", "stream") for _, u in units[role]), None)
-        return (next((u for _, u in units["residual"]), None), unit, next((u for _, u in units["output"]), None))
+        return self._fused_gates
 
     def forward(self, x: Tensor, *body_args: object) -> Tensor:
         # The gates are applied through gatedformer.ops.fused_gates: their own forward, with the element-wise end in
         # one pass where that applies.
         if self.fuse_sublayer:
-            whole = self.body.add_norm(x, self.dropout.p, self.norm, *self.fused_gates(), *body_args)
+            whole = self.body.add_norm(x, self.dropout.p, self.norm, *self._fused_gates, *body_args)
             if whole is not None:
                 return whole
         elif self._unfused_why is not None and explaining():

@@ -24,7 +24,8 @@ projection's layout (and their sums over the rows, the bias's gradient, if asked
 
 It applies to float32 CPU tensors, head sizes 8 (not in the AVX-512 build), 16, 32, 64 or 128, and no
 attention dropout; everything else takes ``scaled_dot_product_attention``. ``GATEDFORMER_ATTENTION_BACKEND``
-picks ``native``, ``torch`` (always ``scaled_dot_product_attention``) or ``auto`` (the default).
+picks ``native``, ``torch`` (always ``scaled_dot_product_attention``) or ``auto`` (the default). Under
+``torch.compile`` the kernel is the custom operator ``gatedformer::causal_attention_packed``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from gatedformer.kernels.attention import kernel_takes, packed_backward, packed_forward
+from gatedformer.ops.operators import FunctionOperator, call
 
 __all__ = ["causal_attention_packed", "causal_attention_reference", "kernel_applies"]
 
@@ -59,6 +61,15 @@ class _PackedCausalAttention(torch.autograd.Function):
         return packed_backward(qkv, out, grad_out, lse, ctx.n_heads)[0], None
 
 
+def _attended(qkv: Tensor, n_heads: int) -> list[Tensor]:
+    return [qkv.new_empty(qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3)]
+
+
+PACKED_CAUSAL_ATTENTION = FunctionOperator("causal_attention_packed", _PackedCausalAttention,
+                                           "Tensor qkv, int n_heads", _attended)
+"""The kernel as a custom operator, for ``torch.compile`` (:mod:`gatedformer.ops.operators`)."""
+
+
 def causal_attention_reference(qkv: Tensor, n_heads: int, dropout: float = 0.0) -> Tensor:
     """``(B, L, 3·H·D)`` packed projections -> ``(B, L, H·D)`` causal attention, by
     ``scaled_dot_product_attention``."""
@@ -76,5 +87,5 @@ def causal_attention_packed(qkv: Tensor, n_heads: int, dropout: float = 0.0) -> 
     The compiled kernel where :func:`kernel_applies`, else :func:`causal_attention_reference`.
     """
     if kernel_applies(qkv, n_heads, dropout):
-        return _PackedCausalAttention.apply(qkv, n_heads)
+        return call(PACKED_CAUSAL_ATTENTION, qkv, n_heads)
     return causal_attention_reference(qkv, n_heads, dropout)

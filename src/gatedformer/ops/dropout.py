@@ -13,8 +13,9 @@ for bit. The keep probability is rounded to a multiple of ``2**-32`` (finer than
 a float32 uniform) and kept elements are scaled by the inverse of the rounded value, so the expectation
 is preserved.
 
-Anything else takes ``torch.nn.functional.dropout`` unchanged: tensors not on the CPU (CUDA has a fused
-dropout kernel), code being traced by ``torch.compile`` (Inductor generates its own random numbers),
+Under ``torch.compile`` the fused functions are custom operators (:mod:`gatedformer.ops.operators`) and the seeds
+are drawn by one of their own, so a compiled step draws the masks of the eager one. Anything else takes
+``torch.nn.functional.dropout`` unchanged: tensors not on the CPU (CUDA has a fused dropout kernel),
 ``inplace=True``, non-floating-point inputs, ``p`` of 0 or 1, and machines where the kernel cannot be
 built or ``GATEDFORMER_DROPOUT_BACKEND=torch`` turns it off (the NumPy reference of the kernel's masks
 would be several times slower than PyTorch's own dropout, so it only serves as the tests' oracle).
@@ -33,6 +34,7 @@ from gatedformer.kernels.dropout import (
     apply_relu_dropout,
     scale_where_positive,
 )
+from gatedformer.ops.operators import TRACED_SEED, FunctionOperator, call, native
 
 __all__ = ["dropout", "dropout_add", "keep_mask", "relu_dropout"]
 
@@ -40,6 +42,10 @@ _INT32_VALUES = 2 ** 32
 
 
 def _draw_seed() -> int:
+    """A mask's seed from torch's generator; under ``torch.compile``, :data:`~gatedformer.ops.operators.TRACED_SEED`
+    (the fused operator that takes it draws it, in the same order)."""
+    if torch.compiler.is_compiling():
+        return TRACED_SEED  # type: ignore[return-value]
     return int(torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64))
 
 
@@ -96,6 +102,17 @@ class _MaskedReluDropout(torch.autograd.Function):
         return scale_where_positive(out, grad, ctx.scale), None, None
 
 
+def _same(x: Tensor, *_: object) -> list[Tensor]:
+    return [torch.empty_like(x, memory_format=torch.contiguous_format)]
+
+
+MASKED_DROPOUT = FunctionOperator("dropout", _MaskedDropout, "Tensor x, Seed seed, int keep_below", _same)
+MASKED_DROPOUT_ADD = FunctionOperator("dropout_add", _MaskedDropoutAdd, "Tensor base, Tensor x, Seed seed, "
+                                      "int keep_below", _same)
+MASKED_RELU_DROPOUT = FunctionOperator("relu_dropout", _MaskedReluDropout, "Tensor x, Seed seed, int keep_below",
+                                       _same)
+
+
 def keep_mask(shape: torch.Size | tuple[int, ...], p: float, dtype: torch.dtype = torch.float32) -> Tensor:
     """A CPU tensor of ``shape`` holding ``1 / keep`` with probability ``keep ≈ 1 - p`` and 0 otherwise.
 
@@ -107,7 +124,8 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float, dtype: torch.dtype 
         return torch.zeros(shape, dtype=dtype)
     if keep_below >= _INT32_VALUES:
         return torch.ones(shape, dtype=dtype)
-    return apply_dropout(torch.ones(shape, dtype=dtype), _draw_seed(), keep_below, _INT32_VALUES / keep_below)
+    seed = int(torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64))  # as _draw_seed, in eager code too
+    return apply_dropout(torch.ones(shape, dtype=dtype), seed, keep_below, _INT32_VALUES / keep_below)
 
 
 def _mask_seed(keep_below: int) -> int:
@@ -120,8 +138,8 @@ def _fast_path(x: Tensor, p: float, inplace: bool = False, keep_all: bool = Fals
     """Whether the kernel takes ``x`` with dropout ``p`` (0 < p < 1; with ``keep_all``, as the fused layers that
     carry a dropout in their epilogue pass, p = 0 too)."""
     return (x.device.type == "cpu" and not inplace and _fast_rate(p, keep_all)
-            and x.is_floating_point() and not torch.compiler.is_compiling()
-            and KERNEL.pick_backend(x.device) == "native")
+            and x.is_floating_point()
+            and (native(KERNEL) if torch.compiler.is_compiling() else KERNEL.pick_backend(x.device) == "native"))
 
 
 def _fast_rate(p: float, keep_all: bool = False) -> bool:
@@ -136,8 +154,8 @@ def dropout(x: Tensor, p: float, training: bool = True, inplace: bool = False) -
     if not _fast_path(x, p, inplace):
         return F.dropout(x, p, training, inplace)
     if x.dtype not in (torch.float32, torch.float64):  # half precision: computed in float32
-        return _MaskedDropout.apply(x.float(), _draw_seed(), _keep_below(p)).to(x.dtype)
-    return _MaskedDropout.apply(x, _draw_seed(), _keep_below(p))
+        return call(MASKED_DROPOUT, x.float(), _draw_seed(), _keep_below(p)).to(x.dtype)
+    return call(MASKED_DROPOUT, x, _draw_seed(), _keep_below(p))
 
 
 def dropout_add(base: Tensor, x: Tensor, p: float, training: bool = True) -> Tensor:
@@ -147,7 +165,7 @@ def dropout_add(base: Tensor, x: Tensor, p: float, training: bool = True) -> Ten
     if (not _fast_path(x, p) or base.shape != x.shape or base.dtype != x.dtype
             or x.dtype not in (torch.float32, torch.float64)):
         return base + dropout(x, p, training)
-    return _MaskedDropoutAdd.apply(base, x, _draw_seed(), _keep_below(p))
+    return call(MASKED_DROPOUT_ADD, base, x, _draw_seed(), _keep_below(p))
 
 
 def relu_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
@@ -158,5 +176,5 @@ def relu_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     if not _fast_path(x, p):
         return F.dropout(x.relu(), p, training)
     if x.dtype not in (torch.float32, torch.float64):
-        return _MaskedReluDropout.apply(x.float(), _draw_seed(), _keep_below(p)).to(x.dtype)
-    return _MaskedReluDropout.apply(x, _draw_seed(), _keep_below(p))
+        return call(MASKED_RELU_DROPOUT, x.float(), _draw_seed(), _keep_below(p)).to(x.dtype)
+    return call(MASKED_RELU_DROPOUT, x, _draw_seed(), _keep_below(p))

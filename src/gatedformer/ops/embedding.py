@@ -10,7 +10,8 @@ split between the threads.
 Anything else takes the PyTorch operations: tensors not on the CPU or not float32, an embedding with
 ``padding_idx``, ``max_norm``, ``scale_grad_by_freq``, ``sparse`` or hooks, a subclass of either module,
 positions that require a gradient, a dropout module other than :class:`~gatedformer.ops.dropout.Dropout`
-(or in place, hooked or of ``p`` 1), code being traced by ``torch.compile``, or no compiled kernel.
+(or in place, hooked or of ``p`` 1), or no compiled kernel. Under ``torch.compile`` the pass is the custom operator
+``gatedformer::embed_dropout``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from gatedformer.kernels.dropout import KERNEL, embed_dropout, embed_dropout_bac
 from gatedformer.ops.dropout import _draw_seed, _keep_below
 from gatedformer.ops.explain import declined, explaining, first_reason
 from gatedformer.ops.fused_linear import unhooked
+from gatedformer.ops.operators import FunctionOperator, call, runs_native
 
 __all__ = ["embed_tokens"]
 
@@ -44,6 +46,15 @@ class _EmbedDropout(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
         return embed_dropout_backward(grad.contiguous(), tokens, ctx.vocab, ctx.scale, ctx.mask), None, None, None, None
+
+
+def _embedded(table: Tensor, tokens: Tensor, *_: object) -> list[Tensor]:
+    return [table.new_empty(*tokens.shape, table.shape[1])]
+
+
+EMBED_DROPOUT = FunctionOperator("embed_dropout", _EmbedDropout,
+                                 "Tensor table, Tensor tokens, Tensor? positions, float scale, Mask? mask", _embedded)
+"""The pass as a custom operator, for ``torch.compile`` (:mod:`gatedformer.ops.operators`)."""
 
 
 def _plain_embedding(embedding: nn.Module) -> bool:
@@ -70,7 +81,7 @@ def _fuses(tokens: Tensor, embedding: nn.Module, positions: Tensor | None) -> bo
             and (positions is None or (positions.dtype == torch.float32 and positions.device.type == "cpu"
                                        and not positions.requires_grad
                                        and positions.shape == (tokens.shape[-1], table.shape[1])))
-            and not torch.compiler.is_compiling() and KERNEL.pick_backend(table.device) == "native")
+            and runs_native(KERNEL, table.device))
 
 
 def embed_tokens(tokens: Tensor, embedding: nn.Embedding, scale: float = 1.0, positions: Tensor | None = None,
@@ -91,5 +102,5 @@ def embed_tokens(tokens: Tensor, embedding: nn.Embedding, scale: float = 1.0, po
         return x if dropout is None else dropout(x)
     keep_below = _keep_below(p)
     mask = None if keep_below >= _INT32_VALUES else (_draw_seed(), keep_below, _INT32_VALUES / keep_below)
-    return _EmbedDropout.apply(embedding.weight, tokens.to(torch.int64).contiguous(),
+    return call(EMBED_DROPOUT, embedding.weight, tokens.to(torch.int64).contiguous(),
                                None if positions is None else positions.contiguous(), scale, mask)

@@ -1,13 +1,17 @@
 """Why a fused path declined a case: ``GATEDFORMER_EXPLAIN_FUSION=1`` says so, once per path and reason.
 
-A fused path that does not apply (a dtype it does not take, autocast, ``torch.compile`` tracing, a hooked module, a
-kernel turned off or not built, a gate kind it does not list) falls back to PyTorch operations or to the modules
+A fused path that does not apply (a dtype it does not take, autocast, a hooked module, a kernel turned off or not
+built, a gate kind it does not list) falls back to PyTorch operations or to the modules
 one by one: the same numbers, more time. With the variable set, the first time a path declines for a reason, one
 line goes to the ``gatedformer.ops`` logger (to standard error unless the application configured logging), e.g.::
 
     gatedformer: ops.fused_linear.feed_forward_add_norm declined: autocast is on
 
-The reason is worked out only when a path declines and the variable is set, so the fast path pays nothing.
+The reason is worked out only when a path declines and the variable is set, so the fast path pays nothing. Under
+``torch.compile`` the fused paths run as custom operators (:mod:`gatedformer.ops.operators`) and decline for the
+same reasons as in eager code, except the Transformer-XL layer stack (:mod:`gatedformer.ops.layer_stack`), which
+says so. (With the variable set, a line written while dynamo traces breaks the graph there: set it to diagnose,
+not to time.)
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def declined(path: str, reason: str) -> None:
 def first_reason(tensors: Iterable[Tensor | None] = (), modules: Iterable[nn.Module | None] = (),
                  kernels: Iterable[object] = (), training: bool | None = None) -> str | None:
     """The first of the common reasons a fused CPU path declines that holds here, or ``None``: a tensor not float32
-    on the CPU, autocast, ``torch.compile`` tracing, not training (where ``training`` is given), a module with hooks,
+    on the CPU, autocast, not training (where ``training`` is given), a module with hooks,
     a kernel that is off or unavailable."""
     for tensor in tensors:
         if tensor is None:
@@ -58,8 +62,6 @@ def first_reason(tensors: Iterable[Tensor | None] = (), modules: Iterable[nn.Mod
             return f"a tensor is {tensor.dtype}, not float32"
     if torch.is_autocast_enabled("cpu"):
         return "autocast is on"
-    if torch.compiler.is_compiling():
-        return "torch.compile is tracing (Inductor fuses instead)"
     if training is False:
         return "the module is not training"
     for module in modules:

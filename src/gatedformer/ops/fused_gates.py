@@ -6,8 +6,9 @@ gate as its role says (see :mod:`gatedformer.gates.kinds`). Each fused function 
 module's ``forward`` computes: the module's own linear layers are called as usual, and only the element-wise end
 (:mod:`gatedformer.kernels.gate`) is one kernel instead of several PyTorch operations. A role function fuses only
 the kinds it lists in :data:`FUSED_KINDS`; any other kind, and any case where the kernel does not apply (not float32
-on the CPU, autocast, ``torch.compile``, no compiler) or the gate module has hooks (the gate statistics record
-activations through forward hooks), calls the module itself.
+on the CPU, autocast, no compiler) or the gate module has hooks (the gate statistics record activations through
+forward hooks), calls the module itself. Under ``torch.compile`` the tails are custom operators
+(:mod:`gatedformer.ops.operators`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from gatedformer.kernels.gate import KERNEL, tail_backward, tail_forward
 from gatedformer.ops.dropout import dropout
 from gatedformer.ops.explain import declined, explaining, first_reason
 from gatedformer.ops.fused_linear import dropout_add_layer_norm, unhooked
+from gatedformer.ops.operators import FunctionOperator, call, runs_native
 
 __all__ = ["FUSED_KINDS", "apply_blend", "apply_branch", "apply_eau", "apply_grc", "apply_highway", "apply_output",
            "apply_residual", "apply_sdu", "apply_stream", "gated_mhdpa_blend", "glu_residual", "grc_dropout_norm",
@@ -32,8 +34,7 @@ __all__ = ["FUSED_KINDS", "apply_blend", "apply_branch", "apply_eau", "apply_grc
 def tail_applies(gate: nn.Module, *tensors: Tensor) -> bool:
     """Whether the fused tail replaces ``gate``'s own forward for these inputs."""
     applies = (unhooked(gate) and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
-               and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-               and KERNEL.pick_backend(tensors[0].device) == "native")
+               and not torch.is_autocast_enabled("cpu") and runs_native(KERNEL, tensors[0].device))
     if not applies and explaining():
         declined(f"ops.fused_gates ({type(gate).__name__})", first_reason(tensors, (gate,), (KERNEL,)) or "")
     return applies
@@ -89,8 +90,22 @@ class _Tail(torch.autograd.Function):
         return (grad if ctx.needs_input_grad[0] else None), grad_a, grad_b, None
 
 
+def _like_c(c: Tensor, *_: object) -> list[Tensor]:
+    return [c.new_empty(c.shape)]
+
+
+def _like_a(c: Tensor | None, a: Tensor, *_: object) -> list[Tensor]:
+    return [a.new_empty(a.shape)]
+
+
+SPLIT_TAIL = FunctionOperator("gate_split_tail", _SplitTail, "Tensor c, Tensor projection, str tail, bool gate_last",
+                              _like_c)
+TAIL = FunctionOperator("gate_tail", _Tail, "Tensor? c, Tensor a, Tensor b, str tail", _like_a)
+"""The tails as custom operators, for ``torch.compile`` (:mod:`gatedformer.ops.operators`)."""
+
+
 def _split_tail(c: Tensor, projection: Tensor, tail: str) -> Tensor:
-    return _SplitTail.apply(_flat(c), _flat(projection), tail).view(c.shape)
+    return call(SPLIT_TAIL, _flat(c), _flat(projection), tail, False).view(c.shape)
 
 
 def glu_residual(glu: GLU, x: Tensor, y: Tensor) -> Tensor:
@@ -99,7 +114,7 @@ def glu_residual(glu: GLU, x: Tensor, y: Tensor) -> Tensor:
     if not tail_applies(glu, x, y) or glu.dim not in (-1, y.dim() - 1) or y.shape[:-1] != x.shape[:-1] \
             or y.shape[-1] != 2 * x.shape[-1]:
         return x + glu(y)
-    return _SplitTail.apply(_flat(x), _flat(y), "sdu-sigmoid", True).view(x.shape)
+    return call(SPLIT_TAIL, _flat(x), _flat(y), "sdu-sigmoid", True).view(x.shape)
 
 
 def apply_sdu(sdu: SDU, x: Tensor, add_to: Tensor) -> Tensor:
@@ -126,7 +141,7 @@ def apply_grc(gate: GatedResidual, r: Tensor, s: Tensor) -> Tensor:
     """``gate(r, s)``: ``r + σ(Wg r + bg) ⊙ s``."""
     if not tail_applies(gate, r, s) or r.shape != s.shape:
         return gate(r, s)
-    return _Tail.apply(_flat(r), _flat(gate.gate_proj(r)), _flat(s), "sdu-sigmoid").view(r.shape)
+    return call(TAIL, _flat(r), _flat(gate.gate_proj(r)), _flat(s), "sdu-sigmoid").view(r.shape)
 
 
 def apply_eau(eau: EAU, x: Tensor) -> Tensor:
@@ -134,7 +149,7 @@ def apply_eau(eau: EAU, x: Tensor) -> Tensor:
     if not tail_applies(eau, x):
         return eau(x)
     evaluated = eau.evaluator_out(F.relu(eau.evaluator_in(x)))
-    return _Tail.apply(_flat(x), _flat(evaluated), _flat(eau.adjuster(x)), "eau").view(x.shape)
+    return call(TAIL, _flat(x), _flat(evaluated), _flat(eau.adjuster(x)), "eau").view(x.shape)
 
 
 def grc_dropout_norm(gate: GatedResidual, r: Tensor, s: Tensor, p: float, norm: nn.LayerNorm,
@@ -144,7 +159,7 @@ def grc_dropout_norm(gate: GatedResidual, r: Tensor, s: Tensor, p: float, norm: 
     (``r + dropout(g ⊙ s)`` is ``r + g ⊙ dropout(s)``: the mask is element-wise)."""
     if not tail_applies(gate, r, s) or r.shape != s.shape:
         return norm(apply_grc(gate, r, dropout(s, p, training)))
-    gated = _Tail.apply(None, _flat(gate.gate_proj(r)), _flat(s), "gate").view(s.shape)
+    gated = call(TAIL, None, _flat(gate.gate_proj(r)), _flat(s), "gate").view(s.shape)
     return dropout_add_layer_norm(r, gated, p, norm, training)
 
 

@@ -41,10 +41,11 @@ every element and no seed is drawn, as the unfused operations draw none, so a mo
 same fused path.
 
 Each takes its fused path only where it applies: training with ``0 <= p < 1``, float32 on the CPU outside
-``torch.compile`` and autocast, the compiled dropout and epilogue kernels available
+autocast, the compiled dropout and epilogue kernels available
 (:mod:`gatedformer.kernels.epilogue`), and a plain :class:`torch.nn.Linear`
 with a bias and a plain :class:`torch.nn.LayerNorm`, without hooks (so that hooks on them still see every
-call). Everything else is computed as written, unfused.
+call). Everything else is computed as written, unfused. Under ``torch.compile`` each autograd function is a
+custom operator each way (:mod:`gatedformer.ops.operators`), so compiled code keeps the fused paths.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ from gatedformer.kernels.epilogue import (
 from gatedformer.kernels.gate import tail_backward, tail_forward
 from gatedformer.ops import dropout as dropout_ops
 from gatedformer.ops.explain import declined, explaining, first_reason
+from gatedformer.ops.operators import FunctionOperator, call, native, runs_native
 
 __all__ = ["attention_add_norm", "dropout_add_layer_norm", "feed_forward_add_norm", "feed_forward_fusion_applies",
            "fusion_applies", "linear_dropout", "linear_dropout_add", "linear_dropout_add_norm", "linear_relu_dropout"]
@@ -109,11 +111,13 @@ def fusion_applies(x: Tensor, linear: nn.Module, p: float, training: bool) -> bo
 
 
 def inputs_fuse(x: Tensor) -> bool:
-    """The input's half of :func:`fusion_applies`: float32 on the CPU, outside autocast and ``torch.compile``, with the
-    dropout and epilogue kernels available. A stack of layers asks it once for all of them."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling() and dropout_ops.KERNEL.pick_backend(x.device) == "native"
-            and KERNEL.pick_backend(x.device) == "native")
+    """The input's half of :func:`fusion_applies`: float32 on the CPU, outside autocast, with the dropout and epilogue
+    kernels available. A stack of layers asks it once for all of them."""
+    if not (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")):
+        return False
+    if torch.compiler.is_compiling():  # the functions run as operators (see _FEED_FORWARD_ADD_NORM and the others)
+        return native(dropout_ops.KERNEL) and native(KERNEL)
+    return dropout_ops.KERNEL.pick_backend(x.device) == "native" and KERNEL.pick_backend(x.device) == "native"
 
 
 def linear_fuses(linear: nn.Module, p: float, training: bool) -> bool:
@@ -130,9 +134,9 @@ def _rows(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _on_rows(function: type[torch.autograd.Function], x: Tensor, linear: nn.Linear, p: float) -> Tensor:
-    """``function`` of ``x``'s rows, ``linear``'s parameters and a fresh mask seed, back in ``x``'s shape."""
-    out = function.apply(_rows(x), linear.weight, linear.bias, *_mask(p))
+def _on_rows(operator: FunctionOperator, x: Tensor, linear: nn.Linear, p: float) -> Tensor:
+    """``operator``'s function of ``x``'s rows, ``linear``'s parameters and a fresh mask seed, in ``x``'s shape."""
+    out = call(operator, _rows(x), linear.weight, linear.bias, *_mask(p))
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -522,6 +526,51 @@ class _AttentionAddNorm(torch.autograd.Function):
         return (*(g if need else None for g, need in zip(grads, needed, strict=False)), None, None, None, None, None)
 
 
+def _linear_rows(x: Tensor, weight: Tensor, *_: object) -> list[Tensor]:
+    return [x.new_empty(x.shape[0], weight.shape[0])]
+
+
+def _linear_rows_after_base(base: Tensor, x: Tensor, weight: Tensor, *_: object) -> list[Tensor]:
+    return _linear_rows(x, weight)
+
+
+def _rows_like(x: Tensor, *_: object) -> list[Tensor]:
+    return [x.new_empty(x.shape)]
+
+
+def _rows_like_second(base: Tensor, x: Tensor, *_: object) -> list[Tensor]:
+    return [x.new_empty(x.shape)]
+
+
+_BRANCHES = ("Tensor? w_gate, Tensor? b_gate, Tensor? w_unit, Tensor? b_unit, Tensor? w_in, Tensor? b_in, "
+             "Tensor? w_eval, Tensor? b_eval, Tensor? w_adj, Tensor? b_adj, str? unit_tail, float eps")
+
+# Each function as a custom operator for torch.compile (gatedformer.ops.operators), called through `call`.
+_LINEAR_RELU_DROPOUT = FunctionOperator(
+    "linear_relu_dropout", _LinearReluDropout, "Tensor x, Tensor weight, Tensor bias, Seed seed, int keep_below",
+    _linear_rows)
+_LINEAR_DROPOUT_ADD = FunctionOperator(
+    "linear_dropout_add", _LinearDropoutAdd,
+    "Tensor base, Tensor x, Tensor weight, Tensor bias, Seed seed, int keep_below", _linear_rows_after_base)
+_LINEAR_DROPOUT = FunctionOperator(
+    "linear_dropout", _LinearDropout, "Tensor x, Tensor weight, Tensor bias, Seed seed, int keep_below", _linear_rows)
+_LINEAR_DROPOUT_ADD_NORM = FunctionOperator(
+    "linear_dropout_add_norm", _LinearDropoutAddNorm,
+    "Tensor base, Tensor x, Tensor weight, Tensor bias, Tensor gamma, Tensor beta, float eps, Seed seed, "
+    "int keep_below", _linear_rows_after_base)
+_DROPOUT_ADD_NORM = FunctionOperator(
+    "dropout_add_norm", _DropoutAddNorm,
+    "Tensor base, Tensor x, Tensor gamma, Tensor beta, float eps, Seed seed, int keep_below", _rows_like_second)
+_FEED_FORWARD_ADD_NORM = FunctionOperator(
+    "feed_forward_add_norm", _FeedForwardAddNorm,
+    f"Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor gamma, Tensor beta, {_BRANCHES}, "
+    "Mask inner_mask, Mask outer_mask", _rows_like)
+_ATTENTION_ADD_NORM = FunctionOperator(
+    "attention_add_norm", _AttentionAddNorm,
+    f"Tensor x, Tensor w_qkv, Tensor b_qkv, Tensor w_out, Tensor b_out, Tensor gamma, Tensor beta, {_BRANCHES}, "
+    "int batch, int n_heads, Mask mask", _rows_like)
+
+
 def _plain_layer_norm(norm: nn.Module, width: int) -> bool:
     if type(norm) is not nn.LayerNorm or norm.normalized_shape != (width,) or not unhooked(norm):
         return False
@@ -533,7 +582,7 @@ def linear_relu_dropout(x: Tensor, linear: nn.Linear, p: float, training: bool =
     """``dropout(relu(linear(x)), p)``, fused where :func:`fusion_applies`."""
     if not fusion_applies(x, linear, p, training):
         return dropout_ops.relu_dropout(linear(x), p, training)
-    return _on_rows(_LinearReluDropout, x, linear, p)
+    return _on_rows(_LINEAR_RELU_DROPOUT, x, linear, p)
 
 
 def linear_dropout_add(base: Tensor, x: Tensor, linear: nn.Linear, p: float, training: bool = True) -> Tensor:
@@ -542,7 +591,7 @@ def linear_dropout_add(base: Tensor, x: Tensor, linear: nn.Linear, p: float, tra
     if not fusion_applies(x, linear, p, training) or base.shape != (*x.shape[:-1], linear.out_features) \
             or base.dtype != x.dtype:
         return dropout_ops.dropout_add(base, linear(x), p, training)
-    out = _LinearDropoutAdd.apply(_rows(base), _rows(x), linear.weight, linear.bias, *_mask(p))
+    out = call(_LINEAR_DROPOUT_ADD, _rows(base), _rows(x), linear.weight, linear.bias, *_mask(p))
     return out.view(base.shape)
 
 
@@ -553,8 +602,8 @@ def linear_dropout_add_norm(base: Tensor, x: Tensor, linear: nn.Linear, p: float
     if not fusion_applies(x, linear, p, training) or base.shape != (*x.shape[:-1], linear.out_features) \
             or base.dtype != x.dtype or not _plain_layer_norm(norm, linear.out_features):
         return norm(linear_dropout_add(base, x, linear, p, training))
-    out = _LinearDropoutAddNorm.apply(_rows(base), _rows(x), linear.weight, linear.bias, norm.weight, norm.bias,
-                                      norm.eps, *_mask(p))
+    out = call(_LINEAR_DROPOUT_ADD_NORM, _rows(base), _rows(x), linear.weight, linear.bias, norm.weight,
+               norm.bias, norm.eps, *_mask(p))
     return out.view(base.shape)
 
 
@@ -562,12 +611,12 @@ def dropout_add_layer_norm(base: Tensor, x: Tensor, p: float, norm: nn.LayerNorm
     """``norm(base + dropout(x, p))`` (a post-LN residual connection around any sublayer output ``x``), in one
     kernel each way where the dropout's fast path applies, outside autocast, for a plain
     :class:`torch.nn.LayerNorm` over the last dimension and ``base`` of ``x``'s shape."""
-    if not (training and dropout_ops._fast_path(x, p, keep_all=True) and KERNEL.pick_backend(x.device) == "native"
+    if not (training and dropout_ops._fast_path(x, p, keep_all=True) and runs_native(KERNEL, x.device)
             and x.dtype == torch.float32 and base.shape == x.shape
             and base.dtype == x.dtype and not torch.is_autocast_enabled("cpu")
             and _plain_layer_norm(norm, x.shape[-1])):
         return norm(dropout_ops.dropout_add(base, x, p, training))
-    out = _DropoutAddNorm.apply(_rows(base), _rows(x), norm.weight, norm.bias, norm.eps, *_mask(p))
+    out = call(_DROPOUT_ADD_NORM, _rows(base), _rows(x), norm.weight, norm.bias, norm.eps, *_mask(p))
     return out.view(base.shape)
 
 
@@ -575,7 +624,7 @@ def linear_dropout(x: Tensor, linear: nn.Linear, p: float, training: bool = True
     """``dropout(linear(x), p)``, fused where :func:`fusion_applies` (e.g. before a gated residual connection)."""
     if not fusion_applies(x, linear, p, training):
         return dropout_ops.dropout(linear(x), p, training)
-    return _on_rows(_LinearDropout, x, linear, p)
+    return _on_rows(_LINEAR_DROPOUT, x, linear, p)
 
 
 def _mask(p: float) -> tuple[int, int]:
@@ -609,7 +658,7 @@ def _gate_fuses(gate: nn.Module | None, x: Tensor, p: float, training: bool) -> 
     return (kind_of(gate) is GATE_KINDS["grc"] and unhooked(gate) and isinstance(projection, nn.Linear)
             and fusion_applies(x, projection, p, training)
             and projection.in_features == projection.out_features == x.shape[-1]
-            and _gate_kernel.KERNEL.pick_backend(x.device) == "native")
+            and runs_native(_gate_kernel.KERNEL, x.device))
 
 
 def _unit_fuses(unit: nn.Module | None, gate: nn.Module | None, x: Tensor, p: float, training: bool) -> bool:
@@ -623,7 +672,7 @@ def _unit_fuses(unit: nn.Module | None, gate: nn.Module | None, x: Tensor, p: fl
             and unhooked(unit) and isinstance(projection, nn.Linear) and fusion_applies(x, projection, p, training)
             and projection.in_features == x.shape[-1] and projection.out_features == 2 * x.shape[-1]
             and not (kind.replaces_residual and gate is not None)
-            and _gate_kernel.KERNEL.pick_backend(x.device) == "native")
+            and runs_native(_gate_kernel.KERNEL, x.device))
 
 
 def _unit_tail(unit: nn.Module) -> str:
@@ -643,7 +692,7 @@ def _eau_fuses(eau: nn.Module | None, unit: nn.Module | None, x: Tensor, p: floa
     return (kind_of(eau) is GATE_KINDS["eau"] and unit is None and unhooked(eau) and plain
             and layers[0].in_features == layers[2].in_features == layers[2].out_features == x.shape[-1]
             and layers[1].in_features == layers[0].out_features and layers[1].out_features == x.shape[-1]
-            and _gate_kernel.KERNEL.pick_backend(x.device) == "native")
+            and runs_native(_gate_kernel.KERNEL, x.device))
 
 
 def _branch_parameters(gate: nn.Module | None, unit: nn.Module | None,
@@ -674,8 +723,8 @@ def feed_forward_add_norm(x: Tensor, inner: nn.Linear, outer: nn.Linear, inner_p
                      sublayer_reason(x, (inner, outer, norm), training, gate, unit, eau))
         return None
     inner_mask = _mask(inner_p)
-    out = _FeedForwardAddNorm.apply(_rows(x), inner.weight, inner.bias, outer.weight, outer.bias, norm.weight,
-                                    norm.bias, *_branch_parameters(gate, unit, eau), norm.eps, inner_mask, _mask(p))
+    out = call(_FEED_FORWARD_ADD_NORM, _rows(x), inner.weight, inner.bias, outer.weight, outer.bias,
+               norm.weight, norm.bias, *_branch_parameters(gate, unit, eau), norm.eps, inner_mask, _mask(p))
     return out.view(x.shape)
 
 
@@ -723,8 +772,8 @@ def attention_add_norm(x: Tensor, qkv: nn.Linear, out: nn.Linear, n_heads: int, 
                 else f"the attention kernel does not take {n_heads} heads of width {out.in_features // n_heads} "
                      f"with attention dropout {attention_dropout}"))
         return None
-    result = _AttentionAddNorm.apply(_rows(x), qkv.weight, qkv.bias, out.weight, out.bias, norm.weight, norm.bias,
-                                     *_branch_parameters(gate, unit, eau), norm.eps, x.shape[0], n_heads, _mask(p))
+    result = call(_ATTENTION_ADD_NORM, _rows(x), qkv.weight, qkv.bias, out.weight, out.bias, norm.weight,
+                  norm.bias, *_branch_parameters(gate, unit, eau), norm.eps, x.shape[0], n_heads, _mask(p))
     return result.view(x.shape)
 
 

@@ -21,6 +21,9 @@ sublayer functions compute their gates.
 It applies where every layer's two sublayers would each run as one function (post-LN, the gates those take), no
 hooks are on the layers or their sublayers (nor global module hooks), and the memories and position encodings
 need no gradient; :func:`layer_stack` checks that and otherwise returns ``None`` (the model then calls its layers).
+Under ``torch.compile`` it returns ``None``: the stack is not a custom operator (its per-layer settings are nested
+tuples, its memories a list and its outputs as many as the layers), so compiled code runs the layers one by one,
+each sublayer the custom operator of its whole-sublayer function (:mod:`gatedformer.ops.operators`).
 """
 
 from __future__ import annotations
@@ -338,6 +341,10 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
     """``layers`` (Transformer-XL layers) applied in turn to ``x (B, L, d)`` with their ``memories`` (one ``(B, M, d)``
     each, or ``None``) and the position encodings ``pos``, by :class:`LayerStack` where that applies (see the
     module): the last output and the list of every layer's input. Else ``None``."""
+    if torch.compiler.is_compiling():
+        # Not an operator: its per-layer settings are nested tuples and its outputs a list as long as the stack.
+        # The layers run one by one, each sublayer an operator (gatedformer.ops.operators).
+        return _declined("torch.compile is tracing (the stack is not a custom operator; each sublayer is)")
     if not layers or not torch.is_grad_enabled() or _global_hooks() or pos.requires_grad:
         return _declined("no layers, no gradients, global module hooks or position encodings that need gradients")
     memories = list(memories) if memories else [None] * len(layers)

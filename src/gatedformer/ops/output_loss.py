@@ -10,8 +10,9 @@ gradient products. As in fused linear cross-entropy losses elsewhere, the gradie
 pass (when autograd will want them) and the backward pass only scales them by the loss's own gradient; a block
 of rows at a time where the logits would be large, so memory stays bounded whatever the batch.
 
-It applies to float32 CPU tensors outside autocast and ``torch.compile``, with the kernel available; everything
-else takes ``F.linear`` then ``F.cross_entropy``, the same numbers up to float rounding.
+It applies to float32 CPU tensors outside autocast, with the kernel available (under ``torch.compile`` as the
+custom operator ``gatedformer::linear_cross_entropy``); everything else takes ``F.linear`` then
+``F.cross_entropy``, the same numbers up to float rounding.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.nn import functional as F
 from gatedformer.kernels.build import kernel_threads
 from gatedformer.kernels.cross_entropy import KERNEL
 from gatedformer.ops.explain import declined, explaining, first_reason
+from gatedformer.ops.operators import FunctionOperator, call, runs_native
 
 __all__ = ["LOGITS_BUDGET", "fused_loss_applies", "linear_cross_entropy", "logits_or_loss", "row_blocks"]
 
@@ -39,8 +41,7 @@ def fused_loss_applies(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> b
     """Whether :func:`linear_cross_entropy` runs the fused computation for these operands."""
     tensors = (hidden, weight) if bias is None else (hidden, weight, bias)
     applies = (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-               and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-               and KERNEL.pick_backend(hidden.device) == "native")
+               and not torch.is_autocast_enabled("cpu") and runs_native(KERNEL, hidden.device))
     if not applies and explaining():
         declined("ops.output_loss.linear_cross_entropy", first_reason(tensors, kernels=(KERNEL,)) or "")
     return applies
@@ -74,7 +75,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
     if not fused_loss_applies(hidden, weight, bias):
         return _cross_entropy(F.linear(rows, weight, bias), flat_targets, ignore_index, reduction, label_smoothing)
     # the gradients are made in the forward pass only where autograd records it (inside it, it never does)
-    return _LinearCrossEntropy.apply(rows, weight, bias, flat_targets, ignore_index, reduction == "mean",
+    return call(LINEAR_CROSS_ENTROPY, rows, weight, bias, flat_targets, ignore_index, reduction == "mean",
                                      float(label_smoothing), torch.is_grad_enabled())
 
 
@@ -157,3 +158,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if factor != 1.0:
             grads = tuple(None if g is None else g * factor for g in grads)
         return (*grads, None, None, None, None, None)
+
+
+def _loss(hidden: Tensor, *_: object) -> list[Tensor]:
+    return [hidden.new_empty(())]
+
+
+LINEAR_CROSS_ENTROPY = FunctionOperator(
+    "linear_cross_entropy", _LinearCrossEntropy, "Tensor hidden, Tensor weight, Tensor? bias, Tensor targets, "
+    "int ignore_index, bool mean, float smoothing, bool recorded", _loss)
+"""The loss as a custom operator, for ``torch.compile`` (:mod:`gatedformer.ops.operators`)."""

@@ -21,9 +21,9 @@ does) and writes the gradients of the four inputs and of ``u`` and ``v``; ``r``'
 sequences of the batch, is written per sequence and summed after. Heads of any size up to 128 are taken
 (padded with zeros inside to a whole number of vectors).
 
-It applies to float32 CPU tensors without attention dropout, outside ``torch.compile``; everything else takes
-the PyTorch operations. It shares the attention kernel's switch, ``GATEDFORMER_ATTENTION_BACKEND``
-(``native``, ``torch`` or ``auto``).
+It applies to float32 CPU tensors without attention dropout (under ``torch.compile`` as the custom operator
+``gatedformer::relative_attention``); everything else takes the PyTorch operations. It shares the attention
+kernel's switch, ``GATEDFORMER_ATTENTION_BACKEND`` (``native``, ``torch`` or ``auto``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from gatedformer.kernels.relative_attention import backward_kernel, forward_kernel
+from gatedformer.ops.operators import FunctionOperator, call
 
 __all__ = ["relative_attention"]
 
@@ -53,6 +54,17 @@ class _RelativeAttention(torch.autograd.Function):
         return (*backward_kernel(grad_out, *ctx.saved_tensors, ctx.n_heads), None, None)
 
 
+def _attended(q: Tensor, *_: object) -> list[Tensor]:
+    return [q.new_empty(q.shape)]
+
+
+RELATIVE_ATTENTION = FunctionOperator(
+    "relative_attention", _RelativeAttention,
+    "Tensor q, Tensor kv, Tensor r, Tensor u, Tensor pos_bias, Tensor? memory_kv, int n_heads, bool recorded",
+    _attended)
+"""The kernel as a custom operator, for ``torch.compile`` (:mod:`gatedformer.ops.operators`)."""
+
+
 def relative_attention(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Tensor, n_heads: int,
                        memory_kv: Tensor | None = None) -> Tensor:
     """Causal relative-position attention by the compiled kernel (see the module docstring; check
@@ -66,4 +78,4 @@ def relative_attention(q: Tensor, kv: Tensor, r: Tensor, u: Tensor, pos_bias: Te
     # Whether autograd records this call, asked here: Function.forward itself runs with grad mode off.
     tensors = (q, kv, r, u, pos_bias) + (() if memory_kv is None else (memory_kv,))
     recorded = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return _RelativeAttention.apply(q, kv, r, u, pos_bias, memory_kv, n_heads, recorded)
+    return call(RELATIVE_ATTENTION, q, kv, r, u, pos_bias, memory_kv, n_heads, recorded)

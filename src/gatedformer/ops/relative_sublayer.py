@@ -18,9 +18,9 @@ attention's output) end it as in the Transformer's whole-sublayer functions
 (:mod:`gatedformer.ops.fused_linear`, whose tail and its backward pass this function shares).
 
 It computes what the modules compute, with the same dropout masks for the same random state, and applies only
-where they would run fused anyway: training, float32 on the CPU outside autocast and ``torch.compile``, no
-attention dropout, no hooks, a plain LayerNorm, gates that the fused tail takes and the compiled kernels
-available.
+where they would run fused anyway: training, float32 on the CPU outside autocast, no attention dropout, no hooks,
+a plain LayerNorm, gates that the fused tail takes and the compiled kernels available (under ``torch.compile`` it is
+the custom operator ``gatedformer::relative_attention_add_norm``).
 :func:`relative_attention_add_norm` (which
 :meth:`~gatedformer.models.transformer_xl.RelativeMultiHeadAttention.add_norm` calls) checks that and otherwise
 returns ``None`` (the sublayer then runs its modules).
@@ -57,6 +57,7 @@ from gatedformer.ops.fused_linear import (
     sublayer_reason,
     unhooked,
 )
+from gatedformer.ops.operators import FunctionOperator, call, runs_native
 
 __all__ = ["RelativeAttentionAddNorm", "relative_attention_add_norm", "relative_fusion_applies", "relative_inputs_fuse",
            "relative_layers_fuse"]
@@ -170,6 +171,19 @@ class RelativeAttentionAddNorm(torch.autograd.Function):
         return (*(g if need else None for g, need in zip(grads, needed, strict=False)), None, None, None, None, None)
 
 
+def _rows_of_h(h: Tensor, *_: object) -> list[Tensor]:
+    return [h.new_empty(h.shape)]
+
+
+RELATIVE_ATTENTION_ADD_NORM = FunctionOperator(
+    "relative_attention_add_norm", RelativeAttentionAddNorm,
+    "Tensor h, Tensor? memory, Tensor pos, Tensor w_q, Tensor w_kv, Tensor w_r, Tensor w_out, Tensor u, Tensor v, "
+    "Tensor gamma, Tensor beta, Tensor? w_gate, Tensor? b_gate, Tensor? w_unit, Tensor? b_unit, Tensor? w_in, "
+    "Tensor? b_in, Tensor? w_eval, Tensor? b_eval, Tensor? w_adj, Tensor? b_adj, str? unit_tail, float eps, "
+    "int n_heads, Seed seed, int keep_below", _rows_of_h)
+"""The sublayer as a custom operator, for ``torch.compile`` (:mod:`gatedformer.ops.operators`)."""
+
+
 def relative_attention_add_norm(attention: nn.Module, x: Tensor, p: float, norm: nn.LayerNorm,
                                 gate: nn.Module | None = None, unit: nn.Module | None = None,
                                 eau: nn.Module | None = None, memory: Tensor | None = None,
@@ -189,7 +203,7 @@ def relative_attention_add_norm(attention: nn.Module, x: Tensor, p: float, norm:
                      sublayer_reason(x, (attention, norm), True, gate, unit, eau))
         return None
     k_len = x.shape[1] + (0 if memory is None else memory.shape[1])
-    return RelativeAttentionAddNorm.apply(x, memory, pos[pos.shape[0] - k_len :], attention.query.weight,
+    return call(RELATIVE_ATTENTION_ADD_NORM, x, memory, pos[pos.shape[0] - k_len :], attention.query.weight,
                                           attention.key_value.weight, attention.position.weight, attention.out.weight,
                                           attention.u, attention.v, norm.weight, norm.bias,
                                           *_branch_parameters(gate, unit, eau), norm.eps, attention.n_heads, *_mask(p))
@@ -206,14 +220,13 @@ def relative_fusion_applies(attention: nn.Module, x: Tensor, p: float, norm: nn.
 def relative_inputs_fuse(x: Tensor, memories: Sequence[Tensor | None], pos: Tensor) -> bool:
     """The inputs' half of :func:`relative_fusion_applies`, for sublayers that read ``x (B, L, d)``, the position
     encodings ``pos`` and one of ``memories`` each (``None`` or with rows): float32 CPU tensors, enough position rows,
-    outside autocast and ``torch.compile``, the kernels available. A stack of layers asks it once for all of them."""
-    # inputs_fuse first: it refuses under torch.compile before dynamo has to trace the rest.
+    outside autocast, the kernels available. A stack of layers asks it once for all of them."""
     if x.dim() != 3 or not inputs_fuse(x):
         return False
     k_len = x.shape[1] + max([0] + [m.shape[1] for m in memories if m is not None])
     return (pos.shape[0] >= k_len
             and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (pos, *memories) if t is not None)
-            and RELATIVE_KERNEL.pick_backend(x.device) == "native")
+            and runs_native(RELATIVE_KERNEL, x.device))
 
 
 def relative_layers_fuse(attention: nn.Module, p: float, norm: nn.Module, width: int) -> bool:

@@ -25,7 +25,7 @@ Here the forward is one pass that writes ``h'`` and ``c'`` and keeps nothing but
 recomputes the gates and writes the gradient of the pre-activations ``a`` (that of ``gi`` and of ``gh``
 alike) straight into one ``(rows, 4d)`` buffer, and that of ``c``.
 
-Both steps take float32 or float64 on the CPU outside ``torch.compile`` and share one switch,
+Both steps take float32 or float64 on the CPU and share one switch,
 ``GATEDFORMER_GRU_BACKEND`` (``native``, ``torch`` or ``auto``, the default): both are the LocalRNN's step.
 
 **The whole recurrence** (:func:`local_recurrence`, kernel :mod:`gatedformer.kernels.local_rnn`), one compiled call
@@ -49,7 +49,8 @@ depend on the thread count), and ``W_hh``'s: each block's hidden-product gradien
 for one product per block, so no tensor of them per window and step is ever made.
 
 Float32 on the CPU where PyTorch links MKL (:func:`~gatedformer.kernels.local_rnn.streams` says where); it follows
-the steps' switch, ``GATEDFORMER_GRU_BACKEND``.
+the steps' switch, ``GATEDFORMER_GRU_BACKEND``. Under ``torch.compile`` each of the three is a custom operator
+(:mod:`gatedformer.ops.operators`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from gatedformer.kernels import local_rnn as _local_rnn_kernel
 from gatedformer.kernels import lstm as _lstm_kernel
 from gatedformer.kernels.blas import PackedGemm
 from gatedformer.kernels.gru import rows_view
+from gatedformer.ops.operators import FunctionOperator, call, runs_native
 
 __all__ = ["gru_step", "gru_step_reference", "local_recurrence", "lstm_step", "lstm_step_reference"]
 
@@ -84,6 +86,14 @@ class _GRUStep(torch.autograd.Function):
         return _gru_kernel.backward(gi, gh, h, grad.contiguous(), ctx.needs_input_grad[2])
 
 
+def _gru_out(gi: Tensor, *_: object) -> list[Tensor]:
+    return [gi.new_empty(gi.shape[0], gi.shape[1] // 3)]
+
+
+GRU_STEP = FunctionOperator("gru_step", _GRUStep, "Tensor gi, Tensor gh, Tensor? h", _gru_out)
+"""The step as a custom operator, for ``torch.compile`` (:mod:`gatedformer.ops.operators`)."""
+
+
 def gru_step_reference(gi: Tensor, gh: Tensor, h: Tensor | None) -> Tensor:
     """The step in PyTorch operations: ``nn.GRU``'s equations; ``h=None`` is the zero state."""
     d = gi.shape[-1] // 3
@@ -101,9 +111,8 @@ def gru_step(gi: Tensor, gh: Tensor, h: Tensor | None) -> Tensor:
     ``h`` ``(rows, d)`` or ``None``; the compiled pass on the CPU for float32/64, else PyTorch operations."""
     tensors = [t for t in (gi, gh, h) if t is not None]
     if (gi.dim() == 2 and gi.device.type == "cpu" and gi.dtype in _gru_kernel.DTYPES
-            and not torch.compiler.is_compiling() and all(t.dtype == gi.dtype for t in tensors)
-            and _gru_kernel.KERNEL.pick_backend(gi.device) == "native"):
-        return _GRUStep.apply(gi, gh.expand(gi.shape[0], -1) if gh.dim() == 1 else gh, h)
+            and all(t.dtype == gi.dtype for t in tensors) and runs_native(_gru_kernel.KERNEL, gi.device)):
+        return call(GRU_STEP, gi, gh.expand(gi.shape[0], -1) if gh.dim() == 1 else gh, h)
     return gru_step_reference(gi, gh, h)
 
 
@@ -130,6 +139,15 @@ class _LSTMStep(torch.autograd.Function):
         return grad_a, grad_a, dc
 
 
+def _lstm_out(gi: Tensor, *_: object) -> list[Tensor]:
+    d = gi.shape[1] // 4
+    return [gi.new_empty(gi.shape[0], d), gi.new_empty(gi.shape[0], d)]
+
+
+LSTM_STEP = FunctionOperator("lstm_step", _LSTMStep, "Tensor gi, Tensor gh, Tensor? c", _lstm_out, tuple_output=True)
+"""The step as a custom operator, for ``torch.compile`` (:mod:`gatedformer.ops.operators`)."""
+
+
 def lstm_step_reference(gi: Tensor, gh: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor]:
     """The step in PyTorch operations: ``nn.LSTM``'s equations; ``c=None`` is the zero state. ``(h', c')``."""
     d = gi.shape[-1] // 4
@@ -146,9 +164,8 @@ def lstm_step(gi: Tensor, gh: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor]
     operations."""
     tensors = [t for t in (gi, gh, c) if t is not None]
     if (gi.dim() == 2 and gi.device.type == "cpu" and gi.dtype in _lstm_kernel.DTYPES
-            and not torch.compiler.is_compiling() and all(t.dtype == gi.dtype for t in tensors)
-            and _lstm_kernel.KERNEL.pick_backend(gi.device) == "native"):
-        return _LSTMStep.apply(gi, gh.expand(gi.shape[0], -1) if gh.dim() == 1 else gh, c)
+            and all(t.dtype == gi.dtype for t in tensors) and runs_native(_lstm_kernel.KERNEL, gi.device)):
+        return call(LSTM_STEP, gi, gh.expand(gi.shape[0], -1) if gh.dim() == 1 else gh, c)
     return lstm_step_reference(gi, gh, c)
 
 
@@ -174,6 +191,18 @@ class _LocalRecurrence(torch.autograd.Function):
         return *grads, None, None, None, None
 
 
+def _recurrence_out(gates_in: Tensor, pad: Tensor, w_hh: Tensor, *_: object) -> list[Tensor]:
+    return [gates_in.new_empty(gates_in.shape[0], gates_in.shape[1], w_hh.shape[1])]
+
+
+LOCAL_RECURRENCE = FunctionOperator(
+    "local_recurrence", _LocalRecurrence,
+    "Tensor gates_in, Tensor pad, Tensor w_hh, Tensor b_hh, str cell, int window, Blas blas, bool training",
+    _recurrence_out)
+"""The recurrence as a custom operator, for ``torch.compile`` (:mod:`gatedformer.ops.operators`): it finds MKL's
+packed products itself when it runs (``Blas``), so the graph holds no function addresses."""
+
+
 def local_recurrence(gates_in: Tensor, pad: Tensor, w_hh: Tensor, b_hh: Tensor, cell: str, window: int,
                      blas: PackedGemm) -> Tensor:
     """The last hidden state of every window, ``(B, L, d)``, from the input projection ``gates_in`` ``(B, L, G)``
@@ -190,4 +219,4 @@ def local_recurrence(gates_in: Tensor, pad: Tensor, w_hh: Tensor, b_hh: Tensor, 
         raise ValueError(f"window must be an integer >= 1, got {window!r}")
     tensors = (gates_in, pad, w_hh, b_hh)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return _LocalRecurrence.apply(*tensors, cell, window, blas, training)
+    return call(LOCAL_RECURRENCE, *tensors, cell, window, blas, training)

@@ -342,21 +342,27 @@ def sru_recurrence_reference(
     b_r: Tensor,
     c0: Tensor | None = None,
     alpha: float = 1.0,
+    cells: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Plain PyTorch version of :func:`sru_recurrence` (same arguments and results), one step at a time
-    and differentiated by autograd. Slow; it is the oracle that the fast path is tested against."""
+    and differentiated by autograd. Slow; it is the oracle that the fast path is tested against. Given a list as
+    ``cells``, it also receives the cell state of every step, ``(L, B, D, H)`` (e.g. to measure its variance)."""
     c0 = _check_shapes(U, skip, v_f, v_r, b_f, b_r, c0)
     L, _, D, _, _ = U.shape
     x_tilde, f_tilde, r_tilde, s = split_streams(U, skip)
-    h_dirs, c_dirs = [], []
+    h_dirs, c_dirs, c_alls = [], [], []
     for d in range(D):
         c = c0[:, d]
         hs: list[Tensor] = [U.new_empty(0)] * L
+        cs: list[Tensor] = [U.new_empty(0)] * L
         for t in range(L) if d == 0 else range(L - 1, -1, -1):
             f = torch.sigmoid(f_tilde[t, :, d] + v_f[d] * c + b_f[d])
             r = torch.sigmoid(r_tilde[t, :, d] + v_r[d] * c + b_r[d])
             c = f * c + (1 - f) * x_tilde[t, :, d]
-            hs[t] = r * c + (1 - r) * s[t, :, d] * alpha
+            hs[t], cs[t] = r * c + (1 - r) * s[t, :, d] * alpha, c
         h_dirs.append(torch.stack(hs))
         c_dirs.append(c)
+        c_alls.append(torch.stack(cs))
+    if cells is not None:
+        cells.append(torch.stack(c_alls, dim=2))
     return torch.stack(h_dirs, dim=2), torch.stack(c_dirs, dim=1)

@@ -2,7 +2,10 @@
 task (:func:`gatedformer.config.task_of`); :data:`TASKS` is the one list of them.
 
 * ``lm`` — causal language modelling (:mod:`gatedformer.tasks.lm`);
-* ``translation`` — translation with an encoder-decoder (:mod:`gatedformer.tasks.translation`).
+* ``translation`` — translation with an encoder-decoder (:mod:`gatedformer.tasks.translation`);
+* ``mlm`` — masked language modelling, BERT's pretraining (:mod:`gatedformer.tasks.mlm`; ``data.task=mlm``);
+* ``glue`` — fine-tuning on a GLUE task (:mod:`gatedformer.tasks.glue`);
+* ``sentclass`` — sentence classification (:mod:`gatedformer.tasks.sentclass`).
 """
 
 from __future__ import annotations
@@ -10,10 +13,14 @@ from __future__ import annotations
 from gatedformer.config import RunConfig, task_of
 from gatedformer.errors import ConfigError
 from gatedformer.tasks.base import Task, TrainBatch
+from gatedformer.tasks.glue import GlueFinetuneTask
 from gatedformer.tasks.lm import LanguageModelTask
+from gatedformer.tasks.mlm import MaskedLMTask
+from gatedformer.tasks.sentclass import SentenceClassificationTask
 from gatedformer.tasks.translation import TranslationTask
 
-TASKS: dict[str, Task] = {task.name: task for task in (LanguageModelTask(), TranslationTask())}
+TASKS: dict[str, Task] = {task.name: task for task in (LanguageModelTask(), TranslationTask(), MaskedLMTask(),
+                                                       GlueFinetuneTask(), SentenceClassificationTask())}
 """Every task, by name."""
 
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from gatedformer.config import RunConfig
+from gatedformer.errors import ConfigError
 
 __all__ = ["Task", "TrainBatch"]
 
@@ -77,11 +78,37 @@ class Task(ABC):
         """The network of ``config.model`` for this data (its vocabulary sizes)."""
 
     @abstractmethod
+    def nominal_model(self, config: RunConfig, vocab_size: int) -> nn.Module:
+        """The network of ``config.model`` with every vocabulary of ``vocab_size`` tokens, built without the data
+        (for counting parameters, e.g. under ``torch.device("meta")``)."""
+
+    @abstractmethod
     def metric(self, data: Any) -> str:
         """The name of the task's metric (``bpc``, ``ppl``, ``bleu``)."""
 
     def run_files(self, data: Any) -> dict[str, Any]:
-        """JSON files (name → content) the run folder keeps beside ``config.json``, e.g. the vocabularies."""
+        """Files (name → JSON content, or text as a ``str``) the run folder keeps beside ``config.json``, e.g. the
+        vocabularies."""
+        return {}
+
+    def start_weights(self, model: nn.Module, config: RunConfig, data: Any) -> None:
+        """Load the weights a new run starts from into ``model``, after its initialisation (a resumed run takes its
+        checkpoint's instead): by default ``train.init_from``'s, which must fit ``model`` exactly; a task whose
+        model differs from the one it starts from (fine-tuning adds heads to a pretrained encoder) maps them."""
+        if config.train.init_from:
+            from gatedformer.tasks.weights import load_exactly, read_start_weights
+
+            state, where = read_start_weights(config.train.init_from, config)
+            load_exactly(model, state, where)
+
+    def open_run(self, data: Any, out_dir: Path, resumed: bool) -> None:
+        """The run folder, once it exists and before the first step (of a new or resumed run): where a task keeps
+        files of its own while it trains (e.g. the predictions of its best evaluation); by default none."""
+        return None
+
+    def result_fields(self, data: Any) -> dict[str, Any]:
+        """Fields ``results.json`` holds beside the loop's, once :meth:`score` has run (e.g. GLUE's metrics by
+        name)."""
         return {}
 
     def start_records(self, data: Any, params: int) -> list[dict[str, Any]]:
@@ -126,6 +153,13 @@ class Task(ABC):
     def inference_data(self, config: RunConfig, run_dir: Path, data_dir: str | Path | None) -> Any:
         """What a trained model needs besides its weights (vocabularies), from the run folder where it keeps them,
         else from the corpus."""
+
+    def inference_files(self, data: Any) -> dict[str, str]:
+        """The files (name -> text) from which :meth:`inference_data` reads ``data`` back out of a folder alone,
+        without the corpus: what an exported model (``save_pretrained``) keeps besides its weights. A
+        :class:`ConfigError` for a task whose models cannot be exported."""
+        raise ConfigError(f"{self.title} models cannot be exported yet: their vocabulary is read from the corpus; "
+                          "share the run folder instead")
 
     @abstractmethod
     def evaluate_split(self, model: nn.Module, config: RunConfig, split: str, data_dir: str | Path | None,

@@ -11,6 +11,7 @@ order (the first ``train.eval_windows`` at intermediate evaluations, all at the 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -24,11 +25,16 @@ from torch import nn
 from gatedformer.config import RunConfig
 from gatedformer.data import Corpus, LMStream, Vocab, load_corpus
 from gatedformer.devices import autocast
-from gatedformer.errors import ConfigError
+from gatedformer.errors import CheckpointError, ConfigError
+from gatedformer.io import read_limited
 from gatedformer.models import build_model
 from gatedformer.tasks.base import Task, TrainBatch
 
-__all__ = ["LMData", "LanguageModelTask", "evaluate", "generate", "metric_value"]
+__all__ = ["DecodingWindow", "LMData", "LanguageModelTask", "evaluate", "generate", "generate_stream", "metric_value",
+           "sample_ids"]
+
+VOCAB_FILE = "vocab.json"
+"""An exported language model's vocabulary (with its corpus's name, level and metric)."""
 
 
 def metric_value(metric: str, loss: float) -> float:
@@ -96,6 +102,9 @@ class LanguageModelTask(Task):
         corpus = data.corpus if isinstance(data, LMData) else data
         return build_model(config.model, len(corpus.vocab))
 
+    def nominal_model(self, config: RunConfig, vocab_size: int) -> nn.Module:
+        return build_model(config.model, vocab_size)
+
     def metric(self, data: LMData) -> str:
         return data.corpus.metric
 
@@ -136,7 +145,22 @@ class LanguageModelTask(Task):
         return valid_loss, metric_value(metric, valid_loss), test_loss, metric_value(metric, test_loss)
 
     def inference_data(self, config: RunConfig, run_dir: Path, data_dir: str | Path | None) -> Corpus:
-        return load_corpus(config.data.corpus, data_dir)
+        """The corpus, or where ``run_dir`` is an exported model's folder its ``vocab.json`` alone (a corpus with
+        empty splits: the vocabulary and the metric)."""
+        vocab_file = run_dir / VOCAB_FILE
+        if not vocab_file.is_file():
+            return load_corpus(config.data.corpus, data_dir)
+        try:
+            record = json.loads(read_limited(vocab_file, 1 << 28))
+            empty = torch.zeros(0, dtype=torch.long)
+            return Corpus(str(record["corpus"]), str(record["level"]), str(record["metric"]),
+                          Vocab.from_json(record["vocab"]), empty, empty, empty)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{vocab_file} is corrupt ({str(err)[:120]}); export the model again") from None
+
+    def inference_files(self, data: Corpus) -> dict[str, str]:
+        record = {"corpus": data.name, "level": data.level, "metric": data.metric, "vocab": data.vocab.to_json()}
+        return {VOCAB_FILE: json.dumps(record, ensure_ascii=False)}
 
     def evaluate_split(self, model: nn.Module, config: RunConfig, split: str, data_dir: str | Path | None,
                        device: torch.device, data: Corpus) -> dict[str, float]:
@@ -147,40 +171,118 @@ class LanguageModelTask(Task):
         return {"loss": loss, data.metric: metric_value(data.metric, loss)}
 
 
-@torch.no_grad()
-def generate(model: nn.Module, vocab: Vocab, prompt: str, max_tokens: int = 200, temperature: float = 1.0,
-             top_k: int = 0, seed: int = 0, context: int = 512) -> str:
-    """Continue ``prompt`` by ``max_tokens`` sampled tokens; returns prompt plus continuation as text.
+MAX_SEED = 2**64 - 1
+"""The largest sampling seed (what a generator's seed holds)."""
 
-    Stateful models (Transformer-XL memory, SRU) are fed one token at a time with their carried
-    state; the others re-read the last ``context`` tokens at every step.
+
+def generate(model: nn.Module, vocab: Vocab, prompt: str, max_tokens: int = 200, temperature: float = 1.0,
+             top_k: int = 0, seed: int = 0, context: int = 512, cache: bool = True) -> str:
+    """Continue ``prompt`` by ``max_tokens`` sampled tokens; returns prompt plus continuation as text (see
+    :func:`generate_stream`)."""
+    return "".join(generate_stream(model, vocab, prompt, max_tokens, temperature, top_k, seed, context, cache))
+
+
+def generate_stream(model: nn.Module, vocab: Vocab, prompt: str, max_tokens: int = 200, temperature: float = 1.0,
+                    top_k: int = 0, seed: int = 0, context: int = 512, cache: bool = True) -> Iterator[str]:
+    """The prompt, then its continuation by ``max_tokens`` sampled tokens, as text pieces as they are sampled (a
+    piece per token, less where bytes wait for the rest of their character), in memory that does not grow with
+    ``max_tokens``.
+
+    The model reads a window of at most ``context`` tokens (see :class:`DecodingWindow`). With ``cache`` each new
+    token is one incremental step of the model (its ``new_cache`` / ``step``: a key/value cache, or the state a
+    backbone carries); without, the model reads its whole window again for every token. Both compute the same
+    logits (to float rounding), so with the same ``seed`` they sample the same text.
     """
-    if max_tokens < 1:
-        raise ConfigError(f"--tokens must be at least 1, got {max_tokens}")
-    if temperature <= 0:
-        raise ConfigError(f"--temperature must be positive, got {temperature}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ConfigError(f"--tokens must be a whole number of at least 1, got {max_tokens}")
+    if not (isinstance(temperature, int | float) and math.isfinite(temperature) and temperature > 0):
+        raise ConfigError(f"--temperature must be a finite number above 0, got {temperature}")
     if top_k < 0:
         raise ConfigError(f"--top-k must be 0 (sample among all tokens) or positive, got {top_k}")
-    device = next(model.parameters()).device
+    if not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"--seed must be a whole number from 0 to 2**64 - 1, got {str(seed)[:40]}")
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ConfigError(f"the context must be a whole number of at least 1 token, got {context}")
+    ids = vocab.encode(prompt) if prompt else []  # a prompt the vocabulary cannot spell fails before any output
+    return _sample(model, vocab, prompt, ids or [0], max_tokens, temperature, top_k, seed, context, cache)
+
+
+class DecodingWindow:
+    """What a language model reads while it samples, one token after another: a window of at most ``context``
+    tokens, with the state its ``forward`` carries from window to window.
+
+    A full window makes way for the next token as a model's evaluation windows do: a model that carries a state
+    (Transformer-XL's memory, the SRU's cells) starts a new window after the state of the full one; a model that
+    carries none keeps the last ``context // 2`` tokens (so it never reads fewer) and reads them again. With
+    ``cached`` the window is read incrementally, one :meth:`step` of the model per token (``new_cache``, ``step``,
+    ``cache_state``; re-read only when the window moves); without, the model's ``forward`` reads the whole window
+    for every token, the full recomputation the cache is checked against.
+    """
+
+    def __init__(self, model: nn.Module, context: int, cached: bool = True) -> None:
+        self.model = model
+        self.context = context
+        self.cached = cached and all(hasattr(model, name) for name in ("new_cache", "step", "cache_state"))
+        self.device = next(model.parameters()).device
+        self.window: list[int] = []
+        self.state: Any = None  # carried into the window from the ones before
+        self._after: Any = None  # the state after the window (the full recomputation's)
+        self._cache: Any = None
+
+    def _read(self, ids: list[int], fresh: bool) -> torch.Tensor:
+        """The logits after ``ids``, the window's newest tokens (all of it where ``fresh``); without the cache the
+        whole window is read whatever ``ids`` are."""
+        if not self.cached:
+            window = torch.tensor([self.window], dtype=torch.long, device=self.device)
+            logits, self._after = self.model(window, self.state)
+            return logits[0, -1]
+        if fresh:
+            self._cache = self.model.new_cache(self.state)
+        return self.model.step(torch.tensor([ids], dtype=torch.long, device=self.device), self._cache)[0, -1]
+
+    def _carried(self) -> Any:
+        return self.model.cache_state(self._cache) if self.cached else self._after
+
+    def start(self, ids: list[int]) -> torch.Tensor:
+        """The next token's logits after ``ids`` (their last ``context``), from a fresh state."""
+        self.window, self.state = list(ids[-self.context:]), None
+        return self._read(self.window, fresh=True)
+
+    def feed(self, token: int) -> torch.Tensor:
+        """The next token's logits after ``token``."""
+        if len(self.window) < self.context:
+            self.window.append(token)
+            return self._read([token], fresh=False)
+        carried = self._carried()
+        if carried is not None:
+            self.state, self.window = carried, [token]
+        else:
+            self.window = self.window[len(self.window) - self.context // 2 :] + [token]
+        return self._read(self.window, fresh=True)
+
+
+def sample_ids(model: nn.Module, ids: list[int], max_tokens: int, temperature: float = 1.0, top_k: int = 0,
+               seed: int = 0, context: int = 512, cache: bool = True) -> Iterator[int]:
+    """The ids of ``max_tokens`` tokens sampled after ``ids`` (one at least), one at a time (see
+    :func:`generate_stream`, which checks the arguments and turns them into text)."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    ids = vocab.encode(prompt) if prompt else []
-    if not ids:
-        ids = [0]
-    history = torch.tensor(ids, dtype=torch.long)
-    state = None
-    logits, state = model(history[-context:].unsqueeze(0).to(device), None)
-    stateful = state is not None
-    new_ids: list[int] = []
-    for _ in range(max_tokens):
-        scores = logits[0, -1].float().cpu() / temperature
+    window = DecodingWindow(model, context, cache)
+    with torch.no_grad():
+        logits = window.start(ids)
+    for k in range(max_tokens):
+        scores = logits.float().cpu() / temperature
         if top_k > 0:
             kth = torch.topk(scores, min(top_k, scores.numel())).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
         token = int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
-        new_ids.append(token)
-        history = torch.cat([history, torch.tensor([token])])
-        if stateful:
-            logits, state = model(torch.tensor([[token]], device=device), state)
-        else:
-            logits, _ = model(history[-context:].unsqueeze(0).to(device), None)
-    return (prompt if prompt else "") + vocab.decode(new_ids)
+        yield token
+        if k + 1 < max_tokens:
+            with torch.no_grad():
+                logits = window.feed(token)
+
+
+def _sample(model: nn.Module, vocab: Vocab, prompt: str, ids: list[int], max_tokens: int, temperature: float,
+            top_k: int, seed: int, context: int, cached: bool) -> Iterator[str]:
+    if prompt:
+        yield prompt
+    yield from vocab.decode_stream(sample_ids(model, ids, max_tokens, temperature, top_k, seed, context, cached))

@@ -18,14 +18,16 @@ values). A hypothesis ends at ``<eos>`` or after ``min(n - 1, 2 · source length
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -38,23 +40,52 @@ from gatedformer.data.translation import (
     PAD_ID,
     ParallelSplit,
     TranslationData,
+    bleu_is_lowercase,
     collate,
     decode_ids,
-    detokenize,
     encode,
     length_batches,
     load_translation_data,
     source_batch,
-    tokenize,
+    text_of,
+    text_tokens,
 )
 from gatedformer.data.vocab import Vocab
 from gatedformer.devices import autocast
 from gatedformer.errors import CheckpointError, ConfigError, DataError, GatedformerError
-from gatedformer.io import atomic_write_text
-from gatedformer.models.seq2seq import Seq2SeqTransformer
+from gatedformer.io import atomic_write_text, bounded_lines, read_limited
 from gatedformer.tasks.base import Task, TrainBatch
 
 METRIC = "bleu"
+MAX_DECODE_ROWS = 4096
+"""The most hypotheses decoded side by side (sentences × beam), which bounds a wide beam's memory."""
+MAX_SOURCE_LINE_BYTES = 1 << 16
+"""The longest source line ``translate`` reads (a sentence is at most a few hundred bytes)."""
+
+
+class TranslationModel(Protocol):
+    """What decoding asks of a translation network (every ``translation`` backbone: the Transformer, the Transformer
+    with SRU, ConvS2S): ``encode`` a source batch once, then ``decode_step`` one target position at a time with a
+    cache from ``new_cache``, whose rows ``reorder_cache`` permutes for beam search; ``attention_maps`` gives every
+    decoder layer's attention over the source under teacher forcing."""
+
+    max_len: int
+
+    def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(memory, src_mask)``: memory with one row per sentence, the mask True at real tokens."""
+
+    def new_cache(self) -> Any:
+        """An empty cache for :meth:`decode_step`."""
+
+    def decode_step(self, tokens: torch.Tensor, position: int, memory: torch.Tensor, src_mask: torch.Tensor,
+                    cache: Any) -> torch.Tensor:
+        """Next-token logits ``(B, V)`` after feeding ``tokens (B,)`` at ``position``."""
+
+    def reorder_cache(self, cache: Any, order: torch.Tensor) -> None:
+        """Keep rows ``order`` of the cache."""
+
+    def attention_maps(self, src: torch.Tensor, tgt_in: torch.Tensor) -> list[torch.Tensor]:
+        """One ``(B, T, S)`` map of attention weights per decoder layer."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,7 +105,7 @@ def load_data(config: RunConfig, data_dir: str | Path | None = None) -> Translat
     return load_translation_data(
         tr.src_lang, tr.tgt_lang, data_dir, min_freq=tr.min_freq, max_len=tr.max_len,
         src_vocab_size=tr.src_vocab, tgt_vocab_size=tr.tgt_vocab, train_sentences=tr.train_sentences,
-        corpus=config.data.corpus,
+        corpus=config.data.corpus, shared_vocab=tr.shared_vocab,
     )
 
 
@@ -82,13 +113,13 @@ def load_data(config: RunConfig, data_dir: str | Path | None = None) -> Translat
 # Decoding
 
 
-def _step_limit(model: Seq2SeqTransformer, src_mask: torch.Tensor) -> int:
+def _step_limit(model: TranslationModel, src_mask: torch.Tensor) -> int:
     longest_source = int(src_mask.sum(dim=1).max().item()) if src_mask.numel() else 0
     return max(1, min(model.max_len - 1, 2 * longest_source + 10))
 
 
 @torch.no_grad()
-def greedy_decode(model: Seq2SeqTransformer, src: torch.Tensor) -> list[list[int]]:
+def greedy_decode(model: TranslationModel, src: torch.Tensor) -> list[list[int]]:
     """The likeliest next token at every step, for a batch ``src (B, S)``; ids without ``<eos>``."""
     memory, src_mask = model.encode(src)
     batch = src.shape[0]
@@ -106,7 +137,7 @@ def greedy_decode(model: Seq2SeqTransformer, src: torch.Tensor) -> list[list[int
     return [_until_eos(row) for row in rows]
 
 
-def _next_logits(model: Seq2SeqTransformer, tokens: torch.Tensor, position: int, memory: torch.Tensor,
+def _next_logits(model: TranslationModel, tokens: torch.Tensor, position: int, memory: torch.Tensor,
                  src_mask: torch.Tensor, cache: list) -> torch.Tensor:
     """Next-token logits in float32, with ``<pad>`` and ``<bos>`` ruled out (they are never outputs)."""
     logits = model.decode_step(tokens, position, memory, src_mask, cache).float()
@@ -124,7 +155,7 @@ def _length_penalty(length: int, alpha: float) -> float:
 
 
 @torch.no_grad()
-def beam_search(model: Seq2SeqTransformer, src: torch.Tensor, beam: int = 4,
+def beam_search(model: TranslationModel, src: torch.Tensor, beam: int = 4,
                 length_penalty: float = 0.6) -> list[list[int]]:
     """Beam search over a batch ``src (B, S)``; the best hypothesis of each sentence, ids without ``<eos>``.
 
@@ -196,7 +227,7 @@ def beam_search(model: Seq2SeqTransformer, src: torch.Tensor, beam: int = 4,
 
 
 @torch.no_grad()
-def translate_ids(model: Seq2SeqTransformer, sources: Sequence[Sequence[int]], beam: int = 1,
+def translate_ids(model: TranslationModel, sources: Sequence[Sequence[int]], beam: int = 1,
                   length_penalty: float = 0.6, batch_size: int = 64) -> list[list[int]]:
     """Target ids for every source (ids without ``<eos>``), decoded in batches of similar length.
 
@@ -207,7 +238,8 @@ def translate_ids(model: Seq2SeqTransformer, sources: Sequence[Sequence[int]], b
     device = next(model.parameters()).device
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     outputs: list[list[int]] = [[] for _ in sources]
-    step = max(1, batch_size)
+    # Sentences a decoding batch holds: beam search keeps `beam` rows of each, so a wide beam takes fewer at a time.
+    step = max(1, min(batch_size, MAX_DECODE_ROWS // max(beam, 1)))
     for start in range(0, len(order), step):
         chunk = order[start: start + step]
         src = source_batch([sources[i] for i in chunk]).to(device)
@@ -222,8 +254,9 @@ def translate_ids(model: Seq2SeqTransformer, sources: Sequence[Sequence[int]], b
 # Scoring
 
 
-def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
-    """SacreBLEU (13a tokenisation, case-insensitive) of detokenised ``hypotheses`` against ``references``."""
+def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str], lowercase: bool = True) -> float:
+    """SacreBLEU (13a tokenisation; case-insensitive with ``lowercase``) of detokenised ``hypotheses`` against
+    ``references``."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
     if not hypotheses:
@@ -232,7 +265,7 @@ def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
         import sacrebleu
     except ImportError:
         raise GatedformerError("BLEU needs sacrebleu; install it with pip install 'gatedformer[translate]'") from None
-    return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)], lowercase=True).score)
+    return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)], lowercase=lowercase).score)
 
 
 @torch.no_grad()
@@ -252,13 +285,15 @@ def evaluate_loss(model: nn.Module, split: ParallelSplit, batch_size: int, devic
     return total / max(count, 1)
 
 
-def evaluate_bleu(model: Seq2SeqTransformer, split: ParallelSplit, tgt_vocab: Vocab, tgt_lang: str, beam: int,
-                  length_penalty: float, batch_size: int, sentences: int = 0) -> tuple[float, list[str]]:
-    """BLEU of the model's translations of the first ``sentences`` of ``split`` (0: all), and the translations."""
+def evaluate_bleu(model: TranslationModel, split: ParallelSplit, tgt_vocab: Vocab, tgt_lang: str, beam: int,
+                  length_penalty: float, batch_size: int, sentences: int = 0,
+                  corpus: str = "multi30k") -> tuple[float, list[str]]:
+    """BLEU of the model's translations of the first ``sentences`` of ``split`` (0: all), and the translations
+    (detokenised as ``corpus``'s text is; case-sensitive where its models read cased text)."""
     count = len(split) if sentences <= 0 else min(sentences, len(split))
     ids = translate_ids(model, split.src[:count], beam, length_penalty, batch_size)
-    hypotheses = [detokenize(decode_ids(row, tgt_vocab), tgt_lang) for row in ids]
-    return corpus_bleu(hypotheses, split.references[:count]), hypotheses
+    hypotheses = [text_of(decode_ids(row, tgt_vocab), tgt_lang, corpus) for row in ids]
+    return corpus_bleu(hypotheses, split.references[:count], bleu_is_lowercase(corpus)), hypotheses
 
 
 def _beam_of(config: RunConfig) -> int:
@@ -278,6 +313,8 @@ class Vocabularies:
 
     src: Vocab
     tgt: Vocab
+    bpe_json: str | None = None
+    """The subword model new text is split with (WMT'14's joint BPE); ``None`` for Multi30K's words."""
 
 
 class TranslationTask(Task):
@@ -297,6 +334,9 @@ class TranslationTask(Task):
         if data.train.skipped and progress:
             print(f"gatedformer: skipped {data.train.skipped} training pair(s) that are empty or longer than "
                   f"translation.max_len={config.translation.max_len} allows", flush=True)
+        if _beam_of(config) > len(data.tgt_vocab):  # beams beyond the vocabulary only cost memory
+            raise ConfigError(f"translation.beam_size={config.translation.beam_size} is larger than the target "
+                              f"vocabulary ({len(data.tgt_vocab)} tokens); set it at most that")
         return data
 
     def build_model(self, config: RunConfig, data: TranslationData | Vocabularies) -> nn.Module:
@@ -304,11 +344,17 @@ class TranslationTask(Task):
             return build_seq2seq(config, len(data.src), len(data.tgt))
         return build_seq2seq(config, len(data.src_vocab), len(data.tgt_vocab))
 
+    def nominal_model(self, config: RunConfig, vocab_size: int) -> nn.Module:
+        return build_seq2seq(config, vocab_size, vocab_size)
+
     def metric(self, data: TranslationData) -> str:
         return METRIC
 
     def run_files(self, data: TranslationData) -> dict[str, Any]:
-        return {"vocab.json": _vocab_record(data)}
+        files: dict[str, Any] = {"vocab.json": _vocab_record(data)}
+        if data.bpe_json is not None:  # so that the run translates new text without the corpus
+            files["bpe.json"] = data.bpe_json
+        return files
 
     def start_records(self, data: TranslationData, params: int) -> list[dict[str, Any]]:
         return [{"event": "data", "step": 0, "corpus": data.corpus, "pair": f"{data.src_lang}-{data.tgt_lang}",
@@ -356,7 +402,7 @@ class TranslationTask(Task):
             valid_loss = evaluate_loss(model, data.valid, batch, device, config.train.precision)
         sentences = len(data.valid) if final or tr.bleu_sentences <= 0 else min(tr.bleu_sentences, len(data.valid))
         valid_bleu, _ = evaluate_bleu(model, data.valid, data.tgt_vocab, data.tgt_lang, _beam_of(config),
-                                      tr.length_penalty, batch, 0 if final else tr.bleu_sentences)
+                                      tr.length_penalty, batch, 0 if final else tr.bleu_sentences, data.corpus)
         return {"valid_loss": valid_loss, f"valid_{METRIC}": valid_bleu, "bleu_sentences": sentences}
 
     def score(self, model: nn.Module, data: TranslationData, config: RunConfig, device: torch.device, out_dir: Path,
@@ -365,12 +411,12 @@ class TranslationTask(Task):
         if final_eval is None:  # resumed from the final checkpoint: score valid again
             valid_loss = evaluate_loss(model, data.valid, batch, device, precision)
             valid_bleu, _ = evaluate_bleu(model, data.valid, data.tgt_vocab, data.tgt_lang, _beam_of(config),
-                                          tr.length_penalty, batch)
+                                          tr.length_penalty, batch, corpus=data.corpus)
         else:
             valid_loss, valid_bleu = final_eval["valid_loss"], final_eval[f"valid_{METRIC}"]
         test_loss = evaluate_loss(model, data.test, batch, device, precision)
         test_bleu, hypotheses = evaluate_bleu(model, data.test, data.tgt_vocab, data.tgt_lang, _beam_of(config),
-                                              tr.length_penalty, batch)
+                                              tr.length_penalty, batch, corpus=data.corpus)
         atomic_write_text(out_dir / "test.hyp.txt", "".join(h + "\n" for h in hypotheses))
         return valid_loss, valid_bleu, test_loss, test_bleu
 
@@ -378,13 +424,21 @@ class TranslationTask(Task):
         vocab_file = run_dir / "vocab.json"
         if vocab_file.is_file():
             try:
-                record = json.loads(vocab_file.read_text(encoding="utf-8"))
-                return Vocabularies(Vocab(tuple(record["src"]), "word"), Vocab(tuple(record["tgt"]), "word"))
-            except (ValueError, KeyError, TypeError) as err:
+                record = json.loads(read_limited(vocab_file, 1 << 28))  # vocabularies of a million words fit
+                bpe_file = run_dir / "bpe.json"
+                bpe = read_limited(bpe_file, 1 << 28).decode("utf-8") if bpe_file.is_file() else None
+                return Vocabularies(Vocab(tuple(record["src"]), "word"), Vocab(tuple(record["tgt"]), "word"), bpe)
+            except (OSError, ValueError, KeyError, TypeError) as err:
                 raise CheckpointError(f"{vocab_file} is corrupt ({err}); delete it to rebuild it from the "
                                       "corpus") from None
         data = load_data(config, data_dir)
-        return Vocabularies(data.src_vocab, data.tgt_vocab)
+        return Vocabularies(data.src_vocab, data.tgt_vocab, data.bpe_json)
+
+    def inference_files(self, data: Vocabularies) -> dict[str, str]:
+        files = {"vocab.json": json.dumps({"src": list(data.src.itos), "tgt": list(data.tgt.itos)}, ensure_ascii=False)}
+        if data.bpe_json is not None:
+            files["bpe.json"] = data.bpe_json
+        return files
 
     def evaluate_split(self, model: nn.Module, config: RunConfig, split: str, data_dir: str | Path | None,
                        device: torch.device, data: Vocabularies) -> dict[str, float]:
@@ -392,41 +446,145 @@ class TranslationTask(Task):
         part = corpus.valid if split == "valid" else corpus.test
         loss = evaluate_loss(model, part, config.data.eval_batch_size, device, config.train.precision)
         bleu, _ = evaluate_bleu(model, part, corpus.tgt_vocab, config.translation.tgt_lang, _beam_of(config),
-                                config.translation.length_penalty, config.data.eval_batch_size)
+                                config.translation.length_penalty, config.data.eval_batch_size,
+                                corpus=corpus.corpus)
         return {"loss": loss, "bleu": bleu}
 
 
-def translate_lines(model: Seq2SeqTransformer, config: RunConfig, vocabularies: Vocabularies, lines: Sequence[str],
+def _check_decoding(vocabularies: Vocabularies, beam: int | None, length_penalty: float | None) -> None:
+    if beam is not None and not 1 <= beam <= len(vocabularies.tgt):
+        raise ConfigError(f"--beam must be from 1 (greedy) to the target vocabulary's {len(vocabularies.tgt)} tokens, "
+                          f"got {beam}")
+    if length_penalty is not None and not (math.isfinite(length_penalty) and length_penalty >= 0):
+        raise ConfigError(f"--length-penalty must be a finite number >= 0 (0: none), got {length_penalty}")
+
+
+def translate_lines(model: TranslationModel, config: RunConfig, vocabularies: Vocabularies, lines: Sequence[str],
                     beam: int | None = None, length_penalty: float | None = None,
-                    batch_size: int = 64) -> list[str]:
+                    batch_size: int = 64, first_line: int = 1) -> list[str]:
     """Translate raw sentences (one per item) with a trained model; one detokenised translation per line.
 
     Lines are tokenised like the training data (:func:`~gatedformer.data.translation.tokenize`). An
     empty (or blank) line translates to an empty line, so outputs stay aligned with inputs. A line
     longer than the model's n - 2 tokens raises a one-line :class:`DataError` naming it. ``beam``
-    overrides the run's decoding (1: greedy); ``None`` uses ``translation.decode``/``beam_size``.
+    overrides the run's decoding (1: greedy; at most the target vocabulary's size); ``None`` uses
+    ``translation.decode``/``beam_size``. Errors number the lines from ``first_line``.
     """
-    if beam is not None and beam < 1:
-        raise ConfigError(f"--beam must be at least 1, got {beam}")
-    if length_penalty is not None and not (math.isfinite(length_penalty) and length_penalty >= 0):
-        raise ConfigError(f"--length-penalty must be a finite number >= 0 (0: none), got {length_penalty}")
+    _check_decoding(vocabularies, beam, length_penalty)
     tr = config.translation
     longest = tr.max_len - 2
     sources: list[list[int]] = []
     wanted: list[int] = []
-    for number, line in enumerate(lines, start=1):
-        tokens = tokenize(line, tr.src_lang)
+    for number, line in enumerate(lines, start=first_line):
+        tokens = text_tokens(line, tr.src_lang, config.data.corpus, vocabularies.bpe_json)
         if not tokens:
             continue
         if len(tokens) > longest:
             raise DataError(f"input line {number} has {len(tokens)} tokens, but this model takes at most {longest} "
                             f"(translation.max_len n={tr.max_len}, with <bos> and <eos>); split the sentence")
         sources.append(encode(tokens, vocabularies.src))
-        wanted.append(number - 1)
+        wanted.append(number - first_line)
     size = _beam_of(config) if beam is None else beam
     penalty = tr.length_penalty if length_penalty is None else length_penalty
     decoded = translate_ids(model, sources, size, penalty, batch_size)
     out = [""] * len(lines)
     for index, ids in zip(wanted, decoded, strict=True):
-        out[index] = detokenize(decode_ids(ids, vocabularies.tgt), tr.tgt_lang)
+        out[index] = text_of(decode_ids(ids, vocabularies.tgt), tr.tgt_lang, config.data.corpus)
     return out
+
+
+def source_lines(path: str | Path | None) -> Iterator[str]:
+    """The source sentences ``translate`` reads, one a line, from the file ``path`` (``None``: standard input), as
+    they come: each line at most :data:`MAX_SOURCE_LINE_BYTES` long, so that an endless input without line breaks
+    (``/dev/zero``) is one clear error, not a read until memory runs out. The file is opened here, so one that
+    cannot be read fails before a model is loaded."""
+    fix = "give UTF-8 text, one source sentence a line"
+    if path is None:
+        return bounded_lines(sys.stdin.buffer, "standard input", MAX_SOURCE_LINE_BYTES, fix)
+    try:
+        if Path(path).is_dir():
+            raise IsADirectoryError(21, "a folder, not a file")
+        stream = open(path, "rb")  # noqa: SIM115 (read to its end by the generator, closed with it)
+    except OSError as err:
+        raise DataError(f"cannot read --input {path} ({err.strerror or err}); {fix}") from None
+
+    def lines() -> Iterator[str]:
+        with stream:
+            yield from bounded_lines(stream, f"--input {path}", MAX_SOURCE_LINE_BYTES, fix)
+
+    return lines()
+
+
+def translate_stream(model: TranslationModel, config: RunConfig, vocabularies: Vocabularies, lines: Iterable[str],
+                     beam: int | None = None, length_penalty: float | None = None, batch_size: int = 64
+                     ) -> Iterator[str]:
+    """:func:`translate_lines` over ``lines`` as they come, ``batch_size`` lines at a time: one translation per line,
+    in order, each batch's as soon as it is decoded, in memory that does not grow with the input. Bad options fail
+    here, before a line is read."""
+    _check_decoding(vocabularies, beam, length_penalty)
+
+    def translations() -> Iterator[str]:
+        chunk: list[str] = []
+        done = 0
+        for line in itertools.chain(lines, [None]):
+            if line is not None:
+                chunk.append(line)
+            if chunk and (line is None or len(chunk) >= batch_size):
+                yield from translate_lines(model, config, vocabularies, chunk, beam, length_penalty, batch_size,
+                                           first_line=done + 1)
+                done += len(chunk)
+                chunk = []
+
+    return translations()
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention figures
+
+
+@dataclass
+class AttentionMaps:
+    """One sentence's translation and every decoder layer's attention over its source (ConvS2S's Figure 3)."""
+
+    source: list[str]
+    """The source tokens as the model read them, ``<eos>`` last."""
+    output: list[str]
+    """The translation's tokens, ``<eos>`` last."""
+    layers: list[torch.Tensor]
+    """One ``(len(output), len(source))`` map per decoder layer: output position ``t``'s attention weights over the
+    source (averaged over the heads of a multi-head attention)."""
+
+
+@torch.no_grad()
+def attention_maps(model: TranslationModel, src_ids: Sequence[int], source: Sequence[str], tgt_vocab: Vocab,
+                   beam: int = 1, length_penalty: float = 0.6) -> AttentionMaps:
+    """Translate one source sentence (ids without ``<eos>``, ``source`` their tokens) and read every decoder layer's
+    attention as the decoder reads that translation with teacher forcing: the attention incremental decoding had at
+    each step, since the decoders are causal."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    ids = translate_ids(model, [list(src_ids)], beam, length_penalty)[0]
+    src = source_batch([list(src_ids)]).to(device)
+    tgt_in = torch.tensor([[BOS_ID, *ids]], dtype=torch.long, device=device)
+    layers = [weights[0].float().cpu() for weights in model.attention_maps(src, tgt_in)]
+    model.train(was_training)
+    output = [tgt_vocab.itos[i] for i in ids]
+    return AttentionMaps([*source, "<eos>"], [*output, "<eos>"], layers)
+
+
+def attention_for_line(model: TranslationModel, config: RunConfig, vocabularies: Vocabularies, line: str,
+                       beam: int | None = None, length_penalty: float | None = None) -> AttentionMaps:
+    """:func:`attention_maps` of a raw sentence, tokenised as ``translate`` tokenises it (a :class:`DataError` for an
+    empty line or one longer than the model takes)."""
+    _check_decoding(vocabularies, beam, length_penalty)
+    tr = config.translation
+    tokens = text_tokens(line, tr.src_lang, config.data.corpus, vocabularies.bpe_json)
+    if not tokens:
+        raise DataError("the attention figure needs a sentence, but the input has no non-empty line")
+    if len(tokens) > tr.max_len - 2:
+        raise DataError(f"the attention figure's sentence has {len(tokens)} tokens, but this model takes at most "
+                        f"{tr.max_len - 2}; give a shorter first line")
+    return attention_maps(model, encode(tokens, vocabularies.src), tokens, vocabularies.tgt,
+                          _beam_of(config) if beam is None else beam,
+                          tr.length_penalty if length_penalty is None else length_penalty)

@@ -14,15 +14,25 @@ mid-write leaves the previous checkpoint in charge. The folder ``LATEST`` names 
 Every weights file records the run's config (safetensors metadata ``config``, and ``meta.json``), so
 weights are never loaded into a model built from another architecture: :func:`check_architecture`
 names the fields that differ.
+
+Every safetensors file gatedformer writes records a SHA-256 of its tensors and metadata (metadata
+``weights_sha256``), checked whenever it is loaded, and ``meta.json`` records the one of ``trainer.pt``: flipped
+bytes are a clear error, never weights that silently compute NaN. Files written before the checksums existed load
+as they are (a checksum not recorded is not damage). The metadata is written in a fixed order, so the same
+weights and config give the same bytes, and a file's hash identifies a run's weights.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import math
 import os
 import pickle
+import re
 import shutil
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,19 +40,26 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors.torch import safe_open, save_file
 from torch import nn
 
-from gatedformer import __version__
 from gatedformer.config import RunConfig, config_from_dict
 from gatedformer.errors import CheckpointError, ConfigError
 from gatedformer.gates.kinds import canonical_name
-from gatedformer.io import _fsync_dir, atomic_write, atomic_write_text, cannot_write, make_folder
+from gatedformer.io import _fsync_dir, atomic_write, atomic_write_text, cannot_write, make_folder, read_limited
+from gatedformer.version import __version__
 
 CHECKPOINT_DIR = "ckpt"
 FORMAT_VERSION = 1
 # Config fields that change what is computed while training but not the shape of the weights.
 NOT_ARCHITECTURE = {"model.dropout", "model.emb_dropout", "model.attn_dropout"}
+CHECKSUM_KEY = "weights_sha256"
+"""Safetensors metadata: the SHA-256 of the file's tensors and other metadata (:func:`tensors_checksum`)."""
+CHECKPOINT_NAME = re.compile(r"step-\d{8,}")
+"""The name of a complete checkpoint folder; ``LATEST`` names nothing else."""
+JSON_BYTES = 1 << 26
+"""The largest ``meta.json`` or ``config.json`` read (they are kilobytes; a bound keeps a damaged or replaced file
+from being read until memory runs out)."""
 
 
 @dataclass
@@ -102,12 +119,53 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
 
 
+def _tensor_bytes(tensor: torch.Tensor) -> Any:
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else b""
+
+
+def tensors_checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
+    """SHA-256 over the tensors (name, dtype, shape and bytes, by name) and the metadata (but its own key): what a
+    safetensors file records as ``weights_sha256`` and is checked against when loaded."""
+    digest = hashlib.sha256()
+    for key in sorted(k for k in (metadata or {}) if k != CHECKSUM_KEY):
+        digest.update(json.dumps(["metadata", key, metadata[key]]).encode())
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        digest.update(json.dumps(["tensor", name, str(tensor.dtype), list(tensor.shape)]).encode())
+        digest.update(_tensor_bytes(tensor))
+    return digest.hexdigest()
+
+
+def _fix_header_order(path: Path) -> None:
+    """Rewrite the header of the safetensors file ``path`` with its metadata in sorted order (safetensors writes
+    it in a per-process hash order), so equal contents give equal bytes."""
+    with open(path, "r+b") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(size))
+        metadata = header.pop("__metadata__", None)
+        ordered = ({"__metadata__": dict(sorted(metadata.items()))} if metadata else {}) | header
+        text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= size:  # safetensors itself pads the header with spaces to keep the data aligned
+            handle.seek(8)
+            handle.write(text.ljust(size, b" "))
+            return
+        body = handle.read()
+    padded = text.ljust(-(-(8 + len(text)) // 8) * 8 - 8, b" ")
+    with open(path, "wb") as handle:
+        handle.write(len(padded).to_bytes(8, "little") + padded + body)
+
+
 def write_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """``safetensors``' ``save_file``, failing as an :class:`OSError` (a full disk, say) like any other write."""
+    """``safetensors``' ``save_file`` with the checksum recorded and the header in a fixed order (same tensors and
+    metadata, same bytes), failing as an :class:`OSError` (a full disk, say) like any other write."""
+    metadata = dict(metadata or {})
+    metadata[CHECKSUM_KEY] = tensors_checksum(tensors, metadata)
     try:
         save_file(tensors, str(path), metadata=metadata)
     except SafetensorError as err:
         raise OSError(_first_line(err)) from None
+    _fix_header_order(path)
 
 
 def save_tensors_atomically(tensors: dict[str, torch.Tensor], path: Path,
@@ -137,6 +195,25 @@ def recorded_config(path: Path) -> dict[str, Any] | None:
     except (SafetensorError, OSError, ValueError, RuntimeError):
         return None
     return config if isinstance(config, dict) else None
+
+
+def recorded_run_config(run_dir: Path) -> tuple[dict[str, Any], Path] | None:
+    """The config a run's weights record, and where: its final ``model.safetensors`` (when its checksum holds),
+    else its latest checkpoint's ``meta.json``; ``None`` where neither records one."""
+    final = run_dir / "model.safetensors"
+    with contextlib.suppress(SafetensorError, OSError, ValueError, RuntimeError):
+        if final.is_file():
+            text = read_tensors(final)[1].get("config")
+            config = json.loads(text) if text else None
+            if isinstance(config, dict):
+                return config, final
+    with contextlib.suppress(CheckpointError, OSError, ValueError):
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is not None:
+            config = json.loads(read_limited(checkpoint / "meta.json", JSON_BYTES)).get("config")
+            if isinstance(config, dict):
+                return config, checkpoint / "meta.json"
+    return None
 
 
 def check_architecture(saved: dict[str, Any] | None, current: dict[str, Any], where: str) -> None:
@@ -206,7 +283,8 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: d
         layout = _flatten(carry, carried)
         write_tensors(carried, staging / "carry.safetensors")
         torch.save(trainer_state, staging / "trainer.pt")
-        full_meta = {**meta, "step": step, "format": FORMAT_VERSION, "version": __version__, "carry": layout}
+        full_meta = {**meta, "step": step, "format": FORMAT_VERSION, "version": __version__, "carry": layout,
+                     "trainer_sha256": _file_sha256(staging / "trainer.pt")}
         (staging / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True), encoding="utf-8")
         for file in staging.iterdir():
             with open(file, "rb") as handle:
@@ -234,9 +312,33 @@ def _prune(root: Path, keep_names: set[str], keep: int) -> None:
 
 def _pointer_name(root: Path) -> str | None:
     try:
-        return (root / "LATEST").read_text(encoding="utf-8").strip()
-    except OSError:
+        return read_limited(root / "LATEST", 4096).decode("utf-8").strip()
+    except (OSError, ValueError):
         return None
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _inside(root: Path, path: Path) -> bool:
+    """Whether ``path`` is a folder of ``root`` itself (no link leading elsewhere)."""
+    try:
+        return path.is_dir() and path.resolve().parent == root.resolve()
+    except OSError:
+        return False
+
+
+def _newest_complete(root: Path) -> Path | None:
+    if not root.is_dir():
+        return None
+    complete = sorted(p for p in root.glob("step-*")
+                      if CHECKPOINT_NAME.fullmatch(p.name) and _inside(root, p) and (p / "meta.json").is_file())
+    return complete[-1] if complete else None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -248,21 +350,35 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     root = Path(run_dir) / CHECKPOINT_DIR
     pointer = root / "LATEST"
     if not pointer.exists():
-        complete = sorted(p for p in root.glob("step-*") if (p / "meta.json").is_file()) if root.is_dir() else []
-        return complete[-1] if complete else None
+        return _newest_complete(root)
     try:
-        name = pointer.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as err:
-        reason = err.strerror if isinstance(err, OSError) and err.strerror else type(err).__name__
+        name = read_limited(pointer, 4096).decode("utf-8").strip()
+    except (OSError, ValueError) as err:  # UnicodeDecodeError and "over N bytes" are ValueErrors
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else _first_line(err)
         raise CheckpointError(f"{pointer} cannot be read ({reason}); delete it and resume: the newest "
                               "complete checkpoint is then used") from None
     path = root / name
-    if not name or not path.is_dir():
-        raise CheckpointError(
-            f"{pointer} names a checkpoint {name!r} that does not exist; the run directory is damaged — "
-            "start a new run with another --out"
-        )
-    return path
+    if CHECKPOINT_NAME.fullmatch(name) and _inside(root, path):
+        return path
+    newest = _newest_complete(root)
+    problem = (f"names a checkpoint {name[:80]!r} that does not exist" if CHECKPOINT_NAME.fullmatch(name)
+               else f"names {name[:80]!r}, which is not a checkpoint folder of this run")
+    if newest is not None:
+        raise CheckpointError(f"{pointer} {problem}; delete {pointer} and run the command again (--resume to "
+                              f"train on): the newest complete checkpoint ({newest.name}) is then used")
+    raise CheckpointError(f"{pointer} {problem}, and the run has no complete checkpoint left; delete {root} and "
+                          "train the run again")
+
+
+def damaged_advice(checkpoint: Path) -> str:
+    """What to do about the damaged checkpoint folder ``checkpoint``: resume from an earlier one where the run
+    keeps one, else start the run over in its folder."""
+    root = checkpoint.parent
+    earlier = sorted(p.name for p in root.glob("step-*") if CHECKPOINT_NAME.fullmatch(p.name) and p.name <
+                     checkpoint.name and (p / "meta.json").is_file()) if root.is_dir() else []
+    if earlier:
+        return f"delete {checkpoint} to resume from the run's previous checkpoint ({earlier[-1]})"
+    return f"the run keeps no earlier checkpoint: delete {checkpoint} and train again (the run starts over)"
 
 
 def _safe_torch_load(path: Path) -> dict[str, Any]:
@@ -274,20 +390,33 @@ def _safe_torch_load(path: Path) -> dict[str, Any]:
             f"run code ({_first_line(err)}); only load checkpoints gatedformer wrote"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise CheckpointError(
-            f"{path} is truncated or corrupt ({_first_line(err)}); delete the run's ckpt folder or resume from "
-            "another run"
-        ) from None
+        raise CheckpointError(f"{path} is truncated or corrupt ({_first_line(err)}); {damaged_advice(path.parent)}"
+                              ) from None
 
 
-def _safe_load_tensors(path: Path, fix: str = "delete the run's ckpt folder or resume from another run"
-                       ) -> dict[str, torch.Tensor]:
+def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of a safetensors file, the tensors checked against the checksum the file records
+    (a :class:`ValueError` where they differ; a file without a checksum, written before they were recorded, loads
+    as it is)."""
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata() or {})
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
+    recorded = metadata.get(CHECKSUM_KEY)
+    if recorded is not None and tensors_checksum(tensors, metadata) != recorded:
+        raise ValueError("its contents do not match the checksum recorded when it was written: bytes were changed "
+                         "since")
+    return tensors, metadata
+
+
+def _safe_load_tensors(path: Path, fix: str | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of ``path``, a file of a checkpoint folder unless ``fix`` says what to do about it instead."""
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete — start a new run")
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete: {fix or damaged_advice(path.parent)}")
     try:
-        return load_file(str(path))
+        return read_tensors(path)[0]
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise CheckpointError(f"{path} is truncated or corrupt ({_first_line(err)}); {fix}") from None
+        raise CheckpointError(f"{path} is truncated or corrupt ({_first_line(err)}); "
+                              f"{fix or damaged_advice(path.parent)}") from None
 
 
 @contextlib.contextmanager
@@ -298,20 +427,26 @@ def restoring(path: Path) -> Iterator[None]:
         yield
     except (KeyError, TypeError, ValueError, IndexError) as err:
         raise CheckpointError(
-            f"{path} is damaged ({type(err).__name__}: {_first_line(err)}); delete it to resume from the run's "
-            "previous checkpoint, or start a new run") from None
+            f"{path} is damaged ({type(err).__name__}: {_first_line(err)}); {damaged_advice(path)}") from None
 
 
 def read_run_config(run_dir: Path) -> RunConfig:
-    """The config a run directory was trained with (its ``config.json``); one clear error if it has none or it is
-    corrupt."""
+    """The config a run directory was trained with (its ``config.json``; where that is damaged, the config its
+    weights record, with a warning); one clear error if it has none or none can be read."""
     config_file = run_dir / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{run_dir} is not a gatedformer run (no config.json); pass the --out of a train run")
     try:
-        return config_from_dict(json.loads(config_file.read_text(encoding="utf-8")), where=str(config_file))
-    except ValueError as err:
-        raise CheckpointError(f"{config_file} is corrupt ({err}); the run cannot be loaded") from None
+        return config_from_dict(json.loads(read_limited(config_file, JSON_BYTES)), where=str(config_file))
+    except (OSError, ValueError) as err:
+        reason = _first_line(err)
+    recorded = recorded_run_config(run_dir)
+    if recorded is None:
+        raise CheckpointError(f"{config_file} is damaged ({reason}) and no weights of the run record its config; "
+                              "restore config.json from a copy of the run") from None
+    warnings.warn(f"gatedformer: {config_file} is damaged ({reason}); using the config recorded in {recorded[1]}",
+                  stacklevel=2)
+    return config_from_dict(recorded[0], where=str(recorded[1]))
 
 
 def load_run_weights(model: nn.Module, run_dir: Path, config: dict[str, Any]) -> None:
@@ -337,39 +472,56 @@ def load_checkpoint(path: Path, with_trainer: bool = True) -> Checkpoint:
     path = Path(path)
     meta_file = path / "meta.json"
     try:
-        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        meta = json.loads(read_limited(meta_file, JSON_BYTES))
     except (OSError, ValueError) as err:
-        raise CheckpointError(
-            f"{meta_file} is missing or corrupt ({err}); delete the run's ckpt folder or start a new run"
-        ) from None
+        raise CheckpointError(f"{meta_file} is missing or corrupt ({_first_line(err)}); {damaged_advice(path)}"
+                              ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{meta_file} is not a gatedformer checkpoint of format {FORMAT_VERSION}")
-    damaged = f"; delete {path} to resume from the run's previous checkpoint, or start a new run"
-    for key in ("step", "tokens_seen") if with_trainer else ("step",):  # what a trainer resumes from
-        if isinstance(meta.get(key), bool) or not isinstance(meta.get(key), int) or meta[key] < 0:
-            raise CheckpointError(f"{meta_file} is damaged: {key!r} is {meta.get(key)!r}, not a count{damaged}")
+    damaged = f"; {damaged_advice(path)}"
+    # What a trainer resumes from; counts kept only by later versions are checked where present.
+    counts = [("step", True)] + ([("tokens_seen", True), ("loss_count", False), ("skipped", False),
+                                  ("timed_steps", False), ("timed_tokens", False)] if with_trainer else [])
+    for key, required in counts:
+        if (required or key in meta) and (isinstance(meta.get(key), bool) or not isinstance(meta.get(key), int)
+                                          or meta[key] < 0):
+            raise CheckpointError(f"{meta_file} is damaged: {key!r} is {repr(meta.get(key))[:40]}, not a "
+                                  f"count{damaged}")
+    numbers = ("loss_sum", "train_seconds", "setup_seconds", "wall_seconds") if with_trainer else ()
+    for key in numbers:
+        value = meta.get(key)
+        if key in meta and (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)):
+            raise CheckpointError(f"{meta_file} is damaged: {key!r} is {repr(value)[:40]}, not a finite "
+                                  f"number{damaged}")
     model_state = _safe_load_tensors(path / "model.safetensors")
     try:
         carry = _unflatten(meta.get("carry"), _safe_load_tensors(path / "carry.safetensors"))
     except (KeyError, TypeError, ValueError, IndexError) as err:
         raise CheckpointError(
             f"{meta_file} does not describe its carried state ({_first_line(err)}){damaged}") from None
-    trainer_state = _safe_torch_load(path / "trainer.pt") if with_trainer else None
+    trainer_state = _safe_torch_load(path / "trainer.pt") if with_trainer else None  # refuses code, however hashed
     if with_trainer:
         missing = [k for k in ("optimizer", "scheduler")
                    if not isinstance(trainer_state, dict) or not isinstance(trainer_state.get(k), dict)]
         if missing:
             raise CheckpointError(f"{path / 'trainer.pt'} is damaged: no {' or '.join(missing)} state{damaged}")
+        # Bytes changed since it was written may still load (an optimiser moment, say): the checksum tells.
+        if isinstance(meta.get("trainer_sha256"), str) and _file_sha256(path / "trainer.pt") != meta["trainer_sha256"]:
+            raise CheckpointError(f"{path / 'trainer.pt'} is damaged: it does not match the checksum meta.json "
+                                  f"recorded when it was written{damaged}")
     return Checkpoint(path, meta, model_state, trainer_state, carry)
 
 
 def config_mismatch(saved: dict[str, Any], current: dict[str, Any], ignore: set[str]) -> list[str]:
-    """``section.field`` names whose values differ between two config dicts."""
+    """``section.field`` names whose values differ between two config dicts. A field the saved config lacks (one
+    added to gatedformer since it was saved) counts as its default, which is what that run had."""
+    defaults = RunConfig().to_dict()
     fields = []
     for section in sorted(set(saved) | set(current)):
         a, b = saved.get(section, {}), current.get(section, {})
         for key in sorted(set(a) | set(b)):
             name = f"{section}.{key}"
-            if name not in ignore and a.get(key) != b.get(key):
-                fields.append(f"{name} ({a.get(key)!r} saved, {b.get(key)!r} now)")
+            before = a[key] if key in a else defaults.get(section, {}).get(key)
+            if name not in ignore and before != b.get(key):
+                fields.append(f"{name} ({before!r} saved, {b.get(key)!r} now)")
     return fields

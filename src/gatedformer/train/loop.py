@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,17 +26,19 @@ import torch
 from torch import nn
 
 from gatedformer.config import RunConfig, validate
-from gatedformer.devices import resolve_device
+from gatedformer.devices import check_precision, resolve_device
 from gatedformer.errors import CheckpointError, ConfigError, GatedformerError
-from gatedformer.io import atomic_write_json, atomic_write_text, make_folder
-from gatedformer.tasks import task_for
+from gatedformer.io import atomic_write_json, atomic_write_text, make_folder, read_limited
+from gatedformer.tasks import Task, task_for
 from gatedformer.train import distributed
 from gatedformer.train.checkpoint import (
+    JSON_BYTES,
     check_architecture,
     config_mismatch,
     latest_checkpoint,
     load_checkpoint,
     load_model_weights,
+    recorded_run_config,
     restoring,
     save_checkpoint,
     save_model_weights,
@@ -46,15 +49,20 @@ from gatedformer.train.clock import TrainingClock
 from gatedformer.train.compiling import compile_model
 from gatedformer.train.gate_stats import GateStatistics, gate_biases
 from gatedformer.train.init import initialise
+from gatedformer.train.loggers import check_loggers, open_loggers
 from gatedformer.train.optim import build_optimizer, build_scheduler, clip_gradients, follow_changed_lr
+from gatedformer.train.rundir import claim_run_folder, release_run_folder
+from gatedformer.train.runlog import log_records
 
 # Fields that may change between a run and its resumption without changing what is computed.
 RESUMABLE_CHANGES = {"train.steps", "train.eval_every", "train.log_every", "train.device", "train.threads",
                      "train.eval_windows", "data.eval_batch_size", "data.eval_seq_len", "train.tensorboard",
+                     "train.wandb", "train.wandb_project",
                      # the ways out of a non-finite loss, from the last good checkpoint
                      "train.nonfinite", "optim.lr", "optim.clip"}
 """Fields ``--resume`` may change: how long, how often and where the run goes on, and how it steps."""
-FINISHED_RUN_CHANGES = {"train.device", "train.threads", "train.log_every", "train.tensorboard", "train.compile"}
+FINISHED_RUN_CHANGES = {"train.device", "train.threads", "train.log_every", "train.tensorboard", "train.compile",
+                        "train.wandb", "train.wandb_project"}
 """Fields a finished run may differ in and still be the same experiment: where and how fast it ran, how often it
 logged. ``compare`` keeps such a run rather than training it again."""
 
@@ -89,7 +97,7 @@ class RunResult:
         """The results a finished run wrote; a damaged file is a :class:`CheckpointError` naming it and the fix."""
         path = Path(run_dir) / "results.json"
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(read_limited(path, JSON_BYTES))
             # Fields with a default came later: results written before them lack them.
             return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)
                           if f.name in data or f.default is dataclasses.MISSING})
@@ -120,16 +128,24 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+class _Abandoned(BaseException):
+    """A stop signal cut short work that a resumed run redoes (an evaluation). A ``BaseException``, like
+    ``KeyboardInterrupt``, so that no ``except Exception`` on the way swallows it."""
+
+
 class _StopSignal:
     """Turns SIGINT/SIGTERM into a flag the loop checks, so it can checkpoint before leaving.
 
     With ``interrupt=(step, out_dir)`` (the checkpoint of ``step`` already written) a signal raises
-    :class:`TrainingInterrupted` at once instead.
+    :class:`TrainingInterrupted` at once instead. Inside :meth:`abandonable` a signal (or one received before it)
+    raises :class:`_Abandoned` at once: an evaluation of the whole split may take many minutes, longer than a
+    scheduler waits between its stop signal and its SIGKILL.
     """
 
     def __init__(self, interrupt: tuple[int, Path] | None = None) -> None:
         self.received: int | None = None
         self._interrupt = interrupt
+        self._abandon = False
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _StopSignal:
@@ -143,6 +159,20 @@ class _StopSignal:
         self.received = signum
         if self._interrupt is not None:
             raise TrainingInterrupted(signum, *self._interrupt)
+        if self._abandon:
+            self._abandon = False
+            raise _Abandoned()
+
+    @contextlib.contextmanager
+    def abandonable(self) -> Iterator[None]:
+        """Work a stop signal ends at once (raising :class:`_Abandoned`), to be redone by a resumed run."""
+        if self.received is not None:
+            raise _Abandoned()
+        self._abandon = True
+        try:
+            yield
+        finally:
+            self._abandon = False
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
@@ -150,14 +180,14 @@ class _StopSignal:
 
 
 class TrainingInterrupted(GatedformerError):
-    """Raised after a SIGINT/SIGTERM once the checkpoint is written."""
-
-    exit_code = 130
+    """Raised after a SIGINT/SIGTERM once the checkpoint is written. Its exit status is the shell's for a process a
+    signal ended, 128 + the signal (130 for SIGINT, 143 for SIGTERM; 143 for a signal another rank received)."""
 
     def __init__(self, signal: int | str, step: int, out_dir: Path) -> None:
         super().__init__(f"stopped by signal {signal} at step {step}; checkpoint saved — "
                          f"continue with --resume --out {out_dir}")
         self.signal, self.step, self.out_dir = signal, step, out_dir
+        self.exit_code = 128 + (int(signal) if isinstance(signal, int) else 15)
 
 
 class NonFiniteLoss(GatedformerError):
@@ -183,18 +213,41 @@ def stop_here(step: int, final: bool, signal: int | str | None, stop_after: int 
 
 def optimise(loss: torch.Tensor, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
              config: RunConfig, step: int, out_dir: Path,
-             loss_value: Callable[[torch.Tensor], float] = lambda loss: loss.item()) -> tuple[float, bool]:
+             loss_value: Callable[[torch.Tensor], float] = lambda loss: loss.item(),
+             accumulated: torch.Tensor | None = None,
+             scaler: torch.amp.GradScaler | None = None) -> tuple[float, bool]:
     """The update of training step ``step + 1`` from its ``loss``: backward, gradient clipping
     (``optim.clip``), the optimiser and scheduler steps. Returns ``loss_value(loss)`` (the loss the log
     records; e.g. its mean over ranks) and whether the weights were updated. A non-finite loss or gradient
     raises :class:`NonFiniteLoss`, or with ``train.nonfinite=skip`` drops the gradients and leaves the weights
-    as they are."""
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    as they are.
+
+    With gradient accumulation (``train.grad_accum``), ``loss`` is the last micro-batch's, already weighted, and
+    ``accumulated`` the (detached) weighted sum of the earlier ones', whose gradients the parameters hold: this backward
+    adds to them, and the loss recorded is the whole step's.
+
+    With an enabled gradient ``scaler`` (``train.precision=fp16``) the backward pass runs on the scaled loss and the
+    gradients are unscaled before clipping; gradients that overflowed float16 skip the update and lower the scale
+    (the scaler's business, not an error), a non-finite loss is one as above."""
+    scaling = scaler is not None and scaler.is_enabled()
+    if accumulated is None:
+        optimizer.zero_grad(set_to_none=True)
+    (scaler.scale(loss) if scaling else loss).backward()
+    if accumulated is not None:
+        loss = loss.detach() + accumulated
+    if scaling:
+        scaler.unscale_(optimizer)
     clip = config.optim.clip if config.optim.clip > 0 else float("inf")
     grad_norm = clip_gradients(model, optimizer, clip)
     value = loss_value(loss)
     stepped = math.isfinite(value) and math.isfinite(grad_norm.item())
+    if scaling:
+        if math.isfinite(value):
+            scaler.step(optimizer)  # skipped where the unscaled gradients hold an inf or a NaN
+        scaler.update()
+        if math.isfinite(value):
+            scheduler.step()
+            return value, stepped
     if stepped:
         optimizer.step()
     elif config.train.nonfinite == "stop":
@@ -232,16 +285,21 @@ def prepare_run_dir(out_dir: Path, config: RunConfig, resume: bool) -> Path | No
 
 def saved_config_differences(run_dir: Path, config: RunConfig, ignore: set[str]) -> list[str]:
     """The fields (outside ``ignore``) in which ``config`` differs from the one ``run_dir`` was started with,
-    each as ``section.field (saved, now)``; a damaged ``config.json`` is a :class:`CheckpointError`."""
+    each as ``section.field (saved, now)``. Where ``config.json`` is damaged, the config the run's weights record
+    (final or checkpoint) stands in for it; a damaged one with no such record is a :class:`CheckpointError`."""
     path = Path(run_dir) / "config.json"
     try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
+        saved = json.loads(read_limited(path, JSON_BYTES))
     except (OSError, ValueError) as err:
-        saved, reason = None, type(err).__name__
+        saved, reason = None, str(err)[:80] or type(err).__name__
     else:
         reason = "not a config"
     if not isinstance(saved, dict) or not all(isinstance(section, dict) for section in saved.values()):
-        raise CheckpointError(f"{path} is damaged ({reason}); delete {Path(run_dir)} to train that run again")
+        recorded = recorded_run_config(Path(run_dir))
+        if recorded is None or not all(isinstance(section, dict) for section in recorded[0].values()):
+            raise CheckpointError(f"{path} is damaged ({reason}) and no weights of the run record its config; "
+                                  f"delete {Path(run_dir)} to train that run again")
+        saved = recorded[0]
     return config_mismatch(saved, config.to_dict(), ignore)
 
 
@@ -253,11 +311,21 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
     :meth:`gatedformer.tasks.base.Task.shared_data`); ``on_record`` sees every log record as it is written."""
     validate(config)
     task = task_for(config)
-    if config.train.tensorboard:
-        from gatedformer.train.tensorboard import require_tensorboard
+    check_loggers(config)  # fail before any work, not after it
+    # One process trains a run folder: rank 0 (or the only process) holds its lock until the run returns or dies.
+    created = not Path(out_dir).exists()
+    lock = claim_run_folder(out_dir) if distributed.is_main_process() else None
+    try:
+        return _train(config, task, Path(out_dir), data_dir, resume, progress, stop_after, shared, on_record)
+    finally:
+        if lock is not None:
+            release_run_folder(lock, created)
 
-        require_tensorboard()  # fail before any work, not after it
-    out_dir = Path(out_dir)
+
+def _train(config: RunConfig, task: Task, out_dir: Path, data_dir: str | Path | None, resume: bool, progress: bool,
+           stop_after: int | None, shared: Any, on_record: Callable[[dict[str, Any]], None] | None
+           ) -> RunResult | None:
+    """:func:`train`, in a run folder this process holds."""
     checkpoint_path = prepare_run_dir(out_dir, config, resume)
     tcfg = config.train
     if tcfg.threads:
@@ -268,12 +336,17 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
         raise ConfigError(f"the {task.name} task trains in one process; run it without torchrun (or with "
                           "--nproc_per_node 1)")
     device = ddp.device
+    check_precision(device, tcfg.precision)
+    # fp16 scales the loss so that small gradients survive float16; the scale goes on from checkpoint to checkpoint.
+    scaler = torch.amp.GradScaler(device.type, enabled=tcfg.precision == "fp16")
 
     data = task.load_data(config, data_dir, (ddp.rank, ddp.world), progress and ddp.is_main, shared)
     metric = task.metric(data)
     torch.manual_seed(tcfg.seed)
     model = task.build_model(config, data)
     initialise(model, config.init)
+    if checkpoint_path is None:  # a resumed run has its weights in the checkpoint
+        task.start_weights(model, config, data)
     distributed.seed_rank(ddp, tcfg.seed)  # every rank starts equal; dropout masks then differ per rank
     model.to(device)
     params = count_parameters(model)
@@ -284,9 +357,11 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
     if ddp.is_main:
         atomic_write_json(out_dir / "config.json", config.to_dict())
         for name, content in task.run_files(data).items():
-            atomic_write_json(out_dir / name, content)
+            (atomic_write_text if isinstance(content, str) else atomic_write_json)(out_dir / name, content)
+        task.open_run(data, out_dir, checkpoint_path is not None)
     log_path = out_dir / "log.jsonl"
     step, tokens_seen, carry, meta = 0, 0, None, None
+    evaluation_pending = False  # the checkpoint's step was to be evaluated when a stop signal came
     clock = TrainingClock()
     loss_sum, loss_count, skipped = 0.0, 0, 0
     if checkpoint_path is not None:
@@ -296,6 +371,8 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
         with restoring(checkpoint_path):
             optimizer.load_state_dict(ckpt.trainer_state["optimizer"])
             scheduler.load_state_dict(ckpt.trainer_state["scheduler"])
+            if scaler.is_enabled():
+                scaler.load_state_dict(ckpt.trainer_state["scaler"])
             follow_changed_lr(optimizer, scheduler, config.optim.lr)
             meta = ckpt.meta
             step, tokens_seen = meta["step"], meta["tokens_seen"]
@@ -304,13 +381,17 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
             # This rank's RNG states and carried state (each rank saved its own).
             carry = _state_to(distributed.restore_rank_state(ddp, ckpt.trainer_state, meta, ckpt.carry, tcfg.seed),
                               device)
-            batches = task.train_batches(data, config, step, meta)
-            steps_per_epoch = task.steps_per_epoch(data, config, meta)
+            # Where the data stood comes from the meta too: take the first batch here, so a damaged position is
+            # one error now rather than a traceback from the generator later.
+            batches = task.train_batches(data, config, step * tcfg.grad_accum, meta)  # micro-batches so far
+            batches = itertools.chain([next(batches)], batches)
+            steps_per_epoch = -(-task.steps_per_epoch(data, config, meta) // tcfg.grad_accum)
+            evaluation_pending = meta.get("evaluation_pending") is True
         if ddp.is_main:
-            _truncate_log(log_path, step)
+            _truncate_log(log_path, step, drop_evaluation=evaluation_pending)
     else:
-        batches = task.train_batches(data, config, step, meta)
-        steps_per_epoch = task.steps_per_epoch(data, config, meta)
+        batches = task.train_batches(data, config, 0, meta)
+        steps_per_epoch = -(-task.steps_per_epoch(data, config, meta) // tcfg.grad_accum)
         if ddp.is_main:
             log_path.unlink(missing_ok=True)
 
@@ -319,55 +400,88 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
     stats = GateStatistics(model)
     position: dict[str, int] = {}  # where the data stands, as the task says it (saved in the checkpoint's meta)
 
-    def checkpoint_now() -> None:  # every rank calls it; rank 0 writes
+    def checkpoint_now(evaluation_pending: bool = False) -> None:  # every rank calls it; rank 0 writes
         ranks = distributed.gather_rank_states(ddp, carry)
         if ddp.is_main:
             trainer_state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                              **distributed.rng_state(device)}
+            if scaler.is_enabled():
+                trainer_state["scaler"] = scaler.state_dict()
             meta = {**position, "tokens_seen": tokens_seen, **clock.state(), "loss_sum": loss_sum,
                     "loss_count": loss_count, "skipped": skipped, "config": config.to_dict()}
+            if evaluation_pending:  # a stop signal cut the evaluation of this step short: --resume redoes it
+                meta["evaluation_pending"] = True
             trainer_state, saved_carry, extra = distributed.checkpoint_parts(ddp, trainer_state, carry, ranks)
             save_checkpoint(out_dir, step, model, trainer_state, {**meta, **extra}, saved_carry)
         distributed.barrier(ddp)  # no rank leaves before the checkpoint is complete
 
-    board = None
-    if tcfg.tensorboard and ddp.is_main:
-        from gatedformer.train.tensorboard import TensorBoardLog
-
-        board = TensorBoardLog(out_dir, replay=True)  # starts from the records kept in the log
+    # log.jsonl, TensorBoard, W&B and the caller's on_record, through one interface (train/loggers.py)
+    loggers = open_loggers(config, out_dir, log_path, on_record) if ddp.is_main else []
 
     def log(record: dict[str, Any]) -> None:
-        if not ddp.is_main:
+        for logger in loggers:
+            logger.record(record)
+
+    def log_evaluation(fields: dict[str, Any]) -> None:  # rank 0 alone
+        log({"event": "eval", "step": step, "tokens": tokens_seen, "time": clock.step_seconds,
+             "tokens_per_s": clock.tokens_per_second, **fields, "gates": stats.summary()})
+
+    def observe(fields: dict[str, Any] | None, abandoned: bool = False) -> None:  # every rank, after an evaluation
+        """Rank 0's validation loss to the schedule on every rank (``optim.schedule=plateau`` anneals on it)."""
+        if config.optim.schedule != "plateau":
             return
-        with open(log_path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record, sort_keys=True) + "\n")
-        for listener in (board.record if board else None, on_record):
-            if listener is not None:
-                listener(record)
+        loss, cut_short = distributed.broadcast_floats(
+            ddp, [fields["valid_loss"] if fields is not None else math.nan, 1.0 if abandoned else 0.0])
+        if not cut_short:  # an evaluation a stop signal cut short is done, and observed, on resume
+            scheduler.observe(loss)
 
     if checkpoint_path is None:
         for record in task.start_records(data, params):
             log(record)
+    final_eval: dict[str, Any] | None = None
+    if evaluation_pending and ddp.is_main:
+        # The evaluation a stop signal cut short, before anything else; the checkpoint of this step is on disk, so
+        # another signal stops at once.
+        with _StopSignal(interrupt=(step, out_dir)):
+            fields = task.evaluate(model, data, config, device, step >= tcfg.steps, stats.recording)
+        log_evaluation(fields)
+        final_eval = fields if step >= tcfg.steps else None
+        model.train()
+    if evaluation_pending:
+        observe(fields if ddp.is_main else None)
     bar = _progress_bar(progress and ddp.is_main, tcfg.steps, step, out_dir.name)
     model.train()
-    final_eval: dict[str, Any] | None = None
     with _StopSignal() as stop_signal:
         while step < tcfg.steps:
             started = time.perf_counter()
-            batch = next(batches)
-            if batch.new_epoch:
-                carry = None  # a new epoch starts from a fresh state
-            loss, new_carry = task.loss(compiled, batch, carry, config, device)
+            micro = [next(batches) for _ in range(tcfg.grad_accum)]  # a step's micro-batches (one, by default)
+            step_tokens = sum(batch.tokens for batch in micro)
+            accumulated = None
+            if len(micro) > 1:
+                optimizer.zero_grad(set_to_none=True)  # optimise() clears them only without accumulation
+            for index, batch in enumerate(micro):
+                if batch.new_epoch:
+                    carry = None  # a new epoch starts from a fresh state
+                last = index == len(micro) - 1
+                # Gradients add up over the micro-batches (synchronised across ranks once, with the last): each
+                # loss, a mean over its tokens, weighs by its share of the step's tokens.
+                with contextlib.nullcontext() if last or not ddp.enabled else net.no_sync():
+                    loss, new_carry = task.loss(compiled, batch, carry, config, device)
+                    if len(micro) > 1:
+                        loss = loss * (batch.tokens / max(step_tokens, 1))
+                    if not last:
+                        (scaler.scale(loss) if scaler.is_enabled() else loss).backward()
+                        accumulated = loss.detach() if accumulated is None else accumulated + loss.detach()
+                carry = detach_state(new_carry)
             # The log records the loss of the global batch: the mean over the ranks.
             loss_value, stepped = optimise(loss, model, optimizer, scheduler, config, step, out_dir,
-                                           lambda loss: distributed.mean_over_ranks(ddp, loss))
-            carry = detach_state(new_carry)
+                                           lambda loss: distributed.mean_over_ranks(ddp, loss), accumulated, scaler)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             step += 1
             position = batch.position
-            tokens_seen += batch.tokens
-            clock.add_step(time.perf_counter() - started, batch.tokens)
+            tokens_seen += step_tokens
+            clock.add_step(time.perf_counter() - started, step_tokens)
             if not stepped:
                 skipped += 1
             if math.isfinite(loss_value):
@@ -389,16 +503,27 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
 
             final = step == tcfg.steps
             if step % tcfg.eval_every == 0 or final:
+                abandoned = False
                 if ddp.is_main:  # rank 0 evaluates; the others wait in checkpoint_now
-                    fields = task.evaluate(model, data, config, device, final, stats.recording)
-                    log({"event": "eval", "step": step, "tokens": tokens_seen, "time": clock.step_seconds,
-                         "tokens_per_s": clock.tokens_per_second, **fields, "gates": stats.summary()})
-                    bar.set_postfix(valid=f"{fields[f'valid_{metric}']:.3f} {metric}")
-                    final_eval = fields if final else None
-                checkpoint_now()
+                    try:
+                        # A stop signal ends the evaluation at once (a whole split can take many minutes); the
+                        # checkpoint says so, and --resume evaluates this step again first.
+                        with stop_signal.abandonable():
+                            fields = task.evaluate(model, data, config, device, final, stats.recording)
+                    except _Abandoned:
+                        abandoned = True
+                        model.train()
+                    else:
+                        log_evaluation(fields)
+                        bar.set_postfix(valid=f"{fields[f'valid_{metric}']:.3f} {metric}")
+                        final_eval = fields if final else None
+                observe(fields if ddp.is_main and not abandoned else None, abandoned)
+                checkpoint_now(evaluation_pending=abandoned)
             signal = (stop_signal.received or "on another rank") if distributed.any_rank(
                 ddp, stop_signal.received is not None) else None
             if stop_here(step, final, signal, stop_after, out_dir, checkpoint_now, bar):
+                for logger in loggers:
+                    logger.close()
                 return None
     bar.close()
 
@@ -422,27 +547,26 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
         )
         log({"event": "test", "step": step, "test_loss": test_loss, f"test_{metric}": test_metric})
         if ddp.is_main:
-            atomic_write_json(out_dir / "results.json", result.__dict__)
+            atomic_write_json(out_dir / "results.json", {**task.result_fields(data), **result.__dict__})
     distributed.barrier(ddp)  # every rank returns once the results are written
-    if board:
-        board.close()
+    for logger in loggers:
+        logger.close()
     return result
 
 
-def _truncate_log(log_path: Path, step: int) -> None:
-    """Drop log lines written after the checkpoint we resume from (a killed run may have logged on)."""
+def _truncate_log(log_path: Path, step: int, drop_evaluation: bool = False) -> None:
+    """Drop log lines written after the checkpoint we resume from (a killed run may have logged on), and with
+    ``drop_evaluation`` the evaluation of its step (which the resumed run does again)."""
     if not log_path.is_file():
         return
     kept = []
-    for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash (or damaged)
-        if not isinstance(record, dict):
+    for record in log_records(log_path):  # lines cut short by a crash, or damaged, are left out
+        at = record.get("step", 0)
+        if at > step or record.get("event") == "test":  # test: written after the loop
             continue
-        if record.get("step", 0) <= step and record.get("event") != "test":  # test: written after the loop
-            kept.append(line)
+        if drop_evaluation and at == step and record.get("event") == "eval":
+            continue
+        kept.append(json.dumps(record, sort_keys=True))
     atomic_write_text(log_path, "".join(line + "\n" for line in kept))
 
 

@@ -1,4 +1,13 @@
-"""Optimisers, learning-rate schedules and gradient clipping."""
+"""Optimisers, learning-rate schedules and gradient clipping.
+
+The schedule (:class:`Schedule`) multiplies ``optim.lr`` by a factor of the step (:func:`lr_factor`: constant,
+linear, cosine, Noam, each after an optional linear warm-up) and, with ``optim.schedule=plateau``, by what the
+validation losses decided: the loop reports every evaluation's loss (:meth:`Schedule.observe`), and when it has not
+improved on the best for ``optim.plateau_patience`` evaluations in a row the rate is multiplied by
+``optim.plateau_factor``, never below ``optim.lr * optim.min_lr_ratio`` (ConvS2S's annealing: Nesterov SGD whose
+rate is divided by ten whenever the validation perplexity stops improving). The plateau's state is part of the
+schedule's state dict, so a checkpoint resumes it exactly.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +33,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
             (decayed if parameter.dim() >= 2 else plain).append(parameter)
     groups = [{"params": decayed, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
     betas = (cfg.beta1, cfg.beta2)
     if all(groupable(group["params"]) for group in groups):
         return GroupedAdam(groups, lr=cfg.lr, betas=betas, decoupled_weight_decay=cfg.name == "adamw")
@@ -53,7 +62,7 @@ def lr_factor(step: int, total_steps: int, cfg: OptimConfig, d_model: int = 512)
         return min(s ** -0.5, s * warmup ** -1.5) * warmup ** 0.5
     if warmup and step < warmup:
         return (step + 1) / warmup
-    if cfg.schedule == "constant":
+    if cfg.schedule in ("constant", "plateau"):  # the plateau's factor comes from the validation losses
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     floor = cfg.min_lr_ratio
@@ -62,9 +71,53 @@ def lr_factor(step: int, total_steps: int, cfg: OptimConfig, d_model: int = 512)
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """``optim.lr`` times :func:`lr_factor` of the step times the plateau factor (1 unless ``schedule=plateau``).
+
+    :meth:`observe` takes each evaluation's validation loss. Its state (``plateau_scale``, ``plateau_best``,
+    ``plateau_bad``) is saved with the rest of the scheduler's by :meth:`state_dict`.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int,
+                 d_model: int = 512) -> None:
+        self.plateau_scale = 1.0
+        """The product of the annealings so far."""
+        self.plateau_best = math.inf
+        """The lowest validation loss seen."""
+        self.plateau_bad = 0
+        """Evaluations in a row since the last improvement (or annealing)."""
+        # The config stays in the closures, out of the state dict (which checkpoints load weights-only).
+        self._plateau = (cfg.schedule == "plateau", cfg.plateau_factor, cfg.plateau_patience, cfg.min_lr_ratio)
+        super().__init__(optimizer, lambda step: lr_factor(step, total_steps, cfg, d_model) * self.plateau_scale)
+
+    def observe(self, valid_loss: float) -> bool:
+        """Take one evaluation's validation loss; return whether the rate was annealed (it then applies from the
+        next step on). A no-op unless ``optim.schedule=plateau``."""
+        on, factor, patience, floor = self._plateau
+        if not on:
+            return False
+        if valid_loss < self.plateau_best:  # a non-finite loss is never an improvement
+            self.plateau_best, self.plateau_bad = valid_loss, 0
+            return False
+        self.plateau_bad += 1
+        if self.plateau_bad < patience or self.plateau_scale <= floor:
+            return False
+        self.plateau_scale = max(self.plateau_scale * factor, floor)
+        self.plateau_bad = 0
+        for group, lr in zip(self.optimizer.param_groups, self.get_lr(), strict=True):
+            group["lr"] = lr
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        return True
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state.pop("_plateau", None)  # the config's, not the run's: it comes from the config on resume
+        return state
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int,
-                    d_model: int = 512) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg, d_model))
+                    d_model: int = 512) -> Schedule:
+    return Schedule(optimizer, cfg, total_steps, d_model)
 
 
 def follow_changed_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,

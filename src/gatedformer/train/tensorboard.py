@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from gatedformer.errors import GatedformerError
-from gatedformer.train.runlog import read_log
+from gatedformer.train.runlog import RunLogger, read_log, scalars_of
 
 TENSORBOARD_DIR = "tensorboard"
-_SKIP = {"event", "step", "time", "tokens", "gates", "epoch"}
 
 
 def require_tensorboard() -> type:
@@ -29,26 +28,7 @@ def require_tensorboard() -> type:
     return SummaryWriter
 
 
-def scalars_of(record: dict[str, Any]) -> dict[str, float]:
-    """The TensorBoard tags and values of one log record (``train/loss``, ``valid/bpc``, ``gates/...``)."""
-    event = record.get("event")
-    if event not in ("train", "eval", "test"):
-        return {}
-    section = "valid" if event == "eval" else event
-    out: dict[str, float] = {}
-    for key, value in record.items():
-        if key in _SKIP or isinstance(value, bool) or not isinstance(value, int | float):
-            continue
-        name = key.removeprefix(f"{section}_") if key.startswith(f"{section}_") else key
-        out[f"{section}/{name}"] = float(value)
-    for gate, stats in (record.get("gates") or {}).items():
-        for stat in ("mean", "std"):
-            if isinstance(stats, dict) and stat in stats:
-                out[f"gates/{gate}/{stat}"] = float(stats[stat])
-    return out
-
-
-class TensorBoardLog:
+class TensorBoardLog(RunLogger):
     """Writes log records of one run as TensorBoard scalars under ``run_dir/tensorboard``."""
 
     def __init__(self, run_dir: str | Path, replay: bool = False) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gatedformer.analysis.bench.options import (
+    DEFAULT_SECTIONS,
     GATE_VARIANTS,
     MEMORY_METHODS,
     OPTIMIZERS,
@@ -41,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rnn-window", type=int, default=size.rnn_window, help="R-Transformer LocalRNN window")
     group.add_argument("--rnn-type", choices=("gru", "lstm", "rnn"), default=size.rnn_type,
                        help="R-Transformer LocalRNN cell")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(DEFAULT_SECTIONS),
+                        help=f"default: {' '.join(DEFAULT_SECTIONS)} (sampling: by name)")
     parser.add_argument("--backbones", nargs="+", help=f"default: all ({', '.join(backbone_names())})")
     parser.add_argument("--variants", nargs="+",
                         help=f"gate variants by name ({', '.join(GATE_VARIANTS)}) or any gate spec; default: all")

@@ -60,8 +60,6 @@ def count_flops(cfg: ModelConfig, vocab: int, batch: int, seq_len: int, memory_l
                 width = _RNN_GATES[cfg.rnn_type] * d
                 # Input projection once per position, then window - 1 hidden-to-hidden products.
                 add("local_rnn", cfg.rnn_window * _mm(n, d, width))
-            if cfg.backbone == "sru-transformer":
-                add("sru.proj", _mm(n, d, 3 * d))  # the SRU sublayer: [W x, W_f x, W_r x] in one product
             if cfg.backbone == "transformer-xl":
                 mem = cfg.mem_len if memory_len is None else memory_len
                 keys = mem + t
@@ -74,7 +72,12 @@ def count_flops(cfg: ModelConfig, vocab: int, batch: int, seq_len: int, memory_l
                 add("attn.proj", _mm(n, d, 3 * d) + _mm(n, d, d))
                 add("attn.scores", 2 * b * pairs * d)
                 add("attn.values", 2 * b * pairs * d)
-            add("ffn", _mm(n, d, 2 * f) + _mm(n, f, d) if cfg.ffn == "glu" else _mm(n, d, f) + _mm(n, f, d))
+            if cfg.backbone == "sru-transformer":
+                # the SRU in place of the hidden layer: [W x, W_f x, W_r x] in one product, then W2
+                add("sru.proj", _mm(n, d, 3 * f))
+                add("ffn", _mm(n, f, d))
+            else:
+                add("ffn", _mm(n, d, 2 * f) + _mm(n, f, d) if cfg.ffn == "glu" else _mm(n, d, f) + _mm(n, f, d))
             gates = _gate_flops(placement.at(i, "attn"), n, d) + _gate_flops(placement.at(i, "ffn"), n, d)
             if gates:
                 add("gates", gates)

@@ -151,6 +151,15 @@ def format_report(report: BenchReport) -> str:
                      + _table(["backbone", "variant", "params", "train ms (IQR)", "tok/s", "MFU", "eval ms (IQR)",
                                "tok/s", "MFU", "peak MB", "+FLOPs", "+time", "+time/round",
                                "≤+FLOPs+10"], lines))
+    compiled = [r for r in models if "compiled_speedup" in r]
+    if compiled:
+        lines = [[r["backbone"], r["variant"], _ms(r, "train_eager"), _ms(r, "train"),
+                  f"{r['compiled_speedup']:.2f}x", f"{r.get('train_first_call_s') or float('nan'):.1f}"]
+                 for r in compiled]
+        parts.append("\n== torch.compile: the training step eager and compiled, interleaved in the same rounds "
+                     "(speed-up = the median over rounds of eager / compiled, >1: the compiled step is faster)\n"
+                     + _table(["backbone", "variant", "eager ms (IQR)", "compiled ms (IQR)", "speed-up",
+                               "first call s"], lines))
     peers = report.section("transformer-peers")
     if peers:
         lines = []
@@ -190,6 +199,38 @@ def format_report(report: BenchReport) -> str:
         parts.append("\n== memory against Transformer-XL mem_len and R-Transformer window (MB)\n"
                      + _table(["backbone", "knob", "value", "train peak", "eval peak", "per-window copy would add"],
                               lines))
+    bert = report.section("bert")
+    if bert:
+        lines = [[r.get("step", ""), r["name"], r["status"], *[""] * 4] if r.get("status") != "ok" else
+                 [r["step"], r["name"], f"{r['params']:,}", _ms(r, "train"), f"{r['train_tokens_per_s']:,.0f}",
+                  f"{r.get('ours_train_speedup', float('nan')):.2f}x", ""] for r in bert]
+        parts.append(f"\n== BERT against Hugging Face transformers: d {size['d_model']}, {size['n_layers']} layers, "
+                     f"{size['n_heads']} heads, ffn {size['d_ffn']}, batch {size['batch']} x seq {size['seq_len']} "
+                     "(speed-up = their median / ours)\n"
+                     + _table(["step", "model", "params", "train ms (IQR)", "tok/s", "speed-up", ""], lines))
+    translation = report.section("translation")
+    if translation:
+        shape = next((r for r in translation if r.get("status") == "ok"), {})
+        lines = [[r["backbone"], r["status"], *[""] * 7] if r.get("status") != "ok" else
+                 [r["backbone"], f"{r['params']:,}", _ms(r, "train"), f"{r['train_tokens_per_s']:,.0f}",
+                  f"{100 * r['train_mfu']:.1f}%", _ms(r, "eval"), f"{100 * r['eval_mfu']:.1f}%", _ms(r, "decode"),
+                  f"{r['decode_sentences_per_s']:,.1f}"] for r in translation]
+        parts.append(f"\n== translation: d {size['d_model']}, {size['n_layers']} layers, {size['n_heads']} heads, "
+                     f"ffn {size['d_ffn'] or 4 * size['d_model']}; {shape.get('sentences')} pairs of "
+                     f"{shape.get('length')} tokens, vocabularies of {shape.get('vocab')}; beam {shape.get('beam')} "
+                     f"over {shape.get('decode_sentences')} sentences\n"
+                     + _table(["backbone", "params", "train ms (IQR)", "tok/s", "train MFU", "eval ms (IQR)",
+                               "eval MFU", "decode ms (IQR)", "sent/s"], lines))
+    sampling = report.section("sampling")
+    if sampling:
+        lines = [[r["backbone"], f"{r['params']:,}", _ms(r, "cached"), f"{r['cached_tokens_per_s']:,.0f}",
+                  _ms(r, "full"), f"{r['full_tokens_per_s']:,.0f}", f"{r['cache_speedup']:.1f}x",
+                  "yes" if r["same_tokens"] else "NO"] for r in sampling]
+        parts.append(f"\n== sampling {sampling[0]['tokens']} tokens (window {sampling[0]['context']}) with the "
+                     "incremental cache and with the full recomputation (generate --no-cache); speed-up = full / "
+                     "cached, paired by round\n"
+                     + _table(["backbone", "params", "cached ms (IQR)", "tok/s", "full ms (IQR)", "tok/s",
+                               "speed-up", "same tokens"], lines))
     notes = report.notes + extra_notes
     if notes:
         parts.append("\nnotes:\n" + "\n".join(f"- {note}" for note in notes))

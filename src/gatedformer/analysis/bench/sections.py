@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -15,10 +16,10 @@ from torch import nn
 from gatedformer.analysis.bench.flops import FlopCount, count_flops, measured_flops
 from gatedformer.analysis.bench.memory import measure_memory, memory_method, rss_peak
 from gatedformer.analysis.bench.options import (
+    DEFAULT_SECTIONS,
     GATE_TARGET_SLACK_PCT,
     GATE_VARIANTS,
     NOISY_SPREAD_PCT,
-    SECTIONS,
     BenchOptions,
     BenchSize,
     RNNSize,
@@ -74,6 +75,8 @@ def _time_steps(runners: Mapping[str, LMRunner], options: BenchOptions, device: 
     for name, runner in runners.items():
         contenders[f"train:{name}"] = runner.train_step
         contenders[f"eval:{name}"] = runner.eval_step
+        if options.compile:  # the eager step beside the compiled one, in the same rounds
+            contenders[f"train-eager:{name}"] = functools.partial(runner.train_step, eager=True)
     failed: dict[str, str] = {}
     times = time_round_robin(contenders, options.repeats, options.warmup, device, failed=failed)
     peak, peaks = measured_peaks(times, peak_flops)
@@ -133,6 +136,11 @@ def _bench_models(report: BenchReport, size: BenchSize, options: BenchOptions, d
                 "eval_mfu": count.forward_total / evaluation.median / peak,
                 **bf16_mfu(peaks, count.train_total / train.median, count.forward_total / evaluation.median),
             }
+            eager = times.get(f"train-eager:{name}")
+            if eager is not None:
+                row.update(eager.as_dict("train_eager"))
+                # > 1: the compiled step is the faster (the median over rounds of eager / compiled in one round)
+                row["compiled_speedup"] = paired_ratio(eager, train)
             if base_time is not None and base_flops is not None and name != "baseline":
                 row["extra_flops_pct"] = 100.0 * (count.train_total / base_flops.train_total - 1.0)
                 row["extra_time_pct"] = 100.0 * (train.median / base_time.median - 1.0)
@@ -367,7 +375,7 @@ def _linear_fit(xs: Sequence[float], ys: Sequence[float | None]) -> tuple[float,
 
 
 def run_bench(size: BenchSize | None = None, options: BenchOptions | None = None, *,
-              sections: Sequence[str] = SECTIONS, backbones: Sequence[str] | None = None,
+              sections: Sequence[str] = DEFAULT_SECTIONS, backbones: Sequence[str] | None = None,
               variants: Sequence[str] | None = None, rnn: RNNSize | None = None,
               mem_lens: Sequence[int] = (0, 64, 128, 256), windows: Sequence[int] = (1, 3, 7, 15),
               progress: Callable[[str], None] | None = None) -> BenchReport:
@@ -401,6 +409,18 @@ def run_bench(size: BenchSize | None = None, options: BenchOptions | None = None
                 _bench_rnn_peers(report, rnn, options, device, progress)
             if "memory" in sections:
                 _bench_memory(report, size, options, device, mem_lens, windows, progress)
+            if "bert" in sections:
+                from gatedformer.analysis.bench.bert import bench_bert
+
+                bench_bert(report, size, options, device, progress)
+            if "translation" in sections:
+                from gatedformer.analysis.bench.translation import bench_translation
+
+                bench_translation(report, size, options, device, progress)
+            if "sampling" in sections:
+                from gatedformer.analysis.bench.sampling import bench_sampling
+
+                bench_sampling(report, size, options, device, backbones, progress)
     finally:
         if flushing:
             torch.set_flush_denormal(False)

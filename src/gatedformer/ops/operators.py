@@ -1,0 +1,382 @@
+"""The fused paths as PyTorch custom operators (``torch.library``), so that ``torch.compile`` keeps them.
+
+Dynamo cannot trace into a fused path: its autograd function calls a compiled kernel through ``ctypes``. Each path
+therefore runs under ``torch.compile`` as two custom operators in the ``gatedformer::`` namespace, its forward and
+its backward pass, which dynamo records as opaque nodes (no graph break) and Inductor calls as they are, compiling
+only the glue around them. Eager code keeps calling the autograd functions themselves: an operator's dispatch would
+only add to every step, and the eager numbers stay those of the functions.
+
+:class:`FunctionOperator` makes the two operators of one autograd function. The forward operator runs the
+function's ``forward`` with a stand-in context; what that context keeps for the backward pass (saved tensors, the
+function's own attributes) stays with it in Python, out of the graph, and the operator returns the function's outputs
+and a *handle*: a one-element tensor whose storage holds the context, so that the context lives exactly as long as
+some view of the handle does (autograd, or the compiled graph, keeps it for the backward pass and drops it after).
+The backward operator takes the handle, the outputs' gradients, and the forward pass's tensor inputs and outputs,
+runs the function's ``backward`` on the kept context and returns the gradients of the inputs that want one. Passing
+it every input and output is what keeps them alive and unchanged until then: Inductor reuses a buffer once no node
+reads it, and the context may still point at it. Each operator's fake (shape) function says what it returns, so the
+graph's shapes are known without running a kernel; :func:`torch.library.opcheck` checks them against the real ones.
+
+Operator arguments are tensors, ints, floats, bools, strings and lists of them: the tuples the functions take (the
+dropout masks' ``(seed, keep_below)``) are flattened, and each function's :class:`FunctionOperator` puts them back
+together. :func:`call` picks the autograd function in eager code and the operator under ``torch.compile``.
+
+Dropout masks come, as in eager mode, from 64-bit seeds drawn from torch's generator before the fused call, one per
+mask in the order the eager path draws them. Under ``torch.compile`` the draw is an operator of its own,
+``gatedformer::draw_seeds``, tagged non-deterministic so that no pass merges, drops or recomputes it, and ordered
+after the tensors the fused call reads (which the fused calls before it made); the fused operator takes the seeds as a
+tensor and reads them as ints. (Drawn as an int outside the operator, as the eager path does, the seed would be
+``int()`` of a tensor: a graph break, or an unbacked symbolic int.) A compiled step therefore draws the same masks
+in the same order as the eager one.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = ["NAMESPACE", "REGISTERED", "TRACED_SEED", "FunctionOperator", "call", "native", "runs_native"]
+
+NAMESPACE = "gatedformer"
+_INT32_VALUES = 2 ** 32
+_CPU = torch.device("cpu")
+
+
+# ---- what the fused paths ask of the kernels, asked once while dynamo traces ----------------------------------
+
+@torch.compiler.assume_constant_result
+def native(kernel: Any) -> bool:
+    """Whether ``kernel`` (a :class:`~gatedformer.kernels.build.NativeKernel`) runs natively on the CPU. Under
+    ``torch.compile`` the answer is taken once, while dynamo traces, as a constant of the graph (building the kernel
+    if need be): the check itself is Python that dynamo should not trace into."""
+    return kernel.pick_backend(_CPU) == "native"
+
+
+def runs_native(kernel: Any, device: torch.device) -> bool:
+    """``kernel.pick_backend(device) == "native"``, asked through :func:`native` under ``torch.compile``."""
+    if torch.compiler.is_compiling():
+        return device.type == "cpu" and native(kernel)
+    return kernel.pick_backend(device) == "native"
+
+
+# ---- seeds ---------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NAMESPACE}::draw_seeds", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,),
+                         schema="(Tensor[] after, int count) -> Tensor")
+def _draw_seeds_op(after: list[Tensor], count: int) -> Tensor:
+    """``count`` seeds from torch's default generator, as ``count`` draws of the eager paths' ``_draw_seed`` give
+    them; ``after`` only orders the draw (the tensors the fused call that uses the seeds reads)."""
+    return torch.randint(0, 2 ** 63 - 1, (count,), dtype=torch.int64)
+
+
+@_draw_seeds_op.register_fake
+def _(after: list[Tensor], count: int) -> Tensor:
+    return torch.empty(count, dtype=torch.int64)
+
+
+# ---- the stand-in context and the handle that keeps it ---------------------------------------------------------
+
+class _Context:
+    """What an autograd function's ``forward`` and ``backward`` read and write of their ``ctx``, outside autograd."""
+
+    def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
+        self.needs_input_grad = needs_input_grad
+        self.materialize_grads = True
+        self.saved_tensors: tuple[Tensor | None, ...] = ()
+
+    def save_for_backward(self, *tensors: Tensor | None) -> None:
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors: Tensor) -> None:
+        pass  # the operator's own autograd registration says which outputs take no gradient
+
+    def set_materialize_grads(self, value: bool) -> None:
+        self.materialize_grads = value
+
+
+class _Holder(bytearray):
+    """The storage of a handle: eight zero bytes, whose address is the key of the context it keeps alive (the
+    handle's value is the same for every call, so that a forward operator's outputs depend on its inputs alone, as
+    :func:`torch.library.opcheck` checks)."""
+
+    context: _Context
+
+
+_HOLDERS: weakref.WeakValueDictionary[int, _Holder] = weakref.WeakValueDictionary()
+
+
+def _handle(context: _Context) -> Tensor:
+    holder = _Holder(8)
+    holder.context = context
+    handle = torch.frombuffer(holder, dtype=torch.int64)  # the tensor's storage holds the buffer, and so the context
+    _HOLDERS[handle.data_ptr()] = holder
+    return handle
+
+
+def _kept_context(handle: Tensor) -> _Context:
+    holder = _HOLDERS.get(handle.data_ptr())
+    if holder is None:
+        raise RuntimeError("a gatedformer operator's backward pass found no forward pass to go with it (its handle "
+                           "was copied, or its forward pass ran in another process)")
+    return holder.context
+
+
+def _fresh(tensors: Sequence[Tensor], taken: Sequence[Tensor | None],
+           like: Sequence[Tensor | None] = ()) -> list[Tensor]:
+    """``tensors`` as an operator may return them: none sharing memory with ``taken`` (its inputs) or with another,
+    each contiguous or with the strides of ``torch.empty_like`` of its ``like`` (what the fake function gives)."""
+    seen = {StorageWeakRef(t.untyped_storage()) for t in taken if t is not None}
+    out = []
+    for i, t in enumerate(tensors):
+        reference = like[i] if i < len(like) else None
+        wanted = torch.empty_like(reference).stride() if reference is not None and reference.shape == t.shape else None
+        storage = StorageWeakRef(t.untyped_storage())
+        if storage in seen or (t.stride() != wanted if wanted is not None else not t.is_contiguous()):
+            t = (torch.empty_like(reference) if wanted is not None else torch.empty_like(
+                t, memory_format=torch.contiguous_format)).copy_(t)
+            storage = StorageWeakRef(t.untyped_storage())
+        seen.add(storage)
+        out.append(t)
+    return out
+
+
+_SINGLE = ("Tensor", "Optional[Tensor]")
+_LIST = ("List[Tensor]", "List[Optional[Tensor]]")
+
+
+def _tensor_kinds(schema: str) -> list[str | None]:
+    """For each argument of an operator's schema (``"(Tensor x, int k, Tensor?[] w) -> ..."``): ``"one"`` for a
+    tensor (optional or not), ``"list"`` for a list of them, ``None`` for anything else."""
+    arguments = torch._C.parse_schema(f"{NAMESPACE}::_{schema}").arguments
+    return ["one" if str(a.type) in _SINGLE else "list" if str(a.type) in _LIST else None for a in arguments]
+
+
+def _leaves(kinds: Sequence[str | None], values: Sequence[object]) -> list[Tensor | None]:
+    """The tensor arguments of an operator call, lists flattened (``None`` kept in place), in schema order."""
+    leaves: list[Tensor | None] = []
+    for kind, value in zip(kinds, values, strict=False):
+        if kind == "one":
+            leaves.append(value)  # type: ignore[arg-type]
+        elif kind == "list":
+            leaves += list(value)  # type: ignore[call-overload]
+    return leaves
+
+
+class _TracedSeed:
+    """The seed of a dropout mask drawn under ``torch.compile``: a stand-in that :class:`FunctionOperator` replaces by
+    a draw of ``gatedformer::draw_seeds``."""
+
+    def __repr__(self) -> str:
+        return "TRACED_SEED"
+
+
+TRACED_SEED = _TracedSeed()
+"""What the eager paths' seed draw (``ops.dropout._draw_seed``) gives under ``torch.compile``: ``int()`` of a drawn
+tensor would break the graph, so the draw is left to the operator that takes the seed."""
+
+
+def _parameters(declared: str) -> list[tuple[str, str]]:
+    """``"Tensor x, Mask mask, ..."`` as ``[(type, name), ...]``."""
+    return [tuple(part.split()) for part in declared.split(",")]  # type: ignore[misc]
+
+
+def _flatten(parameters: Sequence[tuple[str, str]], args: Sequence[object]) -> tuple[list[object], list[object]]:
+    """A function's arguments as its operator's (seeds and keep counts apart) and the seeds, in order."""
+    flat: list[object] = []
+    seeds: list[object] = []
+    for (kind, _), value in zip(parameters, args, strict=True):
+        if kind == "Seed":
+            seeds.append(value)
+        elif kind == "Blas":  # found again where the function runs (see _unflatten)
+            continue
+        elif kind == "Mask":  # (seed, keep_below): no seed when every element is kept
+            seed, keep = value  # type: ignore[misc]
+            if keep < _INT32_VALUES:
+                seeds.append(seed)
+            flat.append(keep)
+        elif kind == "Mask?":  # (seed, keep_below, scale) or None: a keep count of 2**32 stands for None
+            if value is None:
+                flat.append(_INT32_VALUES)
+            else:
+                seeds.append(value[0])  # type: ignore[index]
+                flat.append(value[1])  # type: ignore[index]
+        else:
+            flat.append(value)
+    return flat, seeds
+
+
+def _unflatten(parameters: Sequence[tuple[str, str]], flat: Sequence[object], seeds: list[int]) -> list[object]:
+    drawn, values, args = iter(seeds), iter(flat), []
+    for kind, _ in parameters:
+        if kind == "Seed":
+            args.append(next(drawn))
+        elif kind == "Blas":
+            from gatedformer.kernels.blas import packed_gemm
+
+            args.append(packed_gemm())
+        elif kind == "Mask":
+            keep = next(values)
+            args.append((next(drawn) if keep < _INT32_VALUES else 0, keep))  # type: ignore[operator]
+        elif kind == "Mask?":
+            keep = next(values)
+            args.append(None if keep >= _INT32_VALUES else (next(drawn), keep, _INT32_VALUES / keep))  # type: ignore[operator]
+        else:
+            args.append(next(values))
+    return args
+
+
+def _schema_type(kind: str) -> str:
+    return {"Mask": "int", "Mask?": "int", "int": "SymInt"}.get(kind, kind)
+
+
+REGISTERED: list[FunctionOperator] = []
+"""Every :class:`FunctionOperator` made so far (the tests check each with :func:`torch.library.opcheck`)."""
+
+
+# ---- one autograd function as two operators ----------------------------------------------------------------------
+
+class FunctionOperator:
+    """An autograd function as a forward and a backward custom operator (see the module).
+
+    ``name``: the forward operator's (``gatedformer::name``; the backward's is ``name_backward``); ``function``: the
+    :class:`torch.autograd.Function`; ``parameters``: its ``forward``'s parameters after ``ctx``, in an operator
+    schema's words (``"Tensor x, Tensor? bias, float eps, str tail"``), and two more: ``Seed`` for a mask's seed and
+    ``Mask`` for a ``(seed, keep_below)`` pair (``Mask?``: a ``(seed, keep_below, scale)`` triple or ``None``); the
+    operator takes the seeds as one tensor after the other arguments, and a mask as its ``keep_below``. ``Blas``:
+    MKL's packed products (:func:`~gatedformer.kernels.blas.packed_gemm`), which the operator does not take but
+    looks up where it runs. ``fake``:
+    the function's outputs from its arguments (as the function takes them, seeds 0) as empty tensors, contiguous,
+    as the operator returns them; ``tuple_output``: whether the function returns a tuple (else one tensor);
+    ``non_differentiable``: the outputs that take no gradient (by position).
+
+    Every tensor argument (optional or not) gets the gradient the function's ``backward`` returns for it. Calling
+    the object with the function's own arguments (seeds as ints, or :data:`TRACED_SEED` under ``torch.compile``) runs
+    the forward operator and returns what ``function.apply`` would. It is meant for code that ``torch.compile``
+    traces (eager code calls ``function.apply``: :func:`call`); outside it, it computes the same, with the
+    operators' dispatch added."""
+
+    def __init__(self, name: str, function: type[torch.autograd.Function], parameters: str,
+                 fake: Callable[..., Sequence[Tensor]], *, tuple_output: bool = False,
+                 non_differentiable: Sequence[int] = ()) -> None:
+        self.name, self.function, self.tuple_output = name, function, tuple_output
+        self.non_differentiable = tuple(non_differentiable)
+        self.parameters = _parameters(parameters)
+        self._fake_outputs = fake
+        arguments = ", ".join(f"{_schema_type(kind)} {name}" for kind, name in self.parameters
+                              if kind not in ("Seed", "Blas"))
+        schema = f"({arguments}, Tensor seeds, bool[] needs) -> Tensor[]"
+        self._kinds = _tensor_kinds(schema)
+        self.forward_op = torch.library.custom_op(f"{NAMESPACE}::{name}", self._forward, mutates_args=(),
+                                                  schema=schema)
+        self.forward_op.register_fake(self._fake_forward)
+        self.backward_op = torch.library.custom_op(
+            f"{NAMESPACE}::{name}_backward", self._backward, mutates_args=(),
+            schema="(Tensor handle, Tensor?[] grads, Tensor?[] inputs, Tensor[] outputs, bool[] wanted) -> Tensor[]")
+        self.backward_op.register_fake(self._fake_backward)
+        self.forward_op.register_autograd(self._autograd_backward, setup_context=self._setup_context)
+        REGISTERED.append(self)
+
+    def operator_arguments(self, *args: object) -> list[object]:
+        """The forward operator's arguments for the function's ``args`` (seeds as ints), ``needs`` left out; with
+        :data:`TRACED_SEED` seeds, drawn by ``gatedformer::draw_seeds`` once its tensor arguments are computed."""
+        flat, seeds = _flatten(self.parameters, args)
+        traced = sum(seed is TRACED_SEED for seed in seeds)
+        if traced and traced != len(seeds):
+            raise ValueError(f"{self.name}: seeds must be all drawn or all traced")
+        if traced:
+            seed_tensor = _draw_seeds_op([t for t in flat if isinstance(t, Tensor)], traced)
+        else:
+            seed_tensor = torch.tensor(seeds, dtype=torch.int64)
+        return [*flat, seed_tensor]
+
+    def __call__(self, *args: object) -> Tensor | tuple[Tensor, ...]:
+        arguments = self.operator_arguments(*args)
+        needs = [t is not None and t.requires_grad for t in _leaves(self._kinds, arguments)]
+        outputs = self.forward_op(*arguments, needs)[:-1]
+        return tuple(outputs) if self.tuple_output else outputs[0]
+
+    def _function_arguments(self, args: Sequence[object], seeds: Tensor | None) -> list[object]:
+        """The function's arguments from the operator's (``seeds`` ``None``: every seed 0, for the fake function)."""
+        return _unflatten(self.parameters, args, [0] * len(self.parameters) if seeds is None else seeds.tolist())
+
+    # -- the forward operator
+
+    def _forward(self, *args: object) -> list[Tensor]:
+        *args, seeds, needs = args
+        leaves = _leaves(self._kinds, [*args, seeds])
+        if len({id(t) for t in leaves if t is not None}) < sum(t is not None for t in leaves):
+            # one tensor in two places: each place gets a view of its own, and so a gradient of its own
+            args = [a.view_as(a) if kind == "one" and a is not None else a
+                    for kind, a in zip(self._kinds, args, strict=False)]
+            leaves = _leaves(self._kinds, [*args, seeds])
+        unpacked = self._function_arguments(args, seeds)
+        places = {id(a): j for j, a in enumerate(unpacked) if isinstance(a, Tensor)}
+        # for each tensor leaf, the function's argument it is (-1: none)
+        leaf_places = [-1 if t is None else places.get(id(t), -1) for t in leaves]
+        needs_input_grad = [False] * len(unpacked)
+        for place, need in zip(leaf_places, needs, strict=True):
+            if place >= 0:
+                needs_input_grad[place] = needs_input_grad[place] or need
+        context = _Context(tuple(needs_input_grad))
+        with torch.no_grad():  # as Function.apply runs forward
+            result = self.function.forward(context, *unpacked)
+        context.leaf_places = leaf_places  # type: ignore[attr-defined]
+        outputs = list(result) if isinstance(result, tuple) else [result]
+        return [*_fresh(outputs, leaves), _handle(context)]
+
+    def _fake_forward(self, *args: object) -> list[Tensor]:
+        *args, seeds, _ = args
+        return [*self._fake_outputs(*self._function_arguments(args, None)), torch.empty(1, dtype=torch.int64)]
+
+    def _setup_context(self, ctx: Any, inputs: tuple[object, ...], output: list[Tensor]) -> None:
+        leaves = _leaves(self._kinds, inputs[:-1])
+        ctx.present = [t is not None for t in leaves]
+        ctx.wanted = [bool(need) and t is not None for need, t in zip(inputs[-1], leaves, strict=True)]
+        ctx.save_for_backward(*(t for t in leaves if t is not None), *output)
+        ctx.mark_non_differentiable(output[-1], *(output[i] for i in self.non_differentiable))
+        ctx.set_materialize_grads(False)
+
+    def _autograd_backward(self, ctx: Any, grads: list[Tensor | None]) -> tuple[object, ...]:
+        saved = list(ctx.saved_tensors)
+        count = sum(ctx.present)
+        kept, outputs = iter(saved[:count]), saved[count:]
+        leaves = [next(kept) if there else None for there in ctx.present]
+        computed = iter(self.backward_op(outputs[-1], list(grads[:-1]), leaves, outputs[:-1], ctx.wanted)
+                        if any(ctx.wanted) else [])
+        flat = iter([next(computed) if want else None for want in ctx.wanted])
+        return tuple(next(flat) if kind == "one" else None for kind in self._kinds)
+
+    # -- the backward operator
+
+    def _backward(self, handle: Tensor, grads: list[Tensor | None], inputs: list[Tensor | None],
+                  outputs: list[Tensor], wanted: list[bool]) -> list[Tensor]:
+        context = _kept_context(handle)
+        if context.materialize_grads:
+            grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs, strict=True)]
+        with torch.no_grad():
+            result = self.function.backward(context, *grads)
+        result = result if isinstance(result, tuple) else (result,)
+        out, like = [], []
+        for place, want, reference in zip(context.leaf_places, wanted, inputs, strict=True):  # type: ignore[attr-defined]
+            if want:
+                grad = result[place] if place >= 0 else None
+                out.append(torch.zeros_like(reference) if grad is None else grad)
+                like.append(reference)
+        return _fresh(out, [*grads, *inputs, *outputs], like)
+
+    def _fake_backward(self, handle: Tensor, grads: list[Tensor | None], inputs: list[Tensor | None],
+                       outputs: list[Tensor], wanted: list[bool]) -> list[Tensor]:
+        return [torch.empty_like(t) for t, w in zip(inputs, wanted, strict=True) if w]
+
+
+def call(operator: FunctionOperator, *args: object) -> Tensor | tuple[Tensor, ...]:
+    """``operator.function.apply(*args)`` in eager code, the operator under ``torch.compile``: the eager numbers and
+    speed stay those of the autograd function, and a compiled graph keeps the fused path as one node each way."""
+    if torch.compiler.is_compiling():
+        return operator(*args)
+    return operator.function.apply(*args)

@@ -1,0 +1,382 @@
+"""Trained models in the Hugging Face Hub convention: :func:`load` a run, ``save_pretrained`` it as a folder of
+``config.json``, ``model.safetensors``, the vocabulary or tokenizer files and a ``README.md`` model card, and
+:func:`from_pretrained` such a folder (or a Hub repository holding one) back, bit for bit.
+
+An exported folder is data, never code: its config is JSON read with a size bound and validated field by field, its
+weights are safetensors checked against the SHA-256 they record (the run's own weights carry the same), and pickle
+files (``pytorch_model.bin``, ``*.pt``...) are refused rather than read. Every damaged or hostile folder is one
+:class:`~gatedformer.errors.GatedformerError` naming the file and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from torch import nn
+
+from gatedformer.config import RunConfig, config_from_dict, task_of
+from gatedformer.devices import resolve_device
+from gatedformer.errors import CheckpointError, ConfigError, OutputError
+from gatedformer.io import atomic_write_text, make_folder, output_path, read_limited
+from gatedformer.runs import load_trained
+from gatedformer.tasks import Task, get_task
+from gatedformer.train.checkpoint import (
+    check_architecture,
+    load_model_weights,
+    read_tensors,
+    save_model_weights,
+    weights_metadata,
+)
+from gatedformer.version import __version__
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "Pretrained", "export_run", "from_pretrained", "load"]
+
+FORMAT = "gatedformer-pretrained"
+"""``config.json``'s ``format``: what marks a folder as an exported gatedformer model."""
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+CARD_FILE = "README.md"
+_CONFIG_BYTES = 1 << 24
+_PICKLES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+
+
+class Pretrained:
+    """A trained model in the user's hands: its run config, task, network (``model``, in eval mode, on its device)
+    and what it needs to read and write text (``data``: the vocabulary of a language model, the vocabularies of a
+    translation model, the tokenizer of a BERT). Calling it calls the network."""
+
+    def __init__(self, config: RunConfig, task: Task, model: nn.Module, data: Any,
+                 results: dict[str, Any] | None = None, source: Path | None = None) -> None:
+        self.config = config
+        self.task = task
+        self.model = model
+        self.data = data
+        self.results = results or {}
+        """The run's ``results.json`` (its valid and test scores), as the model card shows them."""
+        self.source = source
+
+    def __repr__(self) -> str:
+        return (f"Pretrained({self.task.name}, {self.config.model.backbone}, gates={self.config.model.gates!r}, "
+                f"corpus={self.config.data.corpus!r}, device={self.device})")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def to(self, device: str | torch.device) -> Pretrained:
+        """Move the network to ``device`` (``"cpu"``, ``"cuda"``, ``"auto"``...); returns ``self``."""
+        self.model.to(resolve_device(str(device)))
+        return self
+
+    # ---- using it --------------------------------------------------------------------------------------------
+
+    def _require(self, task: str, method: str) -> None:
+        if self.task.name != task:
+            raise ConfigError(f"{method}() needs a {get_task(task).title} model; this one is a {self.task.title} "
+                              f"model ({self.config.data.corpus})")
+
+    def generate(self, prompt: str = "", max_tokens: int = 200, temperature: float = 1.0, top_k: int = 0,
+                 seed: int = 0, context: int = 512, cache: bool = True) -> str:
+        """Prompt plus ``max_tokens`` sampled tokens, as text (a language model; see
+        :func:`gatedformer.tasks.lm.generate_stream`: ``cache=False`` recomputes the window for every token)."""
+        return "".join(self.generate_stream(prompt, max_tokens, temperature, top_k, seed, context, cache))
+
+    def generate_stream(self, prompt: str = "", max_tokens: int = 200, temperature: float = 1.0, top_k: int = 0,
+                        seed: int = 0, context: int = 512, cache: bool = True) -> Iterator[str]:
+        """:meth:`generate`'s text piece by piece, as it is sampled."""
+        from gatedformer.tasks.lm import generate_stream
+
+        self._require("lm", "generate")
+        return generate_stream(self.model, self.data.vocab, prompt, max_tokens, temperature, top_k, seed, context,
+                               cache)
+
+    def translate(self, text: str | Sequence[str], beam: int | None = None,
+                  length_penalty: float | None = None) -> str | list[str]:
+        """The translation of one sentence (a string) or of each of several (a list), with the run's beam search
+        unless ``beam`` (1: greedy) or ``length_penalty`` say otherwise."""
+        from gatedformer.tasks.translation import translate_lines
+
+        self._require("translation", "translate")
+        lines = [text] if isinstance(text, str) else list(text)
+        out = translate_lines(self.model, self.config, self.data, lines, beam, length_penalty)
+        return out[0] if isinstance(text, str) else out
+
+    # ---- sharing it ------------------------------------------------------------------------------------------
+
+    def save_pretrained(self, folder: str | Path) -> Path:
+        """Write the model to ``folder`` in the Hub convention: ``config.json`` (the run config, the task, the
+        vocabulary sizes, the format's version), ``model.safetensors`` (with the checksum and config the run's
+        weights record), the task's vocabulary or tokenizer files and a ``README.md`` model card. A folder that
+        holds anything but an earlier export is refused, never overwritten."""
+        folder = Path(folder)
+        _check_export_target(folder)
+        files = self.task.inference_files(self.data)  # before anything is written: a task may not export
+        make_folder(folder, "export folder")
+        config = self.config.to_dict()
+        for name, text in files.items():
+            atomic_write_text(folder / name, text)
+        save_model_weights(self.model, folder / WEIGHTS_FILE, weights_metadata(config))
+        record = {"format": FORMAT, "format_version": FORMAT_VERSION, "gatedformer": __version__,
+                  "task": self.task.name, "backbone": self.config.model.backbone,
+                  "vocab_sizes": _vocab_sizes(self.data),
+                  "parameters": sum(p.numel() for p in self.model.parameters()),
+                  "files": sorted(files), "config": config,
+                  # where the run was trained is the trainer's business, not the model's
+                  "results": _plain({k: v for k, v in self.results.items() if k != "run_dir"})}
+        atomic_write_text(folder / CARD_FILE, model_card(self, record))
+        # Last: a folder with config.json is a whole export (an interrupted one is refused by from_pretrained).
+        atomic_write_text(folder / CONFIG_FILE, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+        return folder
+
+    def push_to_hub(self, repo_id: str, private: bool = False, token: str | None = None,
+                    commit_message: str = "Upload gatedformer model") -> str:
+        """Export the model (:meth:`save_pretrained`) into a temporary folder and upload it to the Hugging Face Hub
+        repository ``repo_id`` (created where missing); returns the commit's address. Needs
+        ``pip install 'gatedformer[hub]'`` and a token (``token``, ``HF_TOKEN`` or ``huggingface-cli login``)."""
+        hub = _hub()
+        if not _REPO_ID.match(repo_id) or "/" not in repo_id:
+            raise ConfigError(f"{repo_id!r} is not a Hub repository id; write it as OWNER/NAME")
+        api = hub.HfApi(token=token)
+        with tempfile.TemporaryDirectory(prefix="gatedformer-export-") as tmp:
+            folder = self.save_pretrained(Path(tmp) / "model")
+            try:
+                api.create_repo(repo_id, private=private, exist_ok=True)
+                info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=commit_message)
+            except Exception as err:  # noqa: BLE001 - network, authentication, permission: one line for the user
+                raise OutputError(f"could not upload to the Hub repository {repo_id} ({_first_line(err)}); check "
+                                  "your token (HF_TOKEN or huggingface-cli login) and network") from None
+        return str(getattr(info, "commit_url", info))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with what JSON cannot hold (a NaN, an infinity) as ``None``."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _vocab_sizes(data: Any) -> dict[str, int]:
+    if hasattr(data, "vocab"):
+        return {"vocab": len(data.vocab)}
+    if hasattr(data, "src") and hasattr(data, "tgt"):
+        return {"src": len(data.src), "tgt": len(data.tgt)}
+    if isinstance(data, tuple):
+        data = data[-1]
+    try:
+        return {"vocab": len(data)}
+    except TypeError:
+        return {}
+
+
+def _check_export_target(folder: Path) -> None:
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise OutputError(f"{folder} is a file, not a folder; choose another export folder")
+    if any(folder.iterdir()) and _export_record(folder) is None:
+        raise OutputError(f"{folder} is not empty and not a gatedformer export; choose an empty or new folder (an "
+                          "earlier export may be overwritten)")
+
+
+def _export_record(folder: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads(read_limited(folder / CONFIG_FILE, _CONFIG_BYTES))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("format") == FORMAT else None
+
+
+def model_card(model: Pretrained, record: dict[str, Any]) -> str:
+    """The ``README.md`` of an exported model: Hub metadata, what the model is, its scores, how to load it."""
+    cfg = model.config
+    results = record["results"]
+    scores = [(key, value) for key, value in results.items()
+              if isinstance(value, int | float) and not isinstance(value, bool)]
+    rows = "\n".join(f"| {key} | {value:.6g} |" for key, value in scores) or "| (no results.json) | |"
+    sizes = ", ".join(f"{key} {value:,}" for key, value in record["vocab_sizes"].items()) or "in its files"
+    return f"""---
+library_name: gatedformer
+tags:
+- gatedformer
+- {model.task.name}
+- {cfg.model.backbone}
+---
+
+# {cfg.model.backbone} {model.task.title} ({cfg.data.corpus})
+
+A gatedformer model exported by `save_pretrained` (format {FORMAT} version {FORMAT_VERSION}).
+
+| | |
+|---|---|
+| task | {model.task.title} (`{model.task.name}`) |
+| backbone | `{cfg.model.backbone}`: {cfg.model.n_layers} layers, d_model {cfg.model.d_model} |
+| gates | `{cfg.model.gates or "none (baseline)"}` |
+| corpus | `{cfg.data.corpus}` |
+| vocabulary | {sizes} |
+| parameters | {record["parameters"]:,} |
+
+## Results (the run's `results.json`)
+
+| metric | value |
+|---|---|
+{rows}
+
+## Use
+
+```python
+import gatedformer
+
+model = gatedformer.from_pretrained("THIS_FOLDER_OR_REPO_ID")
+{_usage(model.task.name)}
+```
+
+The whole run config is in `config.json`; the weights in `model.safetensors` carry a SHA-256 checksum that
+`from_pretrained` checks.
+"""
+
+
+def _usage(task: str) -> str:
+    if task == "lm":
+        return 'print(model.generate("The ", max_tokens=200, seed=0))'
+    if task == "translation":
+        return 'print(model.translate("A man is riding a bike."))'
+    return "model.model  # the network, in eval mode"
+
+
+def load(run_dir: str | Path, device: str = "auto", data_dir: str | Path | None = None) -> Pretrained:
+    """The trained model of the run folder ``run_dir`` (its final weights, else its latest checkpoint's), in eval
+    mode on ``device``, with its vocabulary or tokenizer (a language model's is read from its corpus:
+    ``data_dir`` says where, as ``--data-dir`` does)."""
+    run = load_trained(run_dir, data_dir, device)
+    results = None
+    results_file = Path(run_dir) / "results.json"
+    if results_file.is_file():
+        try:
+            results = json.loads(read_limited(results_file, _CONFIG_BYTES))
+        except (OSError, ValueError):
+            results = None
+    return Pretrained(run.config, run.task, run.model, run.data, results if isinstance(results, dict) else None,
+                      Path(run_dir))
+
+
+def export_run(run_dir: str | Path, out: str | Path, device: str = "cpu", data_dir: str | Path | None = None
+               ) -> Path:
+    """``gatedformer export``: :func:`load` the run, then ``save_pretrained`` it to ``out`` (a folder in the way
+    is refused before the run is loaded)."""
+    folder = output_path(out, "--out")
+    _check_export_target(folder)
+    return load(run_dir, device, data_dir).save_pretrained(folder)
+
+
+def _hub() -> Any:
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise ConfigError("the Hugging Face Hub needs huggingface_hub: pip install 'gatedformer[hub]'") from None
+    return huggingface_hub
+
+
+def _download(repo_id: str, revision: str | None, token: str | None) -> Path:
+    hub = _hub()
+    try:  # only the files an export has: never a pickle, never code
+        path = hub.snapshot_download(repo_id, revision=revision, token=token,
+                                     allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, "*.json", "*.txt"])
+    except Exception as err:  # noqa: BLE001 - not found, no network, no access: one line for the user
+        raise ConfigError(f"{repo_id!r} is neither a local folder nor a Hub repository that could be downloaded "
+                          f"({_first_line(err)})") from None
+    return Path(path)
+
+
+def from_pretrained(name_or_path: str | Path, device: str = "auto", revision: str | None = None,
+                    token: str | None = None) -> Pretrained:
+    """The model ``save_pretrained`` wrote to a folder, or to a Hub repository (``OWNER/NAME``; downloaded with
+    ``huggingface_hub``, only its config, weights, vocabulary and card), in eval mode on ``device``: the same
+    weights, so the same outputs, as the model that was saved."""
+    path = Path(name_or_path)
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(f"{path} is a file; from_pretrained takes the folder save_pretrained wrote")
+        folder = path
+    elif isinstance(name_or_path, str) and _REPO_ID.match(name_or_path) and "/" in name_or_path:
+        folder = _download(name_or_path, revision, token)
+    else:
+        raise ConfigError(f"{name_or_path} is not a folder, nor a Hub repository id (OWNER/NAME); pass the folder "
+                          "save_pretrained or `gatedformer export` wrote")
+    return _read_export(folder, device)
+
+
+def _read_export(folder: Path, device: str) -> Pretrained:
+    target = resolve_device(device)
+    config_file = folder / CONFIG_FILE
+    weights = folder / WEIGHTS_FILE
+    if not weights.is_file():
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLES)
+        if pickles:
+            raise CheckpointError(f"{folder} holds {', '.join(pickles[:3])} but no {WEIGHTS_FILE}: pickle files can "
+                                  "run code, and gatedformer never loads them; export the model with save_pretrained")
+    if not config_file.is_file():
+        raise CheckpointError(f"{folder} is not a gatedformer export (no {CONFIG_FILE}); export a run with "
+                              "`gatedformer export --run RUN --out FOLDER`")
+    try:
+        record = json.loads(read_limited(config_file, _CONFIG_BYTES))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{config_file} is unreadable or not JSON ({_first_line(err)}); export the model "
+                              "again") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise CheckpointError(f"{config_file} is not a gatedformer export's config (no \"format\": \"{FORMAT}\"); "
+                              "export the model with save_pretrained")
+    if record.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{config_file} is of format version {str(record.get('format_version'))[:20]}, which "
+                              f"this gatedformer does not read (it reads {FORMAT_VERSION}); upgrade gatedformer")
+    if not isinstance(record.get("config"), dict):
+        raise CheckpointError(f"{config_file} has no run config; export the model again")
+    config = config_from_dict(record["config"], where=str(config_file))
+    task = get_task(task_of(config))
+    if record.get("task") != task.name:
+        raise CheckpointError(f"{config_file} says task {str(record.get('task'))[:40]!r} but its config is a "
+                              f"{task.name} run; export the model again")
+    files = record.get("files")
+    if not isinstance(files, list) or not all(isinstance(name, str) and Path(name).name == name for name in files):
+        raise CheckpointError(f"{config_file} lists no valid vocabulary files; export the model again")
+    missing = [name for name in files if not (folder / name).is_file()]
+    if missing:
+        raise CheckpointError(f"{folder} lacks {', '.join(missing)}, which its config lists; copy the whole export")
+    if not weights.is_file():
+        raise CheckpointError(f"{folder} has no {WEIGHTS_FILE}; copy the whole export")
+    data = task.inference_data(config, folder, None)
+    model = task.build_model(config, data)
+    try:
+        tensors, metadata = read_tensors(weights)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"{weights} is truncated, corrupt or changed ({_first_line(err)}); export the model "
+                              "again") from None
+    try:
+        recorded = json.loads(metadata["config"]) if "config" in metadata else None
+    except ValueError:
+        recorded = None
+    check_architecture(recorded, config.to_dict(), str(weights))
+    load_model_weights(model, tensors, str(weights))
+    model.to(target).eval()
+    results = record.get("results")
+    return Pretrained(config, task, model, data, results if isinstance(results, dict) else None, folder)

@@ -1,0 +1,165 @@
+"""The fused CPU paths as custom operators (``gatedformer.ops.operators``): each one's schema, fake function and
+autograd registration as ``torch.library.opcheck`` checks them, on the arguments the models really pass; and a
+compiled training step that keeps them and equals the eager one, dropout masks included."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from gatedformer.analysis.bench import BenchOptions, BenchSize, format_report, run_bench
+from gatedformer.config import ModelConfig
+from gatedformer.gates import GatedResidual
+from gatedformer.models import build_model
+from gatedformer.ops import (
+    attention,
+    dropout,
+    embedding,
+    fused_gates,
+    fused_linear,
+    operators,
+    output_loss,
+    relative_attention,
+    relative_sublayer,
+    rnn,
+)
+from gatedformer.ops.operators import REGISTERED, FunctionOperator
+
+_CALLERS = (attention, dropout, embedding, fused_gates, fused_linear, output_loss, relative_attention,
+            relative_sublayer, rnn)
+
+# Small models that between them call every operator in eager code: post-LN sublayers whole (with each gate slot),
+# pre-LN ones in pieces, the relative sublayer, the LocalRNN's recurrence and steps, the GLU.
+_MODELS = [
+    dict(backbone="transformer", gates="+σ SDU"),
+    dict(backbone="transformer", gates="+EAU+GRC"),
+    dict(backbone="transformer", gates="+highway gate", norm="pre"),
+    dict(backbone="transformer", norm="pre"),
+    dict(backbone="transformer-xl", gates="+σ SDU"),
+    dict(backbone="transformer-xl", norm="pre", dropout=0.0),  # attention dropout: the kernel takes none
+    dict(backbone="rtransformer", rnn_type="gru"),
+    dict(backbone="rtransformer", rnn_type="lstm"),
+    dict(backbone="gcnn"),
+]
+
+
+def _recorded_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[FunctionOperator, tuple[object, ...]]]:
+    """The first call of each operator's function while the models above take a training step, with its arguments
+    (detached copies, seeds as drawn)."""
+    calls: dict[str, tuple[FunctionOperator, tuple[object, ...]]] = {}
+
+    def record(operator: FunctionOperator, *args: object):  # noqa: ANN202
+        if operator.name not in calls:
+            calls[operator.name] = (operator, tuple(
+                a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                for a in args))
+        return operator.function.apply(*args)
+
+    for module in _CALLERS:
+        monkeypatch.setattr(module, "call", record)
+    for extra in _MODELS:
+        torch.manual_seed(0)
+        cfg = ModelConfig(**{"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ffn": 64, "mem_len": 4, "dropout": 0.1,
+                             "rnn_window": 3, **extra})
+        model = build_model(cfg, 20).train()
+        tokens = torch.randint(0, 20, (2, 9))
+        if extra["backbone"] == "transformer-xl":  # a hooked layer: the stack declines, its sublayers run one by one
+            model.layers[0].register_forward_hook(lambda *_: None)
+        loss, _ = model(tokens[:, :-1], None, targets=tokens[:, 1:])
+        loss.backward()
+        if extra["backbone"] == "rtransformer":  # the steps one by one: what the recurrence does not take
+            rnn.gru_step(torch.randn(3, 24, requires_grad=True), torch.randn(3, 24, requires_grad=True),
+                         torch.randn(3, 8, requires_grad=True))
+            rnn.lstm_step(torch.randn(3, 32, requires_grad=True), torch.randn(32), torch.randn(3, 8))
+    # the pieces that the whole sublayers above leave out
+    x, base = torch.randn(2, 5, 32, requires_grad=True), torch.randn(2, 5, 32, requires_grad=True)
+    linear, norm = nn.Linear(32, 32), nn.LayerNorm(32)
+    dropout.dropout_add(base, x, 0.3)
+    dropout.relu_dropout(x, 0.3)
+    fused_linear.linear_dropout(x, linear, 0.2)
+    fused_linear.linear_dropout_add_norm(base, x, linear, 0.2, norm)
+    fused_gates.apply_grc(GatedResidual(32), base, x)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def recorded() -> Iterator[dict[str, tuple[FunctionOperator, tuple[object, ...]]]]:
+    with pytest.MonkeyPatch.context() as monkeypatch:  # undone before the tests: they call the operators
+        calls = _recorded_calls(monkeypatch)
+    yield calls
+
+
+def test_the_models_call_every_operator(recorded: dict) -> None:
+    assert sorted(recorded) == sorted(op.name for op in REGISTERED)
+
+
+@pytest.mark.parametrize("name", sorted(op.name for op in REGISTERED))
+def test_each_operator_passes_opcheck(name: str, recorded: dict) -> None:
+    operator, args = recorded[name]
+    arguments = operator.operator_arguments(*args)
+    needs = [t is not None and t.requires_grad for t in operators._leaves(operator._kinds, arguments)]
+    torch.library.opcheck(operator.forward_op, (*arguments, needs))
+
+
+def test_an_operator_computes_what_its_function_does(recorded: dict) -> None:
+    operator, args = recorded["feed_forward_add_norm"]
+    results = []
+    for run in (operator.function.apply, operator):
+        out = run(*args)
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        results.append((out, *torch.autograd.grad(out.sin().sum(), leaves)))
+    for expected, got in zip(*results, strict=True):
+        assert torch.equal(expected, got)
+
+
+def test_traced_seeds_are_drawn_in_the_eager_order() -> None:
+    # Under compile the seed is drawn inside the graph; the generator ends where the eager draws leave it.
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return dropout.dropout_add(x, dropout.relu_dropout(dropout.dropout(x, 0.3), 0.2), 0.1).sum()
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        torch.manual_seed(3)
+        loss = fn(x)
+        results.append((loss, torch.autograd.grad(loss, x)[0], torch.randint(0, 2 ** 62, ())))
+    for eager, compiled in zip(*results, strict=True):
+        assert torch.equal(eager, compiled)
+
+
+def test_a_compiled_step_with_dropout_equals_the_eager_one() -> None:
+    # Inductor compiles the glue; the fused paths stay operators, and their masks are the eager ones.
+    torch._dynamo.reset()
+    cfg = ModelConfig(backbone="transformer", d_model=32, n_layers=2, n_heads=2, d_ffn=64, dropout=0.1,
+                      gates="+σ SDU")
+    torch.manual_seed(0)
+    model = build_model(cfg, 20).train()
+    tokens = torch.randint(0, 20, (2, 9))
+    results = []
+    for forward in (model, torch.compile(model, fullgraph=True)):
+        torch.manual_seed(1)
+        loss, _ = forward(tokens[:, :-1], None, targets=tokens[:, 1:])
+        results.append((loss, *torch.autograd.grad(loss, list(model.parameters()))))
+    torch._dynamo.reset()
+    for eager, compiled in zip(*results, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_bench_compile_times_the_eager_step_beside_the_compiled_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # dynamo's eager backend: the bench's rows and table are what is checked here, not Inductor's code
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    size = BenchSize(d_model=16, n_layers=1, n_heads=2, d_ffn=32, seq_len=8, batch=2, vocab=11)
+    options = BenchOptions(repeats=2, warmup=1, memory="none", threads=1, compile=True)
+    report = run_bench(size, options, sections=["models"], backbones=["transformer"], variants=["baseline"])
+    torch._dynamo.reset()
+    (row,) = report.section("models")
+    assert row["train_eager_ms"] > 0 and row["train_ms"] > 0 and row["compiled_speedup"] > 0
+    text = format_report(report)
+    assert "torch.compile: the training step eager and compiled" in text
+    assert f"{row['compiled_speedup']:.2f}x" in text
