@@ -14,10 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -31,27 +28,10 @@ from gatedformer.analysis.bench.timing import measured_peaks, peak_contenders
 from gatedformer.config import build_config, load_recipe
 from gatedformer.data.translation import PAD_ID, collate, length_batches
 from gatedformer.io import atomic_write_text
+from gatedformer.kernels.build import pytorch_operations
 from gatedformer.tasks.translation import build_seq2seq, load_data
 from gatedformer.train.init import initialise
 from gatedformer.train.optim import build_optimizer, build_scheduler
-
-_BACKEND_SWITCHES = ("GATEDFORMER_ATTENTION_BACKEND", "GATEDFORMER_DROPOUT_BACKEND",
-                     "GATEDFORMER_CROSS_ENTROPY_BACKEND", "GATEDFORMER_GATE_BACKEND")
-
-
-@contextmanager
-def _pytorch_operations() -> Iterator[None]:
-    """Inside, the models run PyTorch's operations instead of the compiled kernels (the switches are read per call)."""
-    saved = {name: os.environ.get(name) for name in _BACKEND_SWITCHES}
-    os.environ.update(dict.fromkeys(_BACKEND_SWITCHES, "torch"))
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
             scheduler.step()
 
     model.train()
-    with _pytorch_operations(), FlopCounterMode(display=False) as counter:
+    with pytorch_operations(), FlopCounterMode(display=False) as counter:
         for batch in batches:
             loss_of(*batch).backward()
     optimizer.zero_grad(set_to_none=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,21 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     # Token caches and verification stamps go to a per-session folder, never the user's home.
     monkeypatch.setenv("GATEDFORMER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def _single_thread() -> Iterator[None]:
+    # The models in the tests are tiny: on a shared 2-core machine a second thread only waits for the first (and
+    # the subprocesses some tests compare against run with OMP_NUM_THREADS=1, bit for bit).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+one_thread = pytest.fixture(_single_thread, name="one_thread")
+"""One intra-op thread for a test: ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+one_thread_module = pytest.fixture(_single_thread, name="one_thread_module", scope="module")
+"""One intra-op thread for a whole module, its module-scoped fixtures (e.g. trained runs) included."""
 
 
 @pytest.fixture

@@ -23,13 +23,7 @@ from gatedformer.train.loop import train
 VOCAB, D, LAYERS = 11, 16, 3
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The models here are tiny: a second thread only adds synchronisation (costly on a busy machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rt(**kw: object) -> RTransformerLM:

@@ -17,7 +17,8 @@ from gatedformer.data.wordpiece import SPECIALS, WordPiece, encode_corpus
 from gatedformer.errors import ConfigError, DataError
 from gatedformer.gates import EAU, GatedResidual
 from gatedformer.models.bert import BertEncoder, BertForMaskedLM, hf_to_ours
-from gatedformer.tasks.mlm import IGNORE, mask_tokens, resolve_tokenizer, rng, windows
+from gatedformer.tasks.base import rng
+from gatedformer.tasks.mlm import IGNORE, mask_tokens, resolve_tokenizer, windows
 from gatedformer.train.loop import train
 
 transformers = pytest.importorskip("transformers")
@@ -25,12 +26,7 @@ transformers = pytest.importorskip("transformers")
 SMALL = {"d_model": 32, "n_layers": 2, "n_heads": 4, "d_ffn": 64, "max_positions": 40}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def _hf_config():

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,13 +44,7 @@ assert train(config, spec["split"], progress=False, stop_after=6) is None
 """
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    # One thread, like the OMP_NUM_THREADS=1 subprocesses: on a busy machine two spin-waiting threads are far slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def sets(overrides: list[str]) -> list[str]:

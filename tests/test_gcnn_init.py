@@ -20,13 +20,7 @@ from gatedformer.train.init import initialise
 V = 50
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tensors are tiny: on a shared 2-core machine a second thread only waits for the first."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _tokens(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:

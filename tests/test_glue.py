@@ -22,12 +22,7 @@ from gatedformer.train.loop import train
 pytest.importorskip("tokenizers")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "in", "mat", "park", "sun", "big", "small", "red"]

@@ -19,11 +19,13 @@ import torch
 
 from gatedformer.kernels import build as _native
 from gatedformer.kernels.build import (
+    BACKEND_SWITCHES,
     CSRC,
     DeclarationError,
     KernelUnavailable,
     NativeKernel,
     parse_declarations,
+    pytorch_operations,
 )
 
 if sys.version_info >= (3, 11):
@@ -201,6 +203,20 @@ def test_no_cpp_is_left_in_python_and_kernels_import_no_layer_above_them() -> No
             if path.is_relative_to(PACKAGE / "kernels") and isinstance(node, (ast.Import, ast.ImportFrom)):
                 for module in _imported(path, node):
                     assert not re.match(r"gatedformer\.(ops|nn|models|gates)\b", module), (path, module)
+
+
+def test_pytorch_operations_turns_every_kernel_off_and_restores_the_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernels = [importlib.import_module(f"gatedformer.kernels.{path.stem}").KERNEL
+               for path in sorted((PACKAGE / "kernels").glob("*.py"))
+               if "KERNEL = NativeKernel(" in path.read_text()]
+    assert len(kernels) >= 10 and {kernel.env_var for kernel in kernels} == set(BACKEND_SWITCHES)
+    monkeypatch.setenv("GATEDFORMER_GATE_BACKEND", "native")
+    monkeypatch.delenv("GATEDFORMER_SRU_BACKEND", raising=False)
+    with pytorch_operations():
+        assert all(kernel.pick_backend(torch.device("cpu")) == "torch" for kernel in kernels)
+    assert os.environ["GATEDFORMER_GATE_BACKEND"] == "native" and "GATEDFORMER_SRU_BACKEND" not in os.environ
+    with pytest.raises(ValueError, match="not one of BACKEND_SWITCHES"):
+        NativeKernel("x", abi_version=1, env_var="GATEDFORMER_X_BACKEND", description="x", fallback="y")
 
 
 # ---- a kernel that cannot be built ------------------------------------------------------------------------------

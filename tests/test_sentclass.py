@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from conftest import SHARED_DATA, needs_shared
 
 from gatedformer.config import build_config, load_recipe
@@ -19,13 +18,7 @@ from gatedformer.errors import DataError
 from gatedformer.tasks.sentclass import read_word_vectors
 from gatedformer.train.loop import train
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 POSITIVE, NEGATIVE = ["good", "great", "fine", "nice"], ["bad", "awful", "poor", "dull"]

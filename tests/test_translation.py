@@ -41,13 +41,7 @@ def load_translation_run(run_dir: Path) -> object:
     return load_trained(run_dir)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models on a shared 2-core machine: one thread avoids OpenMP contention.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def _model(eau: bool = False, grc: bool = False, gates: str = "", layers: int = 2, tie: bool = False,
@@ -449,24 +443,17 @@ def test_translation_weights_of_another_architecture_are_refused_by_name(trained
 def test_the_translation_mfu_script_times_real_batches_against_their_counted_flops(
         corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks/translation_mfu.py: the recipe's model on its first batches; the FLOPs are counted with PyTorch's
-    operations in place of the compiled kernels, whose arithmetic the counter cannot see."""
+    operations in place of the compiled kernels (kernels.build.pytorch_operations, tested in test_kernel_build),
+    whose arithmetic the counter cannot see."""
     import importlib.util
-    import os
 
     from gatedformer.kernels import attention as _attention_kernel
-    from gatedformer.kernels import cross_entropy as _cross_entropy_kernel
 
+    cpu = torch.device("cpu")
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "translation_mfu.py"
     spec = importlib.util.spec_from_file_location("translation_mfu", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-
-    cpu = torch.device("cpu")
-    before = {name: os.environ.get(name) for name in script._BACKEND_SWITCHES}
-    with script._pytorch_operations():
-        assert _attention_kernel.KERNEL.pick_backend(cpu) == "torch"
-        assert _cross_entropy_kernel.KERNEL.pick_backend(cpu) == "torch"
-    assert {name: os.environ.get(name) for name in script._BACKEND_SWITCHES} == before
 
     out = tmp_path / "mfu.json"
     overrides = ["model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.d_ffn=32", "data.batch_size=16",
@@ -479,7 +466,7 @@ def test_the_translation_mfu_script_times_real_batches_against_their_counted_flo
     assert figures["step_q1_ms"] <= figures["step_ms"] <= figures["step_q3_ms"]
     assert figures["gflop_per_step"] > 0 and figures["peak_gflops"] > 0 and 0 < figures["train_mfu"] < 1.5
     if _attention_kernel.KERNEL.pick_backend(cpu) == "native":  # counted through the kernels, FLOPs go missing
-        monkeypatch.setattr(script, "_pytorch_operations", contextlib.nullcontext)
+        monkeypatch.setattr(script, "pytorch_operations", contextlib.nullcontext)
         assert script.main(["--data-dir", str(corpus_dir), "--threads", "1", "--batches", "3", "--repeats", "1",
                             "--warmup", "0", "--json", str(out), "--set", *overrides]) == 0
         assert json.loads(out.read_text())["gflop_per_step"] < figures["gflop_per_step"]

@@ -40,12 +40,7 @@ from gatedformer.train.optim import Schedule, build_optimizer, build_scheduler
 BACKBONES = ("transformer", "sru-transformer", "convs2s")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def _model(backbone: str, dropout: float = 0.0, *extra: str) -> nn.Module:

@@ -25,6 +25,7 @@ the kernel off, ``GATEDFORMER_REQUIRE_NATIVE`` or not.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -36,14 +37,15 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["BACKENDS", "CSRC", "ISAS", "Declaration", "DeclarationError", "KernelUnavailable", "NativeKernel",
-           "kernel_threads", "native_required", "parse_declarations"]
+__all__ = ["BACKENDS", "BACKEND_SWITCHES", "CSRC", "ISAS", "Declaration", "DeclarationError", "KernelUnavailable",
+           "NativeKernel", "kernel_threads", "native_required", "parse_declarations", "pytorch_operations"]
 
 BACKENDS = ("auto", "native", "torch")
 ISAS = ("baseline", "avx2", "avx512")
@@ -60,6 +62,11 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 """The kernels' C++ sources and headers (package data)."""
 
 _ELEMENTS_PER_THREAD = 1 << 15
+
+BACKEND_SWITCHES = ("GATEDFORMER_ATTENTION_BACKEND", "GATEDFORMER_CROSS_ENTROPY_BACKEND", "GATEDFORMER_DROPOUT_BACKEND",
+                    "GATEDFORMER_GATE_BACKEND", "GATEDFORMER_GRU_BACKEND", "GATEDFORMER_SRU_BACKEND")
+"""Every kernel's switch (``auto``, ``native`` or ``torch``), read at each call; a new kernel's ``env_var`` is one of
+these or is added here."""
 
 REQUIRE_NATIVE = "GATEDFORMER_REQUIRE_NATIVE"
 """The environment variable that makes a kernel that cannot be built an error (``1``) instead of a fallback."""
@@ -85,6 +92,22 @@ def isa_cap() -> str:
     if cap not in ISAS:
         raise ValueError(f"GATEDFORMER_KERNEL_ISA must be one of {', '.join(ISAS)}, got {cap!r}")
     return cap
+
+
+@contextlib.contextmanager
+def pytorch_operations() -> Iterator[None]:
+    """Inside, every model runs PyTorch's operations instead of the compiled kernels (e.g. so that
+    ``torch.utils.flop_counter`` sees all the arithmetic); the switches are restored on the way out."""
+    saved = {name: os.environ.get(name) for name in BACKEND_SWITCHES}
+    os.environ.update(dict.fromkeys(BACKEND_SWITCHES, "torch"))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def native_required() -> bool:
@@ -259,6 +282,8 @@ class NativeKernel:
         self.source = self.source_dir / f"{name}.cpp"
         self.header = self.source_dir / f"{name}.h"
         self.abi_version = abi_version
+        if env_var not in BACKEND_SWITCHES:
+            raise ValueError(f"kernel {name}: env_var {env_var!r} is not one of BACKEND_SWITCHES; add it there")
         self.env_var = env_var
         self.description = description
         self.fallback = fallback

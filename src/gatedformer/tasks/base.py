@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -165,3 +166,23 @@ class Task(ABC):
     def evaluate_split(self, model: nn.Module, config: RunConfig, split: str, data_dir: str | Path | None,
                        device: torch.device, data: Any) -> dict[str, float]:
         """The loss and metric of a trained model on a whole split (``valid`` or ``test``)."""
+
+
+def rng(*words: int) -> np.random.Generator:
+    """A generator for the numbers ``words`` name (seed, step, stream), independent of every other such tuple."""
+    return np.random.default_rng([int(w) for w in words])
+
+
+def shuffled_epochs(examples: int, batch_size: int, per_epoch: int, seed: int, stream: int, step: int
+                    ) -> Iterator[tuple[int, int, list[int]]]:
+    """From ``step`` on, every step's ``(epoch, first position in the epoch, example indices)``: each epoch is a
+    permutation of the ``examples`` drawn from ``(seed, epoch, stream)`` alone, so a run resumed at any step takes
+    the batches the uninterrupted run would have taken."""
+    epoch, order = -1, np.empty(0, dtype=np.int64)
+    while True:
+        if step // per_epoch != epoch:
+            epoch = step // per_epoch
+            order = rng(seed, epoch, stream).permutation(examples)
+        start = (step % per_epoch) * batch_size
+        yield epoch, start, order[start: start + batch_size].tolist()
+        step += 1

@@ -39,9 +39,9 @@ from gatedformer.data.wordpiece import WordPiece
 from gatedformer.devices import autocast
 from gatedformer.errors import ConfigError, DataError, GatedformerError
 from gatedformer.models.bert import load_hf_checkpoint
-from gatedformer.tasks.base import Task, TrainBatch
+from gatedformer.tasks.base import Task, TrainBatch, rng, shuffled_epochs
 from gatedformer.tasks.best import BestEvaluation
-from gatedformer.tasks.mlm import resolve_tokenizer, rng, saved_tokenizer, tokenizer_files
+from gatedformer.tasks.mlm import resolve_tokenizer, saved_tokenizer, tokenizer_files
 from gatedformer.tasks.weights import load_matching, read_start_weights, start_weights_file
 
 __all__ = ["GlueData", "GlueFinetuneTask", "finetune_config", "glue_metrics", "paper_epochs"]
@@ -249,16 +249,11 @@ class GlueFinetuneTask(Task):
 
     def train_batches(self, data: GlueData, config: RunConfig, step: int, meta: dict[str, Any] | None
                       ) -> Iterator[TrainBatch]:
-        size, per_epoch = config.data.batch_size, self.steps_per_epoch(data, config, meta)
-        epoch, order = -1, None
-        while True:
-            if step // per_epoch != epoch:
-                epoch = step // per_epoch
-                order = rng(config.train.seed, epoch, _ORDER_STREAM).permutation(len(data.train))
-            start = (step % per_epoch) * size
-            batch = collate(data.train, order[start: start + size].tolist(), data.tokenizer.pad_id)
+        for epoch, start, indices in shuffled_epochs(len(data.train), config.data.batch_size,
+                                                     self.steps_per_epoch(data, config, meta), config.train.seed,
+                                                     _ORDER_STREAM, step):
+            batch = collate(data.train, indices, data.tokenizer.pad_id)
             yield TrainBatch(batch, int(batch[2].sum()), new_epoch=start == 0, position={"epoch": epoch})
-            step += 1
 
     def steps_per_epoch(self, data: GlueData, config: RunConfig, meta: dict[str, Any] | None) -> int:
         return math.ceil(len(data.train) / config.data.batch_size)

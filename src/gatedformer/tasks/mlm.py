@@ -36,7 +36,7 @@ from gatedformer.data.wordpiece import WordPiece, encode_corpus
 from gatedformer.devices import autocast
 from gatedformer.errors import ConfigError, DataError
 from gatedformer.models.bert import load_hf_checkpoint
-from gatedformer.tasks.base import Task, TrainBatch
+from gatedformer.tasks.base import Task, TrainBatch, rng
 from gatedformer.tasks.weights import start_weights_file
 
 __all__ = ["MLMData", "MaskedLMTask", "mask_tokens", "resolve_tokenizer", "windows"]
@@ -44,11 +44,6 @@ __all__ = ["MLMData", "MaskedLMTask", "mask_tokens", "resolve_tokenizer", "windo
 IGNORE = -100
 """The target of a padding row of the chosen positions."""
 _EVAL_STREAM, _MASK_STREAM, _ORDER_STREAM = 0x5EED, 1, 2
-
-
-def rng(*words: int) -> np.random.Generator:
-    """A generator for the numbers ``words`` name (seed, step, stream), independent of every other such tuple."""
-    return np.random.default_rng([int(w) for w in words])
 
 
 def resolve_tokenizer(config: RunConfig) -> tuple[WordPiece | None, str]:

@@ -30,9 +30,8 @@ from gatedformer.config import RunConfig, get_backbone
 from gatedformer.data.sentclass import SentenceSet, load_sentences, sentence_set
 from gatedformer.devices import autocast
 from gatedformer.errors import ConfigError, DataError
-from gatedformer.tasks.base import Task, TrainBatch
+from gatedformer.tasks.base import Task, TrainBatch, rng, shuffled_epochs
 from gatedformer.tasks.best import BestEvaluation
-from gatedformer.tasks.mlm import rng
 
 __all__ = ["SentenceClassificationTask", "SentenceData", "read_word_vectors"]
 
@@ -204,16 +203,11 @@ class SentenceClassificationTask(Task):
 
     def train_batches(self, data: SentenceData, config: RunConfig, step: int, meta: dict[str, Any] | None
                       ) -> Iterator[TrainBatch]:
-        size, per_epoch = config.data.batch_size, self.steps_per_epoch(data, config, meta)
-        epoch, order = -1, None
-        while True:
-            if step // per_epoch != epoch:
-                epoch = step // per_epoch
-                order = rng(config.train.seed, epoch, _ORDER_STREAM).permutation(len(data.train))
-            start = (step % per_epoch) * size
-            batch = collate(data.train, order[start: start + size].tolist())
+        for epoch, start, indices in shuffled_epochs(len(data.train), config.data.batch_size,
+                                                     self.steps_per_epoch(data, config, meta), config.train.seed,
+                                                     _ORDER_STREAM, step):
+            batch = collate(data.train, indices)
             yield TrainBatch(batch, int(batch[1].sum()), new_epoch=start == 0, position={"epoch": epoch})
-            step += 1
 
     def steps_per_epoch(self, data: SentenceData, config: RunConfig, meta: dict[str, Any] | None) -> int:
         return math.ceil(len(data.train) / config.data.batch_size)

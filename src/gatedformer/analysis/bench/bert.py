@@ -26,7 +26,8 @@ from gatedformer.analysis.bench.runners import _make_optimizer
 from gatedformer.analysis.bench.timing import time_round_robin
 from gatedformer.config import InitConfig
 from gatedformer.models.bert import BertForMaskedLM, BertForSequenceClassification
-from gatedformer.tasks.mlm import IGNORE, mask_tokens, rng
+from gatedformer.tasks.base import rng
+from gatedformer.tasks.mlm import IGNORE, mask_tokens
 from gatedformer.train.init import initialise
 
 __all__ = ["BERT_VOCAB", "bench_bert"]

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,28 +29,12 @@ from gatedformer.analysis.bench.runners import _make_optimizer, count_parameters
 from gatedformer.analysis.bench.timing import bf16_mfu, measured_peaks, peak_contenders, time_round_robin
 from gatedformer.config import RunConfig, apply_overrides, backbone_names
 from gatedformer.data.translation import EOS_ID, PAD_ID
+from gatedformer.kernels.build import pytorch_operations
 from gatedformer.tasks.translation import beam_search, build_seq2seq
 
 __all__ = ["DECODE_SENTENCES", "LENGTH", "SENTENCES", "VOCAB", "bench_translation"]
 
 SENTENCES, LENGTH, VOCAB, DECODE_SENTENCES, BEAM = 128, 14, 5000, 32, 5
-_KERNEL_SWITCHES = ("GATEDFORMER_ATTENTION_BACKEND", "GATEDFORMER_DROPOUT_BACKEND",
-                    "GATEDFORMER_CROSS_ENTROPY_BACKEND", "GATEDFORMER_GATE_BACKEND", "GATEDFORMER_SRU_BACKEND")
-
-
-@contextlib.contextmanager
-def _pytorch_operations() -> Iterator[None]:
-    """Inside, the models run PyTorch's operations, which the FLOP counter sees (the switches are read per call)."""
-    saved = {name: os.environ.get(name) for name in _KERNEL_SWITCHES}
-    os.environ.update(dict.fromkeys(_KERNEL_SWITCHES, "torch"))
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _config(size: BenchSize, backbone: str) -> RunConfig:
@@ -67,7 +50,7 @@ def _forward_flops(model: nn.Module, src: torch.Tensor, tgt_in: torch.Tensor, tg
 
     was_training = model.training
     model.eval()
-    with _pytorch_operations(), torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with pytorch_operations(), torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID)
     model.train(was_training)
     return int(counter.get_total_flops())
