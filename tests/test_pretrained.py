@@ -143,12 +143,21 @@ def test_a_run_loads_exports_and_reloads_in_a_fresh_process(text_corpus: str, tm
     assert texts[0] == texts[1] and texts[0].startswith("the cat")
 
 
-def test_a_sentence_classifier_is_refused_before_anything_is_written(tmp_path: Path) -> None:
-    task = get_task("sentclass")
-    model = Pretrained(build_config(load_recipe("sentclass-sru-tiny"), []), task, torch.nn.Linear(2, 2), None)
-    with pytest.raises(ConfigError, match="cannot be exported yet"):
-        model.save_pretrained(tmp_path / "export")
-    assert not (tmp_path / "export").exists()
+def test_a_sentence_classifier_round_trips_with_its_words(tmp_path: Path) -> None:
+    from gatedformer.data.sentclass import sentence_set
+    from gatedformer.tasks.sentclass import Encoded, SentenceData
+
+    empty = Encoded([], torch.zeros(0, dtype=torch.long))
+    data = SentenceData(sentence_set("trec"), ["<pad>", "<unk>", *WORDS], empty, empty, empty, 16)
+    saved = _pretrained("sentclass-sru-tiny", ["data.corpus=trec", "model.d_model=16", "sentclass.embedding_dim=16"],
+                        data)
+    saved.save_pretrained(tmp_path / "export")
+    loaded = gatedformer.from_pretrained(tmp_path / "export", device="cpu")
+    _same_weights(saved.model, loaded.model)
+    assert loaded.data.words == data.words and loaded.data.set.name == "trec"
+    (tmp_path / "export" / "vocab.json").write_text('{"words": ["the"], "embedding_dim": 16}')
+    with pytest.raises(CheckpointError, match="vocab.json is corrupt"):
+        gatedformer.from_pretrained(tmp_path / "export", device="cpu")
 
 
 @pytest.fixture

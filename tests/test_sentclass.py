@@ -127,6 +127,16 @@ def test_training_reports_test_accuracy_at_the_best_validation_accuracy(sentence
     assert table[words.index("good")].tolist() == [1.0] * 16  # pretrained and kept fixed
     assert (table[words.index("film")].abs() <= 0.25).all()
 
+    # The run's recorded words, not the corpus's, index the evaluated split; the export needs no corpus at all.
+    import gatedformer
+    from gatedformer.runs import evaluate_run
+
+    scores = evaluate_run(tmp_path / "run", "test", data_dir=sentence_root, device="cpu")
+    assert scores["accuracy"] == pytest.approx(saved["test_metric"])
+    exported = gatedformer.load(tmp_path / "run", device="cpu", data_dir=sentence_root).save_pretrained(
+        tmp_path / "export")
+    assert gatedformer.from_pretrained(exported, device="cpu").data.words == words
+
 
 def test_comparison_covers_every_set_and_fold(sentence_root: Path, tmp_path: Path) -> None:
     from gatedformer.analysis.sentclass import run_sentclass_comparison

@@ -14,6 +14,7 @@ reports test accuracy at the best validation accuracy; ``test_predictions.tsv`` 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -29,13 +30,16 @@ from torch.nn import functional as F
 from gatedformer.config import RunConfig, get_backbone
 from gatedformer.data.sentclass import SentenceSet, load_sentences, sentence_set
 from gatedformer.devices import autocast
-from gatedformer.errors import ConfigError, DataError
+from gatedformer.errors import CheckpointError, ConfigError, DataError
+from gatedformer.io import read_limited
 from gatedformer.tasks.base import Task, TrainBatch, rng, shuffled_epochs
 from gatedformer.tasks.best import BestEvaluation
 
 __all__ = ["SentenceClassificationTask", "SentenceData", "read_word_vectors"]
 
 PAD, UNK = "<pad>", "<unk>"
+VOCAB_FILE = "vocab.json"
+"""A run's (and an export's) words, in the order of the embedding's rows, with the set and the embedding size."""
 _ORDER_STREAM, _SAMPLE_STREAM = 5, 6
 
 
@@ -93,6 +97,10 @@ class SentenceData:
     embedding_dim: int
     vectors: dict[str, np.ndarray] = field(default_factory=dict)
     best: BestEvaluation = field(default_factory=lambda: BestEvaluation("valid_accuracy"))
+
+
+def _vocab_record(data: SentenceData) -> dict[str, Any]:
+    return {"set": data.set.name, "words": data.words, "embedding_dim": data.embedding_dim}
 
 
 def _encode(examples: Sequence[tuple[list[str], int]], index: dict[str, int]) -> Encoded:
@@ -183,7 +191,7 @@ class SentenceClassificationTask(Task):
         return "accuracy"
 
     def run_files(self, data: SentenceData) -> dict[str, Any]:
-        return {"vocab.json": {"set": data.set.name, "words": data.words, "embedding_dim": data.embedding_dim}}
+        return {VOCAB_FILE: _vocab_record(data)}
 
     def start_records(self, data: SentenceData, params: int) -> list[dict[str, Any]]:
         return [{"event": "data", "step": 0, "set": data.set.name, "train_examples": len(data.train),
@@ -255,11 +263,33 @@ class SentenceClassificationTask(Task):
         return {"set": data.set.name, **({"accuracy": best["test_accuracy"]} if "test_accuracy" in best else {})}
 
     def inference_data(self, config: RunConfig, run_dir: Path, data_dir: str | Path | None) -> SentenceData:
-        return self.load_data(config, data_dir)
+        """The corpus, or where ``run_dir`` holds the words its training recorded (a run of this version, or an
+        exported model's folder) those alone, with empty splits: a model needs its words, not its corpus."""
+        vocab_file = run_dir / VOCAB_FILE
+        if not vocab_file.is_file():
+            return self.load_data(config, data_dir)
+        try:
+            record = json.loads(read_limited(vocab_file, 1 << 28))
+            words, dim = [str(w) for w in record["words"]], int(record["embedding_dim"])
+            if words[:2] != [PAD, UNK] or dim <= 0:
+                raise ValueError(f"its words must begin {PAD}, {UNK} and its embedding_dim be positive")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{vocab_file} is corrupt ({str(err)[:120]}); export the model again, or train "
+                                  "the run again") from None
+        empty = Encoded([], torch.zeros(0, dtype=torch.long))
+        return SentenceData(sentence_set(config.data.corpus), words, empty, empty, empty, dim)
+
+    def inference_files(self, data: SentenceData) -> dict[str, str]:
+        return {VOCAB_FILE: json.dumps(_vocab_record(data), ensure_ascii=False)}
 
     def evaluate_split(self, model: nn.Module, config: RunConfig, split: str, data_dir: str | Path | None,
                        device: torch.device, data: SentenceData) -> dict[str, float]:
         part = data.valid if split == "valid" else data.test
+        if not len(part):  # data read back from a folder's words: encode the split with those words
+            sc = config.sentclass
+            splits = load_sentences(data.set.name, data_dir, sc.folds, sc.fold)
+            index = {w: i for i, w in enumerate(data.words)}
+            part = _encode(splits.valid if split == "valid" else splits.test, index)
         predictions, loss = predict(model, part, config, device)
         return {"loss": loss, "accuracy": _accuracy(predictions, part.labels)}
 
