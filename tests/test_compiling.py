@@ -161,3 +161,27 @@ def test_a_compiled_step_equals_the_eager_one(backbone: str, fresh_dynamo: None)
         results.append((loss, *torch.autograd.grad(loss, list(model.parameters()))))
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+def test_eager_use_never_loads_dynamo_and_compiled_code_still_sees_the_constant_checks() -> None:
+    # torch._dynamo costs every command about 1.5 s to import; the kernels' checks are marked constant without it,
+    # and a model built before dynamo is loaded still compiles into one graph (the marks are read).
+    import subprocess
+    import sys
+
+    script = """
+import sys, torch
+from gatedformer.config import ModelConfig
+from gatedformer.models import build_model
+import gatedformer, gatedformer.cli
+model = build_model(ModelConfig(backbone="transformer-xl", d_model=16, n_layers=2, n_heads=2, d_ffn=32, mem_len=4,
+                                gates="+σ SDU"), 20).train()
+tokens = torch.randint(0, 20, (2, 8))
+model(tokens, None, targets=tokens)[0].backward()
+assert "torch._dynamo" not in sys.modules, "eager use imported torch._dynamo"
+import torch._dynamo
+explained = torch._dynamo.explain(model)(tokens, None, targets=tokens)
+assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-from gatedformer.kernels.build import KernelUnavailable, NativeKernel, kernel_threads
+from gatedformer.kernels.build import KernelUnavailable, NativeKernel, constant_under_compile, kernel_threads
 
 __all__ = ["KERNEL", "SUPPORTED_HEAD_SIZES", "kernel_addresses", "kernel_takes", "packed_backward", "packed_forward",
            "supported_head_sizes"]
@@ -42,7 +42,7 @@ def kernel_takes(width: int, n_heads: int, dropout: float, device: torch.device,
     return not rest and head in SUPPORTED_HEAD_SIZES and _takes_head(head)
 
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def _takes_head(head: int) -> bool:
     """Whether a build that takes heads of ``head`` runs; under ``torch.compile`` a constant of the graph, taken once
     while dynamo traces (the fused sublayers run there as custom operators; the check is Python not to trace)."""

@@ -34,10 +34,11 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,8 @@ from typing import Any
 import torch
 
 __all__ = ["BACKENDS", "BACKEND_SWITCHES", "CSRC", "ISAS", "Declaration", "DeclarationError", "KernelUnavailable",
-           "NativeKernel", "kernel_threads", "native_required", "parse_declarations", "pytorch_operations"]
+           "NativeKernel", "constant_under_compile", "kernel_threads", "native_required", "parse_declarations",
+           "pytorch_operations"]
 
 BACKENDS = ("auto", "native", "torch")
 ISAS = ("baseline", "avx2", "avx512")
@@ -92,6 +94,18 @@ def isa_cap() -> str:
     if cap not in ISAS:
         raise ValueError(f"GATEDFORMER_KERNEL_ISA must be one of {', '.join(ISAS)}, got {cap!r}")
     return cap
+
+
+def constant_under_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` marked as :func:`torch.compiler.assume_constant_result` does: under ``torch.compile`` its result is
+    taken once while dynamo traces, as a constant of the graph. That function imports ``torch._dynamo`` to set the
+    mark, which costs every ``import gatedformer`` (and every command) about 1.5 s that eager code never needs, so
+    the mark is set here directly while dynamo is not loaded; ``tests/test_compiling.py`` fails (with graph breaks)
+    if a torch release reads it differently."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 @contextlib.contextmanager

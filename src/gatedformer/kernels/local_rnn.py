@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from gatedformer.kernels.blas import PackedGemm, packed_gemm
-from gatedformer.kernels.build import NativeKernel, kernel_threads
+from gatedformer.kernels.build import NativeKernel, constant_under_compile, kernel_threads
 
 __all__ = ["BLOCK_ROWS", "CELLS", "GATES", "KERNEL", "backward", "forward", "streams"]
 
@@ -48,7 +48,7 @@ TRACED_STREAMS = PackedGemm(0, 0, 0, 0, 0)
 """What :func:`streams` gives under ``torch.compile`` where the kernel runs: no addresses (see there)."""
 
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def _streams_available() -> bool:
     """Whether :func:`streams` finds the products (taken once while dynamo traces, as a constant of the graph)."""
     return KERNEL.pick_backend(torch.device("cpu")) == "native" and packed_gemm() is not None

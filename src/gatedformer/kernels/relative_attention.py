@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from gatedformer.kernels.build import NativeKernel, kernel_threads
+from gatedformer.kernels.build import NativeKernel, constant_under_compile, kernel_threads
 
 __all__ = ["KERNEL", "MAX_HEAD_SIZE", "backward_kernel", "forward_kernel", "kernel_addresses", "kernel_takes"]
 
@@ -49,7 +49,7 @@ def kernel_takes(tensors: Sequence[Tensor], n_heads: int, dropout: float) -> boo
     return width % n_heads == 0 and width // n_heads <= MAX_HEAD_SIZE and _runs()
 
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def _runs() -> bool:
     """Whether the kernel runs; under ``torch.compile`` a constant of the graph, taken once while dynamo traces (the
     attention runs there as a custom operator; the check is Python not to trace)."""

@@ -40,6 +40,8 @@ import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from gatedformer.kernels.build import constant_under_compile
+
 __all__ = ["NAMESPACE", "REGISTERED", "TRACED_SEED", "FunctionOperator", "call", "native", "runs_native"]
 
 NAMESPACE = "gatedformer"
@@ -49,7 +51,7 @@ _CPU = torch.device("cpu")
 
 # ---- what the fused paths ask of the kernels, asked once while dynamo traces ----------------------------------
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def native(kernel: Any) -> bool:
     """Whether ``kernel`` (a :class:`~gatedformer.kernels.build.NativeKernel`) runs natively on the CPU. Under
     ``torch.compile`` the answer is taken once, while dynamo traces, as a constant of the graph (building the kernel
