@@ -46,9 +46,9 @@ MRPC_SOURCES = {
 """MRPC's sources and their SHA-256 (as TensorFlow Datasets records them)."""
 
 
-def _download(url: str, path: Path, limit: int) -> str:
-    """Stream ``url`` into ``path`` (at most ``limit`` bytes); its sha256."""
-    digest = hashlib.sha256()
+def download(url: str, path: Path, limit: int) -> tuple[str, str]:
+    """Stream ``url`` into ``path`` (at most ``limit`` bytes); its sha256 and md5 (what sources publish)."""
+    digest, md5 = hashlib.sha256(), hashlib.md5(usedforsecurity=False)
     count = 0
     request = urllib.request.Request(url, headers={"User-Agent": _USER_AGENT})
     with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response, open(path, "wb") as out:
@@ -62,9 +62,10 @@ def _download(url: str, path: Path, limit: int) -> str:
                                 "saved")
             out.write(chunk)
             digest.update(chunk)
+            md5.update(chunk)
         if length and length.isdigit() and count != int(length):
             raise DataError(f"download of {url} was cut short ({count} of {length} bytes); run the fetch again")
-    return digest.hexdigest()
+    return digest.hexdigest(), md5.hexdigest()
 
 
 def _download_first(urls: tuple[str, ...], path: Path, limit: int, want: str | None, name: str) -> str:
@@ -72,7 +73,7 @@ def _download_first(urls: tuple[str, ...], path: Path, limit: int, want: str | N
     failures = []
     for url in urls:
         try:
-            sha = _download(url, path, limit)
+            sha = download(url, path, limit)[0]
         except OSError as err:  # URLError, HTTPError, timeouts and disk errors are all OSErrors
             failures.append(f"{url}: {getattr(err, 'reason', None) or err.strerror or err}")
             continue

@@ -47,6 +47,7 @@ from pathlib import Path
 from gatedformer.io import FolderLock, publish
 
 from ..errors import DataError, InUseError, OutputError
+from .archives import download
 from .paths import data_dir_candidates, fetch_target_dir
 from .registry import CorpusSpec, FileSpec
 
@@ -61,8 +62,6 @@ BPE_SIZE = 40_000
 """Joint BPE units (fairseq's prepare-wmt14en2de.sh learns 40,000 merges)."""
 MAX_UNITS, MAX_RATIO, VALID_EVERY = 250, 1.5, 100
 PAIR = ("en", "de")
-USER_AGENT = "Mozilla/5.0 (X11; Linux x86_64) gatedformer"
-TIMEOUT_S = 60
 _CHUNK = 1 << 16
 
 
@@ -227,26 +226,6 @@ class Bpe:
 # Archives
 
 
-def _download(url: str, path: Path, limit: int) -> tuple[str, str]:
-    """Stream ``url`` into ``path``; its sha256 and md5."""
-    sha, md5, count = hashlib.sha256(), hashlib.md5(usedforsecurity=False), 0
-    request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
-    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response, open(path, "wb") as out:
-        length = response.headers.get("Content-Length")
-        if length and length.isdigit() and int(length) > limit:
-            raise DataError(f"{url} announces {int(length)} bytes, more than the {limit} expected; nothing was saved")
-        while chunk := response.read(_CHUNK):
-            count += len(chunk)
-            if count > limit:
-                raise DataError(f"{url} sent more than the {limit} bytes expected; it was stopped, nothing was saved")
-            out.write(chunk)
-            sha.update(chunk)
-            md5.update(chunk)
-        if length and length.isdigit() and count != int(length):
-            raise DataError(f"download of {url} was cut short ({count} of {length} bytes); run the fetch again")
-    return sha.hexdigest(), md5.hexdigest()
-
-
 def _digests(path: Path) -> tuple[str, str]:
     sha, md5 = hashlib.sha256(), hashlib.md5(usedforsecurity=False)
     with open(path, "rb") as handle:
@@ -285,7 +264,7 @@ def _fetch_archive(archive: Archive, folder: Path, mirror: str | None, say: Call
     tmp = Path(name)
     try:
         try:
-            sha, md5 = _download(url, tmp, archive.size or ARCHIVE_LIMIT)
+            sha, md5 = download(url, tmp, archive.size or ARCHIVE_LIMIT)
         except OSError as err:
             raise DataError(f"could not download {url} ({getattr(err, 'reason', None) or err.strerror or err}); "
                             f"nothing was saved; retry, place {archive.file} in {folder} by hand, or use a mirror "
