@@ -11,14 +11,9 @@ from gatedformer.ops.attention import causal_attention_packed
 from gatedformer.ops.fused_linear import attention_add_norm
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention where position t sees positions <= t.
-
-    Q, K and V come out of one fused projection. On the CPU the attention is a compiled kernel that reads
-    them straight from the projection's output (:mod:`gatedformer.ops.attention`); elsewhere,
-    and for what that kernel does not cover, it is :func:`torch.nn.functional.scaled_dot_product_attention`,
-    which picks the fastest kernel for the device (flash / memory-efficient on CUDA).
-    """
+class _PackedHeads(nn.Module):
+    """What both self-attentions hold: Q, K and V from one projection ``qkv`` (rows in that order), the heads'
+    outputs through ``out`` (the ``output_projection`` the sublayer fuses with its dropout, residual and norm)."""
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -32,6 +27,16 @@ class CausalSelfAttention(nn.Module):
     @property
     def output_projection(self) -> nn.Linear:
         return self.out
+
+
+class CausalSelfAttention(_PackedHeads):
+    """Multi-head self-attention where position t sees positions <= t.
+
+    Q, K and V come out of one fused projection. On the CPU the attention is a compiled kernel that reads
+    them straight from the projection's output (:mod:`gatedformer.ops.attention`); elsewhere,
+    and for what that kernel does not cover, it is :func:`torch.nn.functional.scaled_dot_product_attention`,
+    which picks the fastest kernel for the device (flash / memory-efficient on CUDA).
+    """
 
     def features(self, x: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
         """The heads' outputs side by side, before the output projection.
@@ -76,7 +81,7 @@ class CausalSelfAttention(nn.Module):
                                   norm, self.training, gate, unit, eau)
 
 
-class BidirectionalSelfAttention(nn.Module):
+class BidirectionalSelfAttention(_PackedHeads):
     """Multi-head self-attention where every position sees every real (unpadded) one: an encoder's attention.
 
     Q, K and V come out of one fused projection ``qkv`` (rows in that order), the heads' outputs go through ``out``.
@@ -87,19 +92,6 @@ class BidirectionalSelfAttention(nn.Module):
     and read keys and values from every row), ``key_mask`` ``(B, Lk)`` is True at the real tokens. The attention is
     :func:`torch.nn.functional.scaled_dot_product_attention`.
     """
-
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
-        super().__init__()
-        if d_model % n_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.out = nn.Linear(d_model, d_model)
-        self.dropout = dropout
-
-    @property
-    def output_projection(self) -> nn.Linear:
-        return self.out
 
     def _heads(self, x: Tensor) -> Tensor:
         batch, length, width = x.shape
