@@ -41,16 +41,9 @@ from gatedformer.ops.fused_linear import (
 )
 
 
-class FeedForward(nn.Module):
-    """Position-wise ``W2 · Dropout(ReLU(W1 x + b1)) + b2``.
-
-    Like every sublayer body that ends in a linear layer, it offers ``features(x)`` (everything before that
-    layer) and ``output_projection`` (the layer), so that :class:`Sublayer` can fuse the layer with its
-    dropout and residual add (:mod:`gatedformer.ops.fused_linear`).
-    """
-
-    activation = "relu"
-    """What the fused paths that read the layers themselves (:mod:`gatedformer.ops.layer_stack`) check for."""
+class _TwoLayers(nn.Module):
+    """What the position-wise feed-forwards hold: ``inner`` (d -> d_ffn), ``outer`` (d_ffn -> d, the
+    ``output_projection`` a sublayer fuses) and the dropout between them."""
 
     def __init__(self, d_model: int, d_ffn: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -61,6 +54,18 @@ class FeedForward(nn.Module):
     @property
     def output_projection(self) -> nn.Linear:
         return self.outer
+
+
+class FeedForward(_TwoLayers):
+    """Position-wise ``W2 · Dropout(ReLU(W1 x + b1)) + b2``.
+
+    Like every sublayer body that ends in a linear layer, it offers ``features(x)`` (everything before that
+    layer) and ``output_projection`` (the layer), so that :class:`Sublayer` can fuse the layer with its
+    dropout and residual add (:mod:`gatedformer.ops.fused_linear`).
+    """
+
+    activation = "relu"
+    """What the fused paths that read the layers themselves (:mod:`gatedformer.ops.layer_stack`) check for."""
 
     def features(self, x: Tensor) -> Tensor:
         return linear_relu_dropout(x, self.inner, self.dropout.p, self.training)
@@ -78,21 +83,11 @@ class FeedForward(nn.Module):
         return feed_forward_add_norm(x, self.inner, self.outer, self.dropout.p, p, norm, self.training, gate, unit, eau)
 
 
-class GELUFeedForward(nn.Module):
+class GELUFeedForward(_TwoLayers):
     """Position-wise ``W2 · Dropout(GELU(W1 x + b1)) + b2``, GELU the exact (erf) one: BERT's feed-forward (which has
     no dropout inside, ``dropout=0``). Offers ``features`` and ``output_projection`` as :class:`FeedForward` does."""
 
     activation = "gelu"
-
-    def __init__(self, d_model: int, d_ffn: int, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.inner = nn.Linear(d_model, d_ffn)
-        self.outer = nn.Linear(d_ffn, d_model)
-        self.dropout = Dropout(dropout)
-
-    @property
-    def output_projection(self) -> nn.Linear:
-        return self.outer
 
     def features(self, x: Tensor) -> Tensor:
         return self.dropout(F.gelu(self.inner(x)))
