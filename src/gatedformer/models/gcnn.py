@@ -42,9 +42,8 @@ applied after the initialisation above, so the effective weights start identical
 (:math:`v = w`, :math:`g = \lVert w\rVert`).
 
 The model keeps its activations channels-last, ``(B, L, d)``, and runs each convolution as one matrix
-product over the ``k`` shifted windows of its input (:func:`causal_conv1d`). On the CPU, at the ``-tiny``
-sizes, that is 1.3x faster forward and backward than a channels-first ``nn.Conv1d``, whose backward pass was
-most of the step. The weights stay in an ``nn.Conv1d`` (same parameters, state dicts and initialisation).
+product over the ``k`` shifted windows of its input (:func:`gatedformer.ops.causal_conv.causal_conv1d`). The
+weights stay in an ``nn.Conv1d`` (same parameters, state dicts and initialisation).
 Dropout is :class:`gatedformer.ops.dropout.Dropout`, whose CPU masks are cheap, and a plain block's GLU
 and residual add, ``X + a ⊙ σ(b)``, are one compiled pass each way
 (:func:`gatedformer.ops.fused_gates.glu_residual`) unless hooks watch the block.
@@ -56,12 +55,12 @@ import math
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from gatedformer.config import Backbone, ModelConfig, register_backbone
 from gatedformer.gates import GLU
 from gatedformer.gates._checks import check_size
 from gatedformer.nn.dropout import Dropout
+from gatedformer.ops.causal_conv import causal_conv1d
 from gatedformer.ops.fused_gates import glu_residual
 from gatedformer.ops.fused_linear import unhooked
 from gatedformer.ops.output_loss import logits_or_loss
@@ -77,70 +76,6 @@ def glu_init_std(fan_in: int, dropout: float = 0.0, gated: bool = True) -> float
     keep probability ``p = 1 - dropout``."""
     keep = 1.0 - dropout
     return math.sqrt((4.0 if gated else 1.0) * keep / fan_in)
-
-
-class _CausalConv1d(torch.autograd.Function):
-    """:func:`causal_conv1d` with a backward pass of two matrix products and ``k - 1`` shifted sums."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
-        batch, length, channels = x.shape
-        out_channels, _, width = weight.shape
-        # Row (b, i) of `windows` holds x[b, i - k + 1 .. i] (zeros before the start), channel-major, tap-minor:
-        # the layout of a Conv1d weight (O, C, k) read as (O, C·k).
-        if width == 1:
-            windows = x.reshape(batch * length, channels)
-        else:
-            windows = F.pad(x, (0, 0, width - 1, 0)).unfold(1, width, 1).reshape(batch * length, channels * width)
-        flat_weight = weight.reshape(out_channels, channels * width)
-        out = windows.mm(flat_weight.t()) if bias is None else torch.addmm(bias, windows, flat_weight.t())
-        ctx.save_for_backward(windows, weight)
-        ctx.has_bias = bias is not None
-        return out.view(batch, length, out_channels)
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]
-        windows, weight = ctx.saved_tensors
-        batch, length, out_channels = grad_out.shape
-        _, channels, width = weight.shape
-        grad = grad_out.reshape(batch * length, out_channels).to(windows.dtype)
-        grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = grad.t().mm(windows).view_as(weight).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad.sum(0).to(weight.dtype)
-        if ctx.needs_input_grad[0]:
-            if width == 1:
-                grad_x = grad.mm(weight.reshape(out_channels, channels).to(grad.dtype)).view(batch, length, channels)
-            else:
-                # Input j reaches output j + k - 1 - t through tap t: one product gives every tap's share of every
-                # output row (rows past the end are zero), then each tap's share is read back shifted into place.
-                padded = F.pad(grad.view(batch, length, out_channels), (0, 0, 0, width - 1))
-                taps = padded.view(-1, out_channels).mm(
-                    weight.permute(0, 2, 1).reshape(out_channels, width * channels).to(grad.dtype))
-                taps = taps.view(batch, length + width - 1, width, channels)
-                grad_x = taps[:, width - 1 : width - 1 + length, 0].clone()
-                for tap in range(1, width):
-                    grad_x += taps[:, width - 1 - tap : width - 1 - tap + length, tap]
-        return grad_x, grad_weight, grad_bias
-
-
-def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    r"""Causal 1-D convolution on channels-last input: ``x (B, L, C_in)``, ``weight (C_out, C_in, k)`` as in
-    ``nn.Conv1d`` -> ``(B, L, C_out)`` with
-
-    .. math::
-
-        y_{b,i} = \text{bias} + \sum_{t=0}^{k-1} W_{:,:,t}\, x_{b,\,i-k+1+t} \qquad (x_{b,j} = 0 \text{ for } j < 0),
-
-    i.e. ``conv1d`` of the input padded by ``k - 1`` zeros on the left, without the transposes to and from the
-    channels-first layout. Forward and backward are each one or two large matrix products over the ``k``
-    shifted windows of every position.
-    """
-    if x.dim() != 3 or weight.dim() != 3 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"causal_conv1d takes x (B, L, C_in) and weight (C_out, C_in, k); got {tuple(x.shape)} "
-                         f"and {tuple(weight.shape)}")
-    return _CausalConv1d.apply(x, weight, bias)
 
 
 class GatedConvLayer(nn.Module):
