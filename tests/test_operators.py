@@ -21,6 +21,7 @@ from gatedformer.ops import (
     embedding,
     fused_gates,
     fused_linear,
+    layer_stack,
     operators,
     output_loss,
     relative_attention,
@@ -29,18 +30,21 @@ from gatedformer.ops import (
 )
 from gatedformer.ops.operators import REGISTERED, FunctionOperator
 
-_CALLERS = (attention, dropout, embedding, fused_gates, fused_linear, output_loss, relative_attention,
+_CALLERS = (attention, dropout, embedding, fused_gates, fused_linear, layer_stack, output_loss, relative_attention,
             relative_sublayer, rnn)
 
 # Small models that between them call every operator in eager code: post-LN sublayers whole (with each gate slot),
-# pre-LN ones in pieces, the relative sublayer, the LocalRNN's recurrence and steps, the GLU.
+# pre-LN ones in pieces, the relative sublayer, Transformer-XL's two whole stacks, the LocalRNN's recurrence and steps,
+# the GLU.
 _MODELS = [
     dict(backbone="transformer", gates="+σ SDU"),
     dict(backbone="transformer", gates="+EAU+GRC"),
     dict(backbone="transformer", gates="+highway gate", norm="pre"),
     dict(backbone="transformer", norm="pre"),
-    dict(backbone="transformer-xl", gates="+σ SDU"),
+    dict(backbone="transformer-xl", gates="+σ SDU", hooked=True),  # the stack declines: its sublayers one by one
     dict(backbone="transformer-xl", norm="pre", dropout=0.0),  # attention dropout: the kernel takes none
+    dict(backbone="transformer-xl", gates="+σ SDU", hooked=False),  # the streamed stack
+    dict(backbone="transformer-xl", d_ffn=35, hooked=False),  # an odd FFN width it cannot split: the Python stack
     dict(backbone="rtransformer", rnn_type="gru"),
     dict(backbone="rtransformer", rnn_type="lstm"),
     dict(backbone="gcnn"),
@@ -61,13 +65,15 @@ def _recorded_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[Function
 
     for module in _CALLERS:
         monkeypatch.setattr(module, "call", record)
-    for extra in _MODELS:
+    for model_settings in _MODELS:
+        extra = dict(model_settings)
+        hooked = extra.pop("hooked", False)
         torch.manual_seed(0)
         cfg = ModelConfig(**{"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ffn": 64, "mem_len": 4, "dropout": 0.1,
                              "rnn_window": 3, **extra})
         model = build_model(cfg, 20).train()
         tokens = torch.randint(0, 20, (2, 9))
-        if extra["backbone"] == "transformer-xl":  # a hooked layer: the stack declines, its sublayers run one by one
+        if hooked:  # a hooked layer: the stack declines, its sublayers run one by one
             model.layers[0].register_forward_hook(lambda *_: None)
         loss, _ = model(tokens[:, :-1], None, targets=tokens[:, 1:])
         loss.backward()
@@ -132,22 +138,36 @@ def test_traced_seeds_are_drawn_in_the_eager_order() -> None:
         assert torch.equal(eager, compiled)
 
 
-def test_a_compiled_step_with_dropout_equals_the_eager_one() -> None:
-    # Inductor compiles the glue; the fused paths stay operators, and their masks are the eager ones.
+@pytest.mark.parametrize("backbone, extra", [
+    ("transformer", {}), ("transformer-xl", {}), ("transformer-xl", {"d_ffn": 35}), ("gcnn", {}),
+], ids=["transformer", "xl-streamed-stack", "xl-python-stack", "gcnn"])
+def test_a_compiled_step_with_dropout_equals_the_eager_one(backbone: str, extra: dict,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # Inductor compiles the glue; the fused paths stay operators (Transformer-XL's whole stack one of them, with its
+    # memories carried into a second step), and their masks are the eager ones.
+    stack = {"xl-streamed-stack": layer_stack.StreamedLayerStack, "xl-python-stack": layer_stack.LayerStack}.get(
+        "xl-python-stack" if extra else "xl-streamed-stack" if backbone == "transformer-xl" else "")
+    runs: list[int] = []
+    if stack is not None:
+        stack_forward = stack.forward
+        monkeypatch.setattr(stack, "forward", staticmethod(lambda *args: runs.append(1) or stack_forward(*args)))
     torch._dynamo.reset()
-    cfg = ModelConfig(backbone="transformer", d_model=32, n_layers=2, n_heads=2, d_ffn=64, dropout=0.1,
-                      gates="+σ SDU")
+    cfg = ModelConfig(**{"backbone": backbone, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ffn": 64, "dropout": 0.1,
+                         "mem_len": 8, "gates": "" if backbone == "gcnn" else "+σ SDU", **extra})
     torch.manual_seed(0)
     model = build_model(cfg, 20).train()
-    tokens = torch.randint(0, 20, (2, 9))
+    tokens = torch.randint(0, 20, (2, 17))
     results = []
     for forward in (model, torch.compile(model, fullgraph=True)):
         torch.manual_seed(1)
-        loss, _ = forward(tokens[:, :-1], None, targets=tokens[:, 1:])
-        results.append((loss, *torch.autograd.grad(loss, list(model.parameters()))))
+        state = None
+        for window in (tokens[:, :9], tokens[:, 8:]):
+            loss, state = forward(window[:, :-1], state, targets=window[:, 1:])
+        results.append((loss, *torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)))
     torch._dynamo.reset()
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    assert len(runs) == (0 if stack is None else 4)  # two steps, eager then compiled
 
 
 def test_bench_compile_times_the_eager_step_beside_the_compiled_one(monkeypatch: pytest.MonkeyPatch) -> None:

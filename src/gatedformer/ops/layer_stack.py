@@ -21,9 +21,9 @@ sublayer functions compute their gates.
 It applies where every layer's two sublayers would each run as one function (post-LN, the gates those take), no
 hooks are on the layers or their sublayers (nor global module hooks), and the memories and position encodings
 need no gradient; :func:`layer_stack` checks that and otherwise returns ``None`` (the model then calls its layers).
-Under ``torch.compile`` it returns ``None``: the stack is not a custom operator (its per-layer settings are nested
-tuples, its memories a list and its outputs as many as the layers), so compiled code runs the layers one by one,
-each sublayer the custom operator of its whole-sublayer function (:mod:`gatedformer.ops.operators`).
+Under ``torch.compile`` each stack is a custom operator (:data:`LAYER_STACK`, :data:`STREAMED_LAYER_STACK`; see
+:mod:`gatedformer.ops.operators`), which is why the functions take the layers' settings as six flat lists and the
+memories as a list: a compiled graph keeps the whole stack as one node each way, with the eager masks and numbers.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from gatedformer.gates.kinds import kind_of
 from gatedformer.kernels import blas as _blas
 from gatedformer.kernels import epilogue as _epilogue_kernel
 from gatedformer.kernels import gate as _gate_kernel
+from gatedformer.kernels.build import constant_under_compile
 from gatedformer.kernels.gate import TAILS
 from gatedformer.kernels.relative_attention import KERNEL as RELATIVE_KERNEL
 from gatedformer.kernels.relative_attention import kernel_addresses
@@ -52,13 +53,14 @@ from gatedformer.ops.fused_linear import (
     sublayer_reason,
     unhooked,
 )
+from gatedformer.ops.operators import TRACED_SEED, FunctionOperator, call, runs_native
 from gatedformer.ops.relative_sublayer import (
     RelativeAttentionAddNorm,
     relative_inputs_fuse,
     relative_layers_fuse,
 )
 
-__all__ = ["LayerStack", "StreamedLayerStack", "layer_stack"]
+__all__ = ["LAYER_STACK", "STREAMED_LAYER_STACK", "LayerStack", "StreamedLayerStack", "layer_stack"]
 
 # A layer's inputs to the function: the attention's 8 parameters (Wq, Wkv, Wr, Wo, u, v, LayerNorm's 2) and its
 # gates' 10 (a residual gate's 2, a unit's 2, an EAU's 6; None where there is none), then the FFN's 6 and its 10.
@@ -73,6 +75,24 @@ STREAMED_KINDS = {"attn": ("sdu", "highway", "gated_mhdpa", "eau", "grc"),
 layers with others stay with :class:`LayerStack`."""
 _PROJECTIONS = ("query", "key_value", "position", "out")
 _INT32_VALUES = 2 ** 32
+_LEADING = 9  # the functions' arguments before the parameters: x, pos, memories and the six settings lists
+
+
+def _layer_settings(eps: list[float], heads: list[int], tails: list[str], ffn_eps: list[float],
+                    ffn_tails: list[str], masks: list[tuple[int, int]]) -> list[tuple[object, ...]]:
+    """Per layer ``(eps, heads, mask, tail, ffn_eps, inner_mask, outer_mask, ffn_tail)`` (tails ``None`` for no unit)
+    from the lists of :func:`_flat_settings`."""
+    return [(eps[i], heads[i], masks[3 * i], tails[i] or None, ffn_eps[i], masks[3 * i + 1], masks[3 * i + 2],
+             ffn_tails[i] or None) for i in range(len(eps))]
+
+
+def _flat_settings(settings: Sequence[tuple[object, ...]]) -> tuple[list[object], ...]:
+    """The layers' settings as six lists, as a custom operator takes them: eps, heads, tails (``""`` for no unit),
+    the FFN's eps and tails, and every layer's three masks in turn."""
+    return ([layer[0] for layer in settings], [layer[1] for layer in settings],
+            [layer[3] or "" for layer in settings], [layer[4] for layer in settings],
+            [layer[7] or "" for layer in settings],
+            [mask for layer in settings for mask in (layer[2], layer[5], layer[6])])
 
 
 class _InnerContext:
@@ -86,16 +106,18 @@ class _InnerContext:
 
 
 class LayerStack(torch.autograd.Function):
-    """``apply(x (B, L, d), pos (M+L, d), memories, settings, *parameters)``: the layers in turn, each
+    """``apply(x (B, L, d), pos (M+L, d), memories, *settings, *parameters)``: the layers in turn, each
     ``FFN-sublayer(attention-sublayer(h, memory, pos))``, with the arguments :func:`layer_stack` gives (``memories``:
-    a tuple of ``(B, M, d)`` tensors or Nones; ``settings``: per layer the attention's LayerNorm eps, heads, mask and
-    unit's tail, then the FFN's eps, inner and outer masks and unit's tail; ``parameters``: 34 per layer, see
-    ``_PER_LAYER``). Returns the last layer's output, then the inputs of the layers after the first (for the
-    memories; no gradient)."""
+    a list of ``(B, M, d)`` tensors or Nones; ``settings``: the six lists of :func:`_flat_settings`, per layer the
+    attention's LayerNorm eps, heads and unit's tail, the FFN's eps and unit's tail, and the three masks;
+    ``parameters``: 34 per layer, see ``_PER_LAYER``). Returns the last layer's output, then the inputs of the layers
+    after the first (for the memories; no gradient)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, pos: Tensor, memories: tuple[Tensor | None, ...],  # type: ignore[override]
-                settings: tuple[tuple[object, ...], ...], *parameters: Tensor | None) -> tuple[Tensor, ...]:
+    def forward(ctx, x: Tensor, pos: Tensor, memories: list[Tensor | None], eps: list[float],  # type: ignore[override]
+                heads: list[int], tails: list[str], ffn_eps: list[float], ffn_tails: list[str],
+                masks: list[tuple[int, int]], *parameters: Tensor | None) -> tuple[Tensor, ...]:
+        settings = _layer_settings(eps, heads, tails, ffn_eps, ffn_tails, masks)
         batch, length, width = x.shape
         contexts, outputs = [], []
         h = x
@@ -135,7 +157,7 @@ class LayerStack(torch.autograd.Function):
         grads: list[tuple[Tensor | None, ...]] = []
         for i in reversed(range(len(ctx.contexts))):
             attention, ffn = ctx.contexts[i]
-            wanted = needed[4 + i * _PER_LAYER : 4 + (i + 1) * _PER_LAYER]
+            wanted = needed[_LEADING + i * _PER_LAYER : _LEADING + (i + 1) * _PER_LAYER]
             split = _ATTENTION + _BRANCH
             # In the functions' own input order: (h, memory, pos, the attention's 18, the unit's tail, eps, heads,
             # seed, keep) and (x, the FFN's 16, the unit's tail, eps, the two masks).
@@ -152,7 +174,7 @@ class LayerStack(torch.autograd.Function):
         for inner in (inner for pair in ctx.contexts for inner in pair):
             del inner.saved_tensors
         flat = [g for layer in reversed(grads) for g in layer]
-        return (grad if needed[0] else None, None, None, None, *flat)
+        return (grad if needed[0] else None, *(None,) * (_LEADING - 1), *flat)
 
 
 class StreamedLayerStack(torch.autograd.Function):
@@ -169,8 +191,10 @@ class StreamedLayerStack(torch.autograd.Function):
     its bias after the product, not before)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, pos: Tensor, memories: tuple[Tensor | None, ...],  # type: ignore[override]
-                settings: tuple[tuple[object, ...], ...], *parameters: Tensor | None) -> tuple[Tensor, ...]:
+    def forward(ctx, x: Tensor, pos: Tensor, memories: list[Tensor | None], eps: list[float],  # type: ignore[override]
+                heads: list[int], tails: list[str], ffn_eps: list[float], ffn_tails: list[str],
+                masks: list[tuple[int, int]], *parameters: Tensor | None) -> tuple[Tensor, ...]:
+        settings = _layer_settings(eps, heads, tails, ffn_eps, ffn_tails, masks)
         batch, length, width = x.shape
         n = len(settings)
         layers = [parameters[i * _STREAMED : (i + 1) * _STREAMED] for i in range(n)]
@@ -205,7 +229,7 @@ class StreamedLayerStack(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor | None, *_: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         needed = ctx.needs_input_grad
-        n = (len(needed) - 4) // _STREAMED
+        n = (len(needed) - _LEADING) // _STREAMED
         if grad is None:
             return (None,) * len(needed)
         tensors = ctx.saved_tensors  # checks that none was changed in place since the forward pass
@@ -254,9 +278,23 @@ class StreamedLayerStack(torch.autograd.Function):
                per_layer(weights, eau_weights + 2 * half * width, eau_weights + 2 * half * width + d2, width, width),
                per_layer(sums, eau_sums + half + width, eau_sums + half + 2 * width))
               if weights.shape[1] > sdu_weights else ((None,) * n,) * 6), strict=True)
-        flat = [g if want else None for g, want in zip((g for layer in columns for g in layer), needed[4:],
+        flat = [g if want else None for g, want in zip((g for layer in columns for g in layer), needed[_LEADING:],
                                                          strict=True)]
-        return (grad_input.view(batch, length, width) if needed[0] else None, None, None, None, *flat)
+        return (grad_input.view(batch, length, width) if needed[0] else None, *(None,) * (_LEADING - 1), *flat)
+
+
+def _like_outputs(x: Tensor, pos: Tensor, memories: list[Tensor | None], eps: list[float],
+                  *_: object) -> list[Tensor]:
+    return [x.new_empty(x.shape) for _ in eps]
+
+
+_ARGUMENTS = ("Tensor x, Tensor pos, Tensor?[] memories, float[] eps, int[] heads, str[] tails, float[] ffn_eps, "
+              "str[] ffn_tails, Mask[] masks, Tensor?... parameters")
+LAYER_STACK = FunctionOperator("layer_stack", LayerStack, _ARGUMENTS, _like_outputs, tuple_output=True,
+                               non_differentiable=slice(1, None))
+STREAMED_LAYER_STACK = FunctionOperator("streamed_layer_stack", StreamedLayerStack, _ARGUMENTS, _like_outputs,
+                                        tuple_output=True, non_differentiable=slice(1, None))
+"""The two stacks as custom operators, for ``torch.compile`` (:mod:`gatedformer.ops.operators`)."""
 
 
 def _tail_code(tail: str | None) -> float:
@@ -298,9 +336,11 @@ def _whole_sublayers(layer: nn.Module) -> tuple[nn.Module, nn.Module] | None:
 
 def _with_masks(settings: list[tuple[object, ...]]) -> tuple[tuple[object, ...], ...]:
     """The layers' settings with each dropout rate replaced by its mask's ``(seed, keep_below)``: drawn once every
-    layer is known to run here, in the order the layers one by one would draw them, in one call."""
+    layer is known to run here, in the order the layers one by one would draw them, in one call (under
+    ``torch.compile`` by the operator, :data:`~gatedformer.ops.operators.TRACED_SEED`)."""
     keeps = [dropout_ops._keep_below(p) for layer in settings for p in (layer[2], layer[5], layer[6])]
-    seeds = iter(dropout_ops._draw_seeds(sum(keep < _INT32_VALUES for keep in keeps)))
+    count = sum(keep < _INT32_VALUES for keep in keeps)
+    seeds = iter([TRACED_SEED] * count if torch.compiler.is_compiling() else dropout_ops._draw_seeds(count))
     masks = [(next(seeds) if keep < _INT32_VALUES else 0, keep) for keep in keeps]
     return tuple((eps, heads, masks[3 * i], tail, ffn_eps, masks[3 * i + 1], masks[3 * i + 2], ffn_tail)
                  for i, (eps, heads, _, tail, ffn_eps, _, _, ffn_tail) in enumerate(settings))
@@ -317,10 +357,10 @@ def _streams_whole_stack(x: Tensor, memories: list[Tensor | None], settings: lis
     """Whether :class:`StreamedLayerStack` runs these layers (``parameters``: 18 per layer, the SDUs' ``None`` where
     there is none): MKL's packed products, memories all absent or all of one length, one number of heads and one FFN
     width, shapes whose blocks it can split (see ``stack_blocks``) and, with SDUs, the gate kernel."""
-    if _blas.packed_gemm() is None or not all(p is None or p.is_contiguous() for p in parameters):
+    if not _packed_products() or not all(p is None or p.is_contiguous() for p in parameters):
         return False
     sdus = (p for i in range(len(settings)) for p in parameters[i * _STREAMED + _PLAIN : (i + 1) * _STREAMED])
-    if any(p is not None for p in sdus) and _gate_kernel.KERNEL.pick_backend(x.device) != "native":
+    if any(p is not None for p in sdus) and not runs_native(_gate_kernel.KERNEL, x.device):
         return False
     lengths = {None if m is None else m.shape[1] for m in memories}
     heads = {layer_settings[1] for layer_settings in settings}
@@ -328,7 +368,20 @@ def _streams_whole_stack(x: Tensor, memories: list[Tensor | None], settings: lis
     if len(lengths) != 1 or len(heads) != 1 or len(hidden) != 1:
         return False
     batch, length, width = x.shape
-    return _epilogue_kernel.stack_blocks(batch, length, width, parameters[_ATTENTION].shape[0]) is not None
+    return _blocks_split(int(batch), int(length), int(width), int(parameters[_ATTENTION].shape[0]))
+
+
+@constant_under_compile
+def _packed_products() -> bool:
+    """Whether MKL's packed products are there (under ``torch.compile`` asked once, while dynamo traces)."""
+    return _blas.packed_gemm() is not None
+
+
+@constant_under_compile
+def _blocks_split(batch: int, length: int, width: int, hidden_width: int) -> bool:
+    """Whether the streamed stack splits these shapes into blocks (see ``stack_blocks``), asked once while dynamo
+    traces: the split depends on the thread count, which the graph does not follow."""
+    return _epilogue_kernel.stack_blocks(batch, length, width, hidden_width) is not None
 
 
 def _declined(reason: str) -> None:
@@ -341,10 +394,6 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
     """``layers`` (Transformer-XL layers) applied in turn to ``x (B, L, d)`` with their ``memories`` (one ``(B, M, d)``
     each, or ``None``) and the position encodings ``pos``, by :class:`LayerStack` where that applies (see the
     module): the last output and the list of every layer's input. Else ``None``."""
-    if torch.compiler.is_compiling():
-        # Not an operator: its per-layer settings are nested tuples and its outputs a list as long as the stack.
-        # The layers run one by one, each sublayer an operator (gatedformer.ops.operators).
-        return _declined("torch.compile is tracing (the stack is not a custom operator; each sublayer is)")
     if not layers or not torch.is_grad_enabled() or _global_hooks() or pos.requires_grad:
         return _declined("no layers, no gradients, global module hooks or position encodings that need gradients")
     memories = list(memories) if memories else [None] * len(layers)
@@ -390,9 +439,9 @@ def layer_stack(layers: Sequence[nn.Module], x: Tensor, memories: Sequence[Tenso
         # A branch's first two are the GRC's weight and bias, the next two the unit's.
         streamed += [*attention_plain, *ffn_plain, *attention_branch[2:4], *ffn_branch[2:4], *attention_branch[:2],
                      *ffn_branch[:2], *attention_branch[4:10]]
-    masked = _with_masks(settings)
+    masked = _flat_settings(_with_masks(settings))
     if streamable and _streams_whole_stack(x, memories, settings, streamed):
-        out, *later_inputs = StreamedLayerStack.apply(x, pos, tuple(memories), masked, *streamed)
+        out, *later_inputs = call(STREAMED_LAYER_STACK, x, pos, memories, *masked, *streamed)
     else:
-        out, *later_inputs = LayerStack.apply(x, pos, tuple(memories), masked, *parameters)
+        out, *later_inputs = call(LAYER_STACK, x, pos, memories, *masked, *parameters)
     return out, [x, *later_inputs]

@@ -32,17 +32,17 @@ in the same order as the eager one.
 
 from __future__ import annotations
 
+import itertools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from gatedformer.kernels.build import constant_under_compile
 
-__all__ = ["NAMESPACE", "REGISTERED", "TRACED_SEED", "FunctionOperator", "call", "native", "runs_native"]
+__all__ = ["NAMESPACE", "REGISTERED", "TRACED_SEED", "FunctionOperator", "call", "define", "native", "runs_native"]
 
 NAMESPACE = "gatedformer"
 _INT32_VALUES = 2 ** 32
@@ -68,17 +68,34 @@ def runs_native(kernel: Any, device: torch.device) -> bool:
 
 # ---- seeds ---------------------------------------------------------------------------------------------------
 
-@torch.library.custom_op(f"{NAMESPACE}::draw_seeds", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,),
-                         schema="(Tensor[] after, int count) -> Tensor")
-def _draw_seeds_op(after: list[Tensor], count: int) -> Tensor:
+_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
+"""Where the operators are defined. Through :class:`torch.library.Library` rather than ``torch.library.custom_op``:
+the same schema, kernel, fake function and autograd formula, without the checks and wrappers ``custom_op`` adds to
+every call (a third of an operator's overhead, which a compiled step pays a few dozen times)."""
+
+
+def define(name: str, schema: str, kernel: Callable[..., Any], fake: Callable[..., Any],
+           tags: Sequence[torch.Tag] = ()) -> torch._ops.OpOverload:
+    """The operator ``gatedformer::name`` of ``schema`` (``"(Tensor x, int k) -> Tensor[]"``), computed by
+    ``kernel`` on every device and described by ``fake`` (its outputs' shapes, for tracing)."""
+    _LIBRARY.define(f"{name}{schema}", tags=tuple(tags))
+    _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)
+    return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+def _draw_seeds(after: list[Tensor], count: int) -> Tensor:
     """``count`` seeds from torch's default generator, as ``count`` draws of the eager paths' ``_draw_seed`` give
     them; ``after`` only orders the draw (the tensors the fused call that uses the seeds reads)."""
     return torch.randint(0, 2 ** 63 - 1, (count,), dtype=torch.int64)
 
 
-@_draw_seeds_op.register_fake
-def _(after: list[Tensor], count: int) -> Tensor:
+def _no_seeds_yet(after: list[Tensor], count: int) -> Tensor:
     return torch.empty(count, dtype=torch.int64)
+
+
+_draw_seeds_op = define("draw_seeds", "(Tensor[] after, int count) -> Tensor", _draw_seeds, _no_seeds_yet,
+                        tags=(torch.Tag.nondeterministic_seeded,))
 
 
 # ---- the stand-in context and the handle that keeps it ---------------------------------------------------------
@@ -128,21 +145,40 @@ def _kept_context(handle: Tensor) -> _Context:
     return holder.context
 
 
+def _view(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.view_as(t)
+
+
+def _without_grad(function: Callable[..., Any], *args: object) -> Any:
+    """``function(*args)`` with gradients off: the compiled graphs that call the operators have turned them off
+    already, and entering ``torch.no_grad`` costs a tenth of what an operator adds to a call."""
+    if not torch.is_grad_enabled():
+        return function(*args)
+    with torch.no_grad():
+        return function(*args)
+
+
 def _fresh(tensors: Sequence[Tensor], taken: Sequence[Tensor | None],
            like: Sequence[Tensor | None] = ()) -> list[Tensor]:
     """``tensors`` as an operator may return them: none sharing memory with ``taken`` (its inputs) or with another,
     each contiguous or with the strides of ``torch.empty_like`` of its ``like`` (what the fake function gives)."""
-    seen = {StorageWeakRef(t.untyped_storage()) for t in taken if t is not None}
+    # Storages told apart by address (a few dozen a call: weak references to them cost more than the checks)
+    seen = {t.untyped_storage().data_ptr() for t in taken if t is not None}
     out = []
     for i, t in enumerate(tensors):
         reference = like[i] if i < len(like) else None
-        wanted = torch.empty_like(reference).stride() if reference is not None and reference.shape == t.shape else None
-        storage = StorageWeakRef(t.untyped_storage())
-        if storage in seen or (t.stride() != wanted if wanted is not None else not t.is_contiguous()):
-            t = (torch.empty_like(reference) if wanted is not None else torch.empty_like(
+        if reference is not None and reference.shape == t.shape:
+            # empty_like keeps a dense tensor's strides, a contiguous one's among them
+            wanted = reference.stride() if reference.is_contiguous() else torch.empty_like(reference).stride()
+            misplaced = t.stride() != wanted
+        else:
+            reference, misplaced = None, not t.is_contiguous()
+        address = t.untyped_storage().data_ptr()
+        if misplaced or address in seen:
+            t = (torch.empty_like(reference) if reference is not None else torch.empty_like(
                 t, memory_format=torch.contiguous_format)).copy_(t)
-            storage = StorageWeakRef(t.untyped_storage())
-        seen.add(storage)
+            address = t.untyped_storage().data_ptr()
+        seen.add(address)
         out.append(t)
     return out
 
@@ -207,12 +243,17 @@ def _flatten(parameters: Sequence[tuple[str, str]], args: Sequence[object]) -> t
             else:
                 seeds.append(value[0])  # type: ignore[index]
                 flat.append(value[1])  # type: ignore[index]
+        elif kind == "Mask[]":  # a list of (seed, keep_below) pairs: their keep counts
+            seeds += [seed for seed, keep in value if keep < _INT32_VALUES]  # type: ignore[union-attr]
+            flat.append([keep for _, keep in value])  # type: ignore[union-attr]
+        elif kind == _TRAILING:  # the tensors, then which places have one
+            flat += [[t for t in value if t is not None], [t is not None for t in value]]  # type: ignore[union-attr]
         else:
             flat.append(value)
     return flat, seeds
 
 
-def _unflatten(parameters: Sequence[tuple[str, str]], flat: Sequence[object], seeds: list[int]) -> list[object]:
+def _unflatten(parameters: Sequence[tuple[str, str]], flat: Sequence[object], seeds: Iterable[int]) -> list[object]:
     drawn, values, args = iter(seeds), iter(flat), []
     for kind, _ in parameters:
         if kind == "Seed":
@@ -227,13 +268,25 @@ def _unflatten(parameters: Sequence[tuple[str, str]], flat: Sequence[object], se
         elif kind == "Mask?":
             keep = next(values)
             args.append(None if keep >= _INT32_VALUES else (next(drawn), keep, _INT32_VALUES / keep))  # type: ignore[operator]
+        elif kind == "Mask[]":
+            args.append([(next(drawn) if keep < _INT32_VALUES else 0, keep) for keep in next(values)])  # type: ignore[attr-defined]
+        elif kind == _TRAILING:
+            tensors, present = iter(next(values)), next(values)  # type: ignore[call-overload]
+            args += [next(tensors) if there else None for there in present]  # type: ignore[union-attr]
         else:
             args.append(next(values))
     return args
 
 
-def _schema_type(kind: str) -> str:
-    return {"Mask": "int", "Mask?": "int", "int": "SymInt"}.get(kind, kind)
+_TRAILING = "Tensor?..."
+"""The kind of a function's trailing ``*tensors``, ``None`` among them: the operator takes the tensors as a list and
+where they are as another (``Tensor?[]`` would do, but autograd gives a list with a ``None`` in it no gradients)."""
+
+
+def _schema_arguments(kind: str, name: str) -> str:
+    if kind == _TRAILING:
+        return f"Tensor[] {name}, bool[] {name}_present"
+    return f"{ {'Mask': 'int', 'Mask?': 'int', 'Mask[]': 'int[]', 'int': 'SymInt'}.get(kind, kind)} {name}"
 
 
 REGISTERED: list[FunctionOperator] = []
@@ -248,13 +301,14 @@ class FunctionOperator:
     ``name``: the forward operator's (``gatedformer::name``; the backward's is ``name_backward``); ``function``: the
     :class:`torch.autograd.Function`; ``parameters``: its ``forward``'s parameters after ``ctx``, in an operator
     schema's words (``"Tensor x, Tensor? bias, float eps, str tail"``), and two more: ``Seed`` for a mask's seed and
-    ``Mask`` for a ``(seed, keep_below)`` pair (``Mask?``: a ``(seed, keep_below, scale)`` triple or ``None``); the
-    operator takes the seeds as one tensor after the other arguments, and a mask as its ``keep_below``. ``Blas``:
+    ``Mask`` for a ``(seed, keep_below)`` pair (``Mask?``: a ``(seed, keep_below, scale)`` triple or ``None``;
+    ``Mask[]``: a list of pairs); the operator takes the seeds as one tensor after the other arguments, and a mask as
+    its ``keep_below``. ``Tensor?...``, last: the function's trailing ``*tensors``, a list to the operator. ``Blas``:
     MKL's packed products (:func:`~gatedformer.kernels.blas.packed_gemm`), which the operator does not take but
     looks up where it runs. ``fake``:
     the function's outputs from its arguments (as the function takes them, seeds 0) as empty tensors, contiguous,
     as the operator returns them; ``tuple_output``: whether the function returns a tuple (else one tensor);
-    ``non_differentiable``: the outputs that take no gradient (by position).
+    ``non_differentiable``: the outputs that take no gradient (by position, or a slice of them).
 
     Every tensor argument (optional or not) gets the gradient the function's ``backward`` returns for it. Calling
     the object with the function's own arguments (seeds as ints, or :data:`TRACED_SEED` under ``torch.compile``) runs
@@ -264,34 +318,37 @@ class FunctionOperator:
 
     def __init__(self, name: str, function: type[torch.autograd.Function], parameters: str,
                  fake: Callable[..., Sequence[Tensor]], *, tuple_output: bool = False,
-                 non_differentiable: Sequence[int] = ()) -> None:
+                 non_differentiable: Sequence[int] | slice = ()) -> None:
         self.name, self.function, self.tuple_output = name, function, tuple_output
-        self.non_differentiable = tuple(non_differentiable)
+        self.non_differentiable = non_differentiable if isinstance(non_differentiable, slice) else tuple(
+            non_differentiable)
         self.parameters = _parameters(parameters)
         self._fake_outputs = fake
-        arguments = ", ".join(f"{_schema_type(kind)} {name}" for kind, name in self.parameters
+        arguments = ", ".join(_schema_arguments(kind, name) for kind, name in self.parameters
                               if kind not in ("Seed", "Blas"))
         schema = f"({arguments}, Tensor seeds, bool[] needs) -> Tensor[]"
         self._kinds = _tensor_kinds(schema)
-        self.forward_op = torch.library.custom_op(f"{NAMESPACE}::{name}", self._forward, mutates_args=(),
-                                                  schema=schema)
-        self.forward_op.register_fake(self._fake_forward)
-        self.backward_op = torch.library.custom_op(
-            f"{NAMESPACE}::{name}_backward", self._backward, mutates_args=(),
-            schema="(Tensor handle, Tensor?[] grads, Tensor?[] inputs, Tensor[] outputs, bool[] wanted) -> Tensor[]")
-        self.backward_op.register_fake(self._fake_backward)
-        self.forward_op.register_autograd(self._autograd_backward, setup_context=self._setup_context)
+        self.forward_op = define(name, schema, self._forward, self._fake_forward)
+        self.backward_op = define(
+            f"{name}_backward",
+            "(Tensor handle, Tensor?[] grads, Tensor?[] inputs, Tensor[] outputs, bool[] wanted) -> Tensor[]",
+            self._backward, self._fake_backward)
+        torch.library.register_autograd(f"{NAMESPACE}::{name}", self._autograd_backward,
+                                        setup_context=self._setup_context, lib=_LIBRARY)
         REGISTERED.append(self)
 
     def operator_arguments(self, *args: object) -> list[object]:
         """The forward operator's arguments for the function's ``args`` (seeds as ints), ``needs`` left out; with
         :data:`TRACED_SEED` seeds, drawn by ``gatedformer::draw_seeds`` once its tensor arguments are computed."""
+        if self.parameters[-1][0] == _TRAILING:
+            fixed = len(self.parameters) - 1
+            args = (*args[:fixed], args[fixed:])
         flat, seeds = _flatten(self.parameters, args)
         traced = sum(seed is TRACED_SEED for seed in seeds)
         if traced and traced != len(seeds):
             raise ValueError(f"{self.name}: seeds must be all drawn or all traced")
         if traced:
-            seed_tensor = _draw_seeds_op([t for t in flat if isinstance(t, Tensor)], traced)
+            seed_tensor = _draw_seeds_op([t for t in _leaves(self._kinds, flat) if t is not None], traced)
         else:
             seed_tensor = torch.tensor(seeds, dtype=torch.int64)
         return [*flat, seed_tensor]
@@ -304,7 +361,7 @@ class FunctionOperator:
 
     def _function_arguments(self, args: Sequence[object], seeds: Tensor | None) -> list[object]:
         """The function's arguments from the operator's (``seeds`` ``None``: every seed 0, for the fake function)."""
-        return _unflatten(self.parameters, args, [0] * len(self.parameters) if seeds is None else seeds.tolist())
+        return _unflatten(self.parameters, args, itertools.repeat(0) if seeds is None else seeds.tolist())
 
     # -- the forward operator
 
@@ -313,7 +370,7 @@ class FunctionOperator:
         leaves = _leaves(self._kinds, [*args, seeds])
         if len({id(t) for t in leaves if t is not None}) < sum(t is not None for t in leaves):
             # one tensor in two places: each place gets a view of its own, and so a gradient of its own
-            args = [a.view_as(a) if kind == "one" and a is not None else a
+            args = [_view(a) if kind == "one" else [_view(t) for t in a] if kind == "list" else a  # type: ignore[union-attr]
                     for kind, a in zip(self._kinds, args, strict=False)]
             leaves = _leaves(self._kinds, [*args, seeds])
         unpacked = self._function_arguments(args, seeds)
@@ -325,8 +382,7 @@ class FunctionOperator:
             if place >= 0:
                 needs_input_grad[place] = needs_input_grad[place] or need
         context = _Context(tuple(needs_input_grad))
-        with torch.no_grad():  # as Function.apply runs forward
-            result = self.function.forward(context, *unpacked)
+        result = _without_grad(self.function.forward, context, *unpacked)  # as Function.apply runs forward
         context.leaf_places = leaf_places  # type: ignore[attr-defined]
         outputs = list(result) if isinstance(result, tuple) else [result]
         return [*_fresh(outputs, leaves), _handle(context)]
@@ -339,8 +395,14 @@ class FunctionOperator:
         leaves = _leaves(self._kinds, inputs[:-1])
         ctx.present = [t is not None for t in leaves]
         ctx.wanted = [bool(need) and t is not None for need, t in zip(inputs[-1], leaves, strict=True)]
+        # autograd takes a list of tensors as many inputs (and wants a list of gradients back for it), but a list
+        # with a None in it as one input that takes none
+        ctx.lists = [(len(value), any(t is None for t in value)) if kind == "list" else None  # type: ignore[arg-type]
+                     for kind, value in zip(self._kinds, inputs, strict=True)]
         ctx.save_for_backward(*(t for t in leaves if t is not None), *output)
-        ctx.mark_non_differentiable(output[-1], *(output[i] for i in self.non_differentiable))
+        results = output[:-1]
+        ctx.mark_non_differentiable(output[-1], *(results[self.non_differentiable] if isinstance(
+            self.non_differentiable, slice) else (results[i] for i in self.non_differentiable)))
         ctx.set_materialize_grads(False)
 
     def _autograd_backward(self, ctx: Any, grads: list[Tensor | None]) -> tuple[object, ...]:
@@ -351,7 +413,17 @@ class FunctionOperator:
         computed = iter(self.backward_op(outputs[-1], list(grads[:-1]), leaves, outputs[:-1], ctx.wanted)
                         if any(ctx.wanted) else [])
         flat = iter([next(computed) if want else None for want in ctx.wanted])
-        return tuple(next(flat) if kind == "one" else None for kind in self._kinds)
+        grads = []
+        for kind, listed in zip(self._kinds, ctx.lists, strict=True):
+            if kind == "one":
+                grads.append(next(flat))
+            elif kind == "list":
+                length, has_none = listed
+                listed_grads = [next(flat) for _ in range(length)]
+                grads.append(None if has_none else listed_grads)
+            else:
+                grads.append(None)
+        return tuple(grads)
 
     # -- the backward operator
 
@@ -360,8 +432,7 @@ class FunctionOperator:
         context = _kept_context(handle)
         if context.materialize_grads:
             grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, outputs, strict=True)]
-        with torch.no_grad():
-            result = self.function.backward(context, *grads)
+        result = _without_grad(self.function.backward, context, *grads)
         result = result if isinstance(result, tuple) else (result,)
         out, like = [], []
         for place, want, reference in zip(context.leaf_places, wanted, inputs, strict=True):  # type: ignore[attr-defined]
