@@ -133,7 +133,9 @@ def test_the_sru_recurrence_is_one_operator_under_compile(streams: int, directio
     vectors = [torch.randn(directions, hidden, requires_grad=True) for _ in range(4)]
     c0 = torch.randn(batch, directions, hidden, requires_grad=True)
     # its fake (shape) function, autograd registration and schema, as torch checks a custom operator
-    torch.library.opcheck(sru_ops._recurrence_op, (U, skip, *vectors, c0, 1.7, ""))
+    arguments = sru_ops.RECURRENCE.operator_arguments(U, skip, *vectors, c0, 1.7, "")
+    needs = [t is not None and t.requires_grad for t in (U, skip, *vectors, c0)] + [False]  # the seeds last
+    torch.library.opcheck(sru_ops.RECURRENCE.forward_op, (*arguments, needs))
 
     def run(*inputs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return sru_recurrence(*inputs, alpha=1.7)

@@ -27,15 +27,16 @@ from gatedformer.ops import (
     relative_attention,
     relative_sublayer,
     rnn,
+    sru,
 )
 from gatedformer.ops.operators import REGISTERED, FunctionOperator
 
 _CALLERS = (attention, dropout, embedding, fused_gates, fused_linear, layer_stack, output_loss, relative_attention,
-            relative_sublayer, rnn)
+            relative_sublayer, rnn, sru)
 
 # Small models that between them call every operator in eager code: post-LN sublayers whole (with each gate slot),
 # pre-LN ones in pieces, the relative sublayer, Transformer-XL's two whole stacks, the LocalRNN's recurrence and steps,
-# the GLU.
+# the GLU, the SRU's recurrence.
 _MODELS = [
     dict(backbone="transformer", gates="+σ SDU"),
     dict(backbone="transformer", gates="+EAU+GRC"),
@@ -48,6 +49,7 @@ _MODELS = [
     dict(backbone="rtransformer", rnn_type="gru"),
     dict(backbone="rtransformer", rnn_type="lstm"),
     dict(backbone="gcnn"),
+    dict(backbone="sru"),
 ]
 
 

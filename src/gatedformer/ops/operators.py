@@ -161,7 +161,8 @@ def _without_grad(function: Callable[..., Any], *args: object) -> Any:
 def _fresh(tensors: Sequence[Tensor], taken: Sequence[Tensor | None],
            like: Sequence[Tensor | None] = ()) -> list[Tensor]:
     """``tensors`` as an operator may return them: none sharing memory with ``taken`` (its inputs) or with another,
-    each contiguous or with the strides of ``torch.empty_like`` of its ``like`` (what the fake function gives)."""
+    each contiguous from the start of its storage or with the strides of ``torch.empty_like`` of its ``like`` (what
+    the fake function gives)."""
     # Storages told apart by address (a few dozen a call: weak references to them cost more than the checks)
     seen = {t.untyped_storage().data_ptr() for t in taken if t is not None}
     out = []
@@ -170,9 +171,9 @@ def _fresh(tensors: Sequence[Tensor], taken: Sequence[Tensor | None],
         if reference is not None and reference.shape == t.shape:
             # empty_like keeps a dense tensor's strides, a contiguous one's among them
             wanted = reference.stride() if reference.is_contiguous() else torch.empty_like(reference).stride()
-            misplaced = t.stride() != wanted
+            misplaced = t.stride() != wanted or t.storage_offset() != 0
         else:
-            reference, misplaced = None, not t.is_contiguous()
+            reference, misplaced = None, not t.is_contiguous() or t.storage_offset() != 0
         address = t.untyped_storage().data_ptr()
         if misplaced or address in seen:
             t = (torch.empty_like(reference) if reference is not None else torch.empty_like(

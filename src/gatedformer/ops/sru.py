@@ -43,6 +43,7 @@ from gatedformer.kernels import sru as _sru_kernel
 from gatedformer.kernels.build import BACKENDS
 from gatedformer.kernels.sru import split_streams
 from gatedformer.kernels.triton import sru as _sru_triton
+from gatedformer.ops.operators import FunctionOperator, call
 
 __all__ = ["kernel_backend", "sru_recurrence", "sru_recurrence_reference"]
 
@@ -182,6 +183,8 @@ _BACKWARD = {"native": _sru_kernel.backward, "torch": _torch_backward, "triton":
 class _SRURecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, U, skip, v_f, v_r, b_f, b_r, c0, alpha, backend):  # type: ignore[override]
+        if backend not in _FORWARD:  # "" or "auto": picked here, where the recurrence runs (see RECURRENCE)
+            backend = _pick_backend(U.device, backend or None)
         dtype = _compute_dtype(U, skip, v_f, v_r, b_f, b_r, c0)
         args = [None if t is None else t.to(dtype).contiguous() for t in (U, skip, v_f, v_r, b_f, b_r, c0)]
         h, c_all = _FORWARD[backend](*args, alpha)
@@ -205,80 +208,18 @@ class _SRURecurrence(torch.autograd.Function):
         return (*out, None, None)
 
 
-# Under torch.compile the recurrence is one opaque operator each way, so that dynamo neither traces into the kernels'
-# Python (which it cannot: a ctypes call, the build's lock) nor splits the graph around them. Eager calls keep the
-# autograd Function above: the operators' dispatch would only add to every step.
-_SCHEMA_ARGS = ("Tensor U, Tensor? skip, Tensor v_f, Tensor v_r, Tensor b_f, Tensor b_r, Tensor c0, float alpha, "
-                "str backend")
-
-
-def _in_compute_dtype(*tensors: Tensor | None) -> list[Tensor | None]:
-    dtype = _compute_dtype(*tensors)
-    return [None if t is None else t.to(dtype).contiguous() for t in tensors]
-
-
-@torch.library.custom_op("gatedformer::sru_recurrence", mutates_args=(),
-                         schema=f"({_SCHEMA_ARGS}) -> (Tensor, Tensor, Tensor)")
-def _recurrence_op(U: Tensor, skip: Tensor | None, v_f: Tensor, v_r: Tensor, b_f: Tensor, b_r: Tensor, c0: Tensor,
-                   alpha: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    """``h``, the last cell and every step's cell (in the compute dtype, for the backward operator)."""
-    args = _in_compute_dtype(U, skip, v_f, v_r, b_f, b_r, c0)
-    h, c_all = _FORWARD[_pick_backend(U.device, backend or None)](*args, alpha)
-    return h.to(U.dtype), _last_cell(c_all).to(U.dtype).clone(), c_all
-
-
-@_recurrence_op.register_fake
-def _(U: Tensor, skip: Tensor | None, v_f: Tensor, v_r: Tensor, b_f: Tensor, b_r: Tensor, c0: Tensor,
-      alpha: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def _like_recurrence(U: Tensor, *_: object) -> list[Tensor]:
     L, B, D, _, H = U.shape
-    dtype = _compute_dtype(U, skip, v_f, v_r, b_f, b_r, c0)
-    return U.new_empty((L, B, D, H)), U.new_empty((B, D, H)), U.new_empty((L, B, D, H), dtype=dtype)
+    return [U.new_empty((L, B, D, H)), U.new_empty((B, D, H))]
 
 
-@torch.library.custom_op("gatedformer::sru_recurrence_backward", mutates_args=(),
-                         schema=f"({_SCHEMA_ARGS}, Tensor c_all, Tensor grad_h, Tensor? grad_c_last) "
-                                "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _recurrence_backward_op(U: Tensor, skip: Tensor | None, v_f: Tensor, v_r: Tensor, b_f: Tensor, b_r: Tensor,
-                            c0: Tensor, alpha: float, backend: str, c_all: Tensor, grad_h: Tensor,
-                            grad_c_last: Tensor | None) -> tuple[Tensor, ...]:
-    """The gradients of ``U, skip, v_f, v_r, b_f, b_r, c0`` in their dtypes; ``skip``'s is empty without a skip."""
-    inputs = (U, skip, v_f, v_r, b_f, b_r, c0)
-    args = _in_compute_dtype(*inputs)
-    dtype = c_all.dtype
-    grad_c_last = None if grad_c_last is None else grad_c_last.to(dtype).contiguous()
-    grads = _BACKWARD[_pick_backend(U.device, backend or None)](*args, alpha, c_all, grad_h.to(dtype).contiguous(),
-                                                                 grad_c_last)
-    # an operator's outputs may not share memory (the native backward's parameter gradients are rows of one tensor)
-    return tuple(U.new_empty(0) if g is None else g.to(t.dtype) if g._base is None else g.to(t.dtype).clone()
-                 for g, t in zip(grads, inputs, strict=True))
-
-
-@_recurrence_backward_op.register_fake
-def _(U: Tensor, skip: Tensor | None, v_f: Tensor, v_r: Tensor, b_f: Tensor, b_r: Tensor, c0: Tensor, alpha: float,
-      backend: str, c_all: Tensor, grad_h: Tensor, grad_c_last: Tensor | None) -> tuple[Tensor, ...]:
-    # contiguous, as the kernels write them, whatever the inputs' strides
-    return tuple(U.new_empty(0 if t is None else t.shape, dtype=U.dtype if t is None else t.dtype)
-                 for t in (U, skip, v_f, v_r, b_f, b_r, c0))
-
-
-def _setup_recurrence(ctx, inputs, output) -> None:  # noqa: ANN001
-    U, skip, v_f, v_r, b_f, b_r, c0, alpha, backend = inputs
-    ctx.save_for_backward(U, skip, v_f, v_r, b_f, b_r, c0, output[2])
-    ctx.alpha, ctx.backend = alpha, backend
-
-
-def _recurrence_op_backward(ctx, grad_h, grad_c_last, _grad_c_all):  # noqa: ANN001, ANN202
-    U, skip, v_f, v_r, b_f, b_r, c0, c_all = ctx.saved_tensors
-    grad_h = torch.zeros(c_all.shape, dtype=U.dtype, device=U.device) if grad_h is None else grad_h
-    grads = _recurrence_backward_op(U, skip, v_f, v_r, b_f, b_r, c0, ctx.alpha, ctx.backend, c_all, grad_h,
-                                    grad_c_last)
-    out = [g if need and not (name == "skip" and skip is None) else None
-           for g, need, name in zip(grads, ctx.needs_input_grad[:7], ("U", "skip", "v_f", "v_r", "b_f", "b_r", "c0"),
-                                    strict=True)]
-    return (*out, None, None)
-
-
-_recurrence_op.register_autograd(_recurrence_op_backward, setup_context=_setup_recurrence)
+RECURRENCE = FunctionOperator(
+    "sru_recurrence", _SRURecurrence,
+    "Tensor U, Tensor? skip, Tensor v_f, Tensor v_r, Tensor b_f, Tensor b_r, Tensor c0, float alpha, str backend",
+    _like_recurrence, tuple_output=True)
+"""The recurrence as a custom operator, for ``torch.compile`` (:mod:`gatedformer.ops.operators`): dynamo can neither
+trace into the kernels' Python (a ctypes call, the build's lock) nor should it split the graph around them. The
+backend is picked where the operator runs (``""``: as ``$GATEDFORMER_SRU_BACKEND`` says)."""
 
 
 def _check_shapes(
@@ -326,11 +267,8 @@ def sru_recurrence(
     both in the dtype of ``U``. Differentiable in every tensor argument.
     """
     c0 = _check_shapes(U, skip, v_f, v_r, b_f, b_r, c0)
-    if torch.compiler.is_compiling():
-        h, c_last, _ = _recurrence_op(U, skip, v_f, v_r, b_f, b_r, c0, float(alpha), backend or "")
-        return h, c_last
-    chosen = _pick_backend(U.device, backend)
-    return _SRURecurrence.apply(U, skip, v_f, v_r, b_f, b_r, c0, float(alpha), chosen)
+    chosen = (backend or "") if torch.compiler.is_compiling() else _pick_backend(U.device, backend)
+    return call(RECURRENCE, U, skip, v_f, v_r, b_f, b_r, c0, float(alpha), chosen)  # type: ignore[return-value]
 
 
 def sru_recurrence_reference(
