@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from gatedformer.errors import GatedformerError
+from gatedformer.errors import ConfigError, GatedformerError
 
 
 def _add_config_args(parser: argparse.ArgumentParser, data: bool = True) -> None:
@@ -152,7 +152,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from gatedformer.analysis.compare import run_comparison
     from gatedformer.analysis.text_tasks import comparison_for
     from gatedformer.config import load_recipe
-    from gatedformer.errors import ConfigError
 
     recipe = load_recipe(args.recipe)
     compare_tasks = comparison_for(recipe)  # pretraining and GLUE (Table 2), or sentence classification's folds
@@ -187,7 +186,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     result = train(config, args.out, data_dir=args.data_dir, resume=args.resume, progress=not args.quiet)
     scores = json.loads((Path(args.out) / "results.json").read_text(encoding="utf-8"))
     named = ", ".join(f"{k} {scores[k]:.4f}" for k in ("accuracy", "f1", "matthews", "pearson", "spearman")
-                      if k in scores)
+                      if scores.get(k) is not None)
     print(f"{config.data.corpus}: best validation evaluation: loss {result.valid_loss:.4f}, {named}")
     print(f"params {result.params:,}  {result.seconds_per_step * 1000:.1f} ms/step  results: {args.out}/results.json, "
           f"dev_predictions.tsv and the test submission file")
@@ -257,6 +256,10 @@ def cmd_translate(args: argparse.Namespace) -> int:
         from gatedformer.analysis.attention import require_plotting
 
         figure = require_plotting(args.attention_plot)
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    typed = not args.input and sys.stdin.isatty()
+    batch_size = args.batch_size or (1 if typed else 64)
     lines = source_lines(args.input or None)  # read as it is translated, a line at most 64 KiB
     run = load_trained(args.run, args.data_dir, args.device)
     run.require("translation", "translate", f"use `gatedformer generate --run {args.run}` to sample from it")
@@ -269,7 +272,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
             yield line
 
     for line in translate_stream(run.model, run.config, run.data, remembered(lines), beam=args.beam,
-                                 length_penalty=args.length_penalty):
+                                 length_penalty=args.length_penalty, batch_size=batch_size):
         print(line, flush=True)
     if figure is not None:
         from gatedformer.analysis.attention import plot_attention
@@ -418,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     translate.add_argument("--length-penalty", type=float, metavar="ALPHA",
                            help="beam scores divided by ((5 + length) / 6)^ALPHA (0: none; default: the run's "
                                 "translation.length_penalty)")
+    translate.add_argument("--batch-size", type=int, metavar="N",
+                           help="lines decoded together, each batch printed as soon as it is decoded (default: 64; 1 "
+                                "when typing at a terminal, so that each line is answered at once)")
     translate.add_argument("--data-dir", help="corpus folder, needed only if the run has no vocab.json")
     translate.add_argument("--attention-plot", metavar="FILE.png",
                            help="also draw every decoder layer's attention over the first input sentence (needs the "

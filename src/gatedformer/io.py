@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 import socket
 import tempfile
@@ -130,8 +131,26 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with what JSON cannot hold (a NaN, an infinity) as ``None``: Python's reader takes ``NaN``, strict
+    ones (``jq``, JavaScript, most other languages) refuse the whole file."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def number(value: Any) -> float:
+    """A number read back from JSON that :func:`json_safe` wrote: ``None`` (no finite value) is NaN."""
+    return math.nan if value is None else float(value)
+
+
 def atomic_write_json(path: str | Path, data: Any) -> Path:
-    return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    """``data`` as strict JSON (see :func:`json_safe`), written whole or not at all."""
+    return atomic_write_text(path, json.dumps(json_safe(data), indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ files (``pytorch_model.bin``, ``*.pt``...) are refused rather than read. Every d
 from __future__ import annotations
 
 import json
-import math
 import re
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -25,7 +24,7 @@ from torch import nn
 from gatedformer.config import RunConfig, config_from_dict, task_of
 from gatedformer.devices import resolve_device
 from gatedformer.errors import CheckpointError, ConfigError, OutputError
-from gatedformer.io import atomic_write_text, make_folder, output_path, read_limited
+from gatedformer.io import atomic_write_text, json_safe, make_folder, output_path, read_limited
 from gatedformer.runs import load_trained
 from gatedformer.tasks import Task, get_task
 from gatedformer.train.checkpoint import (
@@ -139,7 +138,7 @@ class Pretrained:
                   "parameters": sum(p.numel() for p in self.model.parameters()),
                   "files": sorted(files), "config": config,
                   # where the run was trained is the trainer's business, not the model's
-                  "results": _plain({k: v for k, v in self.results.items() if k != "run_dir"})}
+                  "results": json_safe({k: v for k, v in self.results.items() if k != "run_dir"})}
         atomic_write_text(folder / CARD_FILE, model_card(self, record))
         # Last: a folder with config.json is a whole export (an interrupted one is refused by from_pretrained).
         atomic_write_text(folder / CONFIG_FILE, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
@@ -163,17 +162,6 @@ class Pretrained:
                 raise OutputError(f"could not upload to the Hub repository {repo_id} ({_first_line(err)}); check "
                                   "your token (HF_TOKEN or huggingface-cli login) and network") from None
         return str(getattr(info, "commit_url", info))
-
-
-def _plain(value: Any) -> Any:
-    """``value`` with what JSON cannot hold (a NaN, an infinity) as ``None``."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 def _vocab_sizes(data: Any) -> dict[str, int]:

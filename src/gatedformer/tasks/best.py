@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gatedformer.errors import CheckpointError
-from gatedformer.io import atomic_write_json, atomic_write_text
+from gatedformer.io import atomic_write_json, atomic_write_text, number
 
 __all__ = ["BEST_FILE", "BestEvaluation"]
 
@@ -40,15 +40,15 @@ class BestEvaluation:
         if path.is_file():
             try:
                 fields = json.loads(path.read_text(encoding="utf-8"))
-                float(fields[self.key])
+                number(fields[self.key])
             except (OSError, ValueError, KeyError, TypeError) as err:
                 raise CheckpointError(f"{path} is damaged ({type(err).__name__}); delete it and the run's ckpt "
                                       "folder to train the run again") from None
             self.fields = fields
 
     def value(self, fields: dict[str, Any] | None) -> float:
-        number = float(fields[self.key]) if fields is not None else -math.inf
-        return -math.inf if math.isnan(number) else number
+        score = number(fields[self.key]) if fields is not None else -math.inf
+        return -math.inf if math.isnan(score) else score
 
     def beats(self, fields: dict[str, Any]) -> bool:
         """Whether an evaluation of ``fields`` beats the best so far."""

@@ -28,7 +28,7 @@ from torch import nn
 from gatedformer.config import RunConfig, validate
 from gatedformer.devices import check_precision, resolve_device
 from gatedformer.errors import CheckpointError, ConfigError, GatedformerError
-from gatedformer.io import atomic_write_json, atomic_write_text, make_folder, read_limited
+from gatedformer.io import atomic_write_json, atomic_write_text, make_folder, number, read_limited
 from gatedformer.tasks import Task, task_for
 from gatedformer.train import distributed
 from gatedformer.train.checkpoint import (
@@ -98,9 +98,10 @@ class RunResult:
         path = Path(run_dir) / "results.json"
         try:
             data = json.loads(read_limited(path, JSON_BYTES))
-            # Fields with a default came later: results written before them lack them.
-            return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)
-                          if f.name in data or f.default is dataclasses.MISSING})
+            # Fields with a default came later: results written before them lack them. A float written as null had
+            # no finite value (a GLUE test loss: the labels are not public).
+            return cls(**{f.name: number(data[f.name]) if f.type == "float" else data[f.name]
+                          for f in dataclasses.fields(cls) if f.name in data or f.default is dataclasses.MISSING})
         except (OSError, ValueError, KeyError, TypeError) as err:
             reason = f"missing {err}" if isinstance(err, KeyError) else type(err).__name__
             raise CheckpointError(f"{path} is damaged ({reason}); delete {Path(run_dir)} to train that run "
