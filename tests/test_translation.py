@@ -387,6 +387,29 @@ def test_translate_cli_reads_stdin_strictly_and_takes_a_length_penalty(
     assert "--length-penalty must be a finite number >= 0" in capsys.readouterr().err
 
 
+def test_translate_answers_each_typed_line_at_once(trained_run: Path, capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from gatedformer.cli import main
+
+    class Terminal(io.TextIOWrapper):
+        def isatty(self) -> bool:
+            return True
+
+    batches, stream = [], translation_task.translate_stream
+    monkeypatch.setattr(translation_task, "translate_stream",
+                        lambda *a, **k: batches.append(k["batch_size"]) or stream(*a, **k))
+    for given, typed, wanted in ((None, True, 1), (None, False, 64), (8, True, 8)):
+        kind = Terminal if typed else io.TextIOWrapper
+        monkeypatch.setattr("sys.stdin", kind(io.BytesIO(b"A small cat.\n"), encoding="utf-8"))
+        extra = [] if given is None else ["--batch-size", str(given)]
+        assert main(["translate", "--run", str(trained_run), "--beam", "1", *extra]) == 0
+        assert batches[-1] == wanted and len(capsys.readouterr().out.splitlines()) == 1
+    assert main(["translate", "--run", str(trained_run), "--batch-size", "0"]) == 2
+    assert "--batch-size must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_translate_reads_bounded_lines_as_they_come_and_beams_up_to_the_vocabulary(
         trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import io

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from gatedformer.analysis.bench.options import BenchOptions, BenchSize
 from gatedformer.analysis.bench.report import BenchReport
-from gatedformer.analysis.bench.runners import _make_optimizer
+from gatedformer.analysis.bench.runners import _make_optimizer, backward_and_step
 from gatedformer.analysis.bench.timing import time_round_robin
 from gatedformer.config import InitConfig
 from gatedformer.models.bert import BertForMaskedLM, BertForSequenceClassification
@@ -45,14 +45,7 @@ def _bert_init(model: nn.Module) -> nn.Module:
 def _step(model: nn.Module, loss: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer | None
           ) -> Callable[[], None]:
     def run() -> None:
-        value = loss()
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
-        value.backward()
-        if optimizer is not None:
-            optimizer.step()
+        backward_and_step(model, loss(), optimizer)
     return run
 
 

@@ -49,6 +49,18 @@ def _make_optimizer(model: nn.Module, kind: str, device: torch.device) -> torch.
     raise ConfigError(f"unknown optimizer {kind!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
+def backward_and_step(model: nn.Module, loss: Tensor, optimizer: torch.optim.Optimizer | None) -> None:
+    """The update every timed training step ends with: gradients cleared, ``loss.backward()``, the optimiser's step
+    (without an optimiser, the backward pass alone)."""
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        model.zero_grad(set_to_none=True)
+    loss.backward()
+    if optimizer is not None:
+        optimizer.step()
+
+
 def _detach(state: Any) -> Any:
     if state is None:
         return None
@@ -99,13 +111,7 @@ class LMRunner:
             self.model.train()
         with self._autocast():
             loss = self._logits_loss(self.model if eager else self.forward)
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.model.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.optimizer is not None:
-            self.optimizer.step()
+        backward_and_step(self.model, loss, self.optimizer)
 
     def eval_step(self) -> None:
         if self.model.training:

@@ -25,7 +25,12 @@ from torch import nn
 
 from gatedformer.analysis.bench.options import BenchOptions, BenchSize
 from gatedformer.analysis.bench.report import BenchReport
-from gatedformer.analysis.bench.runners import _make_optimizer, count_parameters, initialise_weights
+from gatedformer.analysis.bench.runners import (
+    _make_optimizer,
+    backward_and_step,
+    count_parameters,
+    initialise_weights,
+)
 from gatedformer.analysis.bench.timing import bf16_mfu, measured_peaks, peak_contenders, time_round_robin
 from gatedformer.config import RunConfig, apply_overrides, backbone_names
 from gatedformer.data.translation import EOS_ID, PAD_ID
@@ -85,14 +90,8 @@ def _steps(model: nn.Module, optimizer: torch.optim.Optimizer | None, src: torch
     def train() -> None:
         if not model.training:
             model.train()
-        loss = model(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID, label_smoothing=0.1)
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
-        loss.backward()
-        if optimizer is not None:
-            optimizer.step()
+        backward_and_step(model, model(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID, label_smoothing=0.1),
+                          optimizer)
 
     def evaluate() -> None:
         if model.training:
