@@ -392,11 +392,11 @@ def _address(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _relative_blocks(batch: int, length: int, work: int) -> tuple[int, int]:
+def _relative_blocks(batch: int, length: int, work: int, threads: int | None = None) -> tuple[int, int]:
     """Sequences per block and threads for the streamed relative attention sublayer: each thread's share of the batch
     in one block where whole blocks of the column sums' 64 rows allow (the attention kernel packs every head's position
-    keys once per call, so once per block)."""
-    threads = max(1, min(kernel_threads(work), batch))
+    keys once per call, so once per block). ``threads``: the thread count to plan for (default: this call's)."""
+    threads = max(1, min(kernel_threads(work) if threads is None else threads, batch))
     unit = _block_sequences(length)
     share = -(-batch // threads)
     block = -(-share // unit) * unit
@@ -513,10 +513,12 @@ MIX_CODE = 5.0
 """The stack kernels' code for a gated MHDPA's tail (the gate kernel's lerp on the body's output)."""
 
 
-def stack_blocks(batch: int, length: int, width: int, hidden_width: int) -> tuple[int, int, int] | None:
+def stack_blocks(batch: int, length: int, width: int, hidden_width: int,
+                 threads: int | None = None) -> tuple[int, int, int] | None:
     """Sequences per block, threads and FFN rows per product for :func:`relative_stack_streamed`, or ``None`` where
-    its blocks would not start FFN rows at a multiple of the mask generator's bulk draws (an odd FFN width)."""
-    block, threads = _relative_blocks(batch, length, 3 * batch * length * width)
+    its blocks would not start FFN rows at a multiple of the mask generator's bulk draws (an odd FFN width).
+    ``threads``: the thread count to plan for (default: the one a call would use now)."""
+    block, threads = _relative_blocks(batch, length, 3 * batch * length * width, threads)
     ffn_rows = _stream_block_rows(hidden_width)
     if block * length * hidden_width % 128 or ffn_rows * hidden_width % 128:
         return None

@@ -368,7 +368,10 @@ def _streams_whole_stack(x: Tensor, memories: list[Tensor | None], settings: lis
     if len(lengths) != 1 or len(heads) != 1 or len(hidden) != 1:
         return False
     batch, length, width = x.shape
-    return _blocks_split(int(batch), int(length), int(width), int(parameters[_ATTENTION].shape[0]))
+    hidden_width = parameters[_ATTENTION].shape[0]
+    if torch.compiler.is_compiling():
+        return _blocks_split_always(int(batch), int(length), int(width), int(hidden_width))
+    return _epilogue_kernel.stack_blocks(batch, length, width, hidden_width) is not None
 
 
 @constant_under_compile
@@ -378,10 +381,11 @@ def _packed_products() -> bool:
 
 
 @constant_under_compile
-def _blocks_split(batch: int, length: int, width: int, hidden_width: int) -> bool:
-    """Whether the streamed stack splits these shapes into blocks (see ``stack_blocks``), asked once while dynamo
-    traces: the split depends on the thread count, which the graph does not follow."""
-    return _epilogue_kernel.stack_blocks(batch, length, width, hidden_width) is not None
+def _blocks_split_always(batch: int, length: int, width: int, hidden_width: int) -> bool:
+    """Whether the streamed stack splits these shapes into blocks (see ``stack_blocks``) on any number of threads:
+    asked once while dynamo traces, and the graph does not follow the thread count, which may change after."""
+    return all(_epilogue_kernel.stack_blocks(batch, length, width, hidden_width, threads) is not None
+               for threads in range(1, batch + 1))
 
 
 def _declined(reason: str) -> None:
