@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gatedformer.analysis.compare import slug
+from gatedformer.analysis.report import markdown_table
 from gatedformer.config import Recipe, RunConfig, Variant, build_config, check_overrides_spare_variants
 from gatedformer.data.glue import glue_task, locate_glue
 from gatedformer.errors import ConfigError, DataError, GatedformerError
@@ -120,11 +121,6 @@ def _mean_std(values: list[float], scale: float, digits: int) -> str:
     if len(values) > 1:
         return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
     return f"{values[0]:.{digits}f}"
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def _published_column(variant: Variant, config: RunConfig) -> int | None:

@@ -61,7 +61,8 @@ class ComparisonReport:
     notes: list[str] = field(default_factory=list)
 
 
-def _markdown(header: list[str], rows: list[list[str]]) -> str:
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table of ``header`` and ``rows`` (cells already formatted), as every comparison report prints."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
@@ -155,7 +156,7 @@ def format_table(summaries: list[VariantSummary], metric: str, recipe: Recipe) -
         row += [f"{s.results[0].params:,}", f"{s.mean('seconds_per_step'):.4f}",
                 _mean_pm([_total_seconds(r) for r in s.results], 1)]
         rows.append(row)
-    return _markdown(header, rows)
+    return markdown_table(header, rows)
 
 
 def timing_table(summaries: list[VariantSummary], step_times: dict[str, Any] | None = None) -> str:
@@ -186,7 +187,7 @@ def timing_table(summaries: list[VariantSummary], step_times: dict[str, Any] | N
             "—" if s is base else _change(s.results[0].params, base_params),
         ]
         rows.append(row)
-    return _markdown(header, rows)
+    return markdown_table(header, rows)
 
 
 def parameter_table(summaries: list[VariantSummary]) -> str | None:
@@ -202,7 +203,7 @@ def parameter_table(summaries: list[VariantSummary]) -> str | None:
         total = sum(s.components.values())
         rows.append([s.name, *(f"{s.components[c]:,}" if c in s.components else "—" for c in components),
                      f"{total:,}", "—" if s is known[0] else _change(total, base_total)])
-    return _markdown(header, rows)
+    return markdown_table(header, rows)
 
 
 def render_report(recipe: Recipe, summaries: list[VariantSummary], table: str, *, metric: str, corpus: str,

@@ -13,7 +13,8 @@ import statistics
 from pathlib import Path
 
 from gatedformer.analysis.compare import slug
-from gatedformer.analysis.glue import TaskComparison, markdown_table, select_variants, train_or_keep
+from gatedformer.analysis.glue import TaskComparison, select_variants, train_or_keep
+from gatedformer.analysis.report import markdown_table
 from gatedformer.config import Recipe, build_config, check_overrides_spare_variants
 from gatedformer.data.sentclass import sentence_set
 from gatedformer.errors import ConfigError
