@@ -28,7 +28,7 @@ from gatedformer.models.seq2seq import Seq2SeqTransformer, seq2seq_parameter_cou
 from gatedformer.runs import load_trained
 from gatedformer.tasks import translation as translation_task
 from gatedformer.tasks.translation import beam_search, corpus_bleu, greedy_decode
-from gatedformer.train.checkpoint import recorded_config
+from gatedformer.tasks.weights import recorded_config
 from gatedformer.train.loop import train as train_translation
 
 

@@ -15,7 +15,8 @@ from torch import nn
 from gatedformer.config import RunConfig
 from gatedformer.errors import CheckpointError, ConfigError
 
-__all__ = ["architecture_differences", "load_exactly", "load_matching", "read_start_weights", "start_weights_file"]
+__all__ = ["architecture_differences", "load_exactly", "load_matching", "read_start_weights", "recorded_config",
+           "start_weights_file"]
 
 # Fields that change how a model trains, not the shape of its weights.
 _NOT_ARCHITECTURE = {"dropout", "emb_dropout", "attn_dropout", "init_from_hf"}
@@ -39,14 +40,19 @@ def start_weights_file(source: str) -> Path:
                       ".safetensors file")
 
 
-def _recorded_model(path: Path) -> dict[str, Any] | None:
+def recorded_config(path: Path) -> dict[str, Any] | None:
+    """The config a weights file was saved with (``None`` if it records none or cannot be read)."""
     try:
         with safe_open(str(path), framework="pt") as handle:
             text = (handle.metadata() or {}).get("config")
-        recorded = json.loads(text) if text else None
+        config = json.loads(text) if text else None
     except (SafetensorError, OSError, ValueError, RuntimeError):
         return None
-    model = recorded.get("model") if isinstance(recorded, dict) else None
+    return config if isinstance(config, dict) else None
+
+
+def _recorded_model(path: Path) -> dict[str, Any] | None:
+    model = (recorded_config(path) or {}).get("model")
     return model if isinstance(model, dict) else None
 
 

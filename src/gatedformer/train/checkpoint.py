@@ -47,6 +47,7 @@ from gatedformer.config import RunConfig, config_from_dict
 from gatedformer.errors import CheckpointError, ConfigError
 from gatedformer.gates.kinds import canonical_name
 from gatedformer.io import _fsync_dir, atomic_write, atomic_write_text, cannot_write, make_folder, read_limited
+from gatedformer.tasks.weights import recorded_config
 from gatedformer.version import __version__
 
 CHECKPOINT_DIR = "ckpt"
@@ -184,17 +185,6 @@ def weights_metadata(config: dict[str, Any] | None) -> dict[str, str]:
     if config is not None:
         metadata["config"] = json.dumps(config, sort_keys=True)
     return metadata
-
-
-def recorded_config(path: Path) -> dict[str, Any] | None:
-    """The config a weights file was saved with (``None`` if it records none or cannot be read)."""
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            text = (handle.metadata() or {}).get("config")
-        config = json.loads(text) if text else None
-    except (SafetensorError, OSError, ValueError, RuntimeError):
-        return None
-    return config if isinstance(config, dict) else None
 
 
 def recorded_run_config(run_dir: Path) -> tuple[dict[str, Any], Path] | None:
