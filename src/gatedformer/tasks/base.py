@@ -127,8 +127,9 @@ class Task(ABC):
         """Training steps in one pass over the training split."""
 
     def log_fields(self, position: dict[str, int]) -> dict[str, Any]:
-        """What a ``train`` log record adds about where the data stands."""
-        return {}
+        """What a ``train`` log record adds about where the data stands: the epoch, for tasks whose position has one
+        (a language model's follows from the step alone and adds nothing)."""
+        return {"epoch": position["epoch"]} if "epoch" in position else {}
 
     @abstractmethod
     def loss(self, model: nn.Module, batch: TrainBatch, carry: Any, config: RunConfig,

@@ -258,9 +258,6 @@ class GlueFinetuneTask(Task):
     def steps_per_epoch(self, data: GlueData, config: RunConfig, meta: dict[str, Any] | None) -> int:
         return math.ceil(len(data.train) / config.data.batch_size)
 
-    def log_fields(self, position: dict[str, int]) -> dict[str, Any]:
-        return {"epoch": position["epoch"]} if position else {}
-
     def loss(self, model: nn.Module, batch: TrainBatch, carry: Any, config: RunConfig,
              device: torch.device) -> tuple[torch.Tensor, Any]:
         tokens, types, mask, labels = (t.to(device) for t in batch.inputs)

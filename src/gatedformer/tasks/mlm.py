@@ -261,9 +261,6 @@ class MaskedLMTask(Task):
     def steps_per_epoch(self, data: MLMData, config: RunConfig, meta: dict[str, Any] | None) -> int:
         return len(data.train) // config.data.batch_size
 
-    def log_fields(self, position: dict[str, int]) -> dict[str, Any]:
-        return {"epoch": position["epoch"]} if position else {}
-
     def loss(self, model: nn.Module, batch: TrainBatch, carry: Any, config: RunConfig,
              device: torch.device) -> tuple[torch.Tensor, Any]:
         inputs, positions, targets = (t.to(device) for t in batch.inputs)

@@ -384,9 +384,6 @@ class TranslationTask(Task):
     def steps_per_epoch(self, data: TranslationData, config: RunConfig, meta: dict[str, Any] | None) -> int:
         return len(self._epoch_batches(data, config, meta["epoch"] if meta is not None else 0))
 
-    def log_fields(self, position: dict[str, int]) -> dict[str, Any]:
-        return {"epoch": position["epoch"]} if position else {}
-
     def loss(self, model: nn.Module, batch: TrainBatch, carry: Any, config: RunConfig,
              device: torch.device) -> tuple[torch.Tensor, Any]:
         src, tgt_in, tgt_out = (t.to(device) for t in batch.inputs)
