@@ -813,10 +813,16 @@ def test_real_tampered_copy_is_rejected(tmp_path):
 
 
 def test_atomic_writes_leave_normal_permissions_and_no_temp_files(tmp_path):
+    import json
     import os
     import stat
 
-    from gatedformer.io import atomic_open, atomic_write_json
+    from gatedformer.errors import OutputError
+    from gatedformer.io import atomic_open, atomic_write, atomic_write_json
+
+    def disk_full(tmp):
+        tmp.write_bytes(b"half")
+        raise OSError(28, "No space left on device")
 
     mask = os.umask(0o022)
     try:
@@ -826,11 +832,19 @@ def test_atomic_writes_leave_normal_permissions_and_no_temp_files(tmp_path):
         with pytest.raises(RuntimeError), atomic_open(tmp_path / "broken.bin") as handle:
             handle.write(b"half")
             raise RuntimeError("interrupted")
+        with pytest.raises(OutputError, match=r"^cannot write .*report.json \(No space left on device\); free space"):
+            atomic_write(tmp_path / "report.json", disk_full)
+        with pytest.raises(OutputError, match=r"^cannot write .*tokens.bin \(No space left on device\)"), \
+                atomic_open(tmp_path / "tokens.bin") as handle:
+            handle.write(b"half")
+            raise OSError(28, "No space left on device")
     finally:
         os.umask(mask)
     for name in ("report.json", "tokens.bin"):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644  # not mkstemp's 0600
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "tokens.bin"]  # no .part left behind
+    assert json.loads((tmp_path / "report.json").read_text()) == {"a": 1}  # the failed writes left the old files
+    assert (tmp_path / "tokens.bin").read_bytes() == b"\x00" * 10
 
 
 def test_an_unwritable_cache_only_warns(monkeypatch, tmp_path):

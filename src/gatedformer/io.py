@@ -61,19 +61,11 @@ def _temp_beside(path: Path) -> tuple[int, Path]:
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | Path, mode: str = "wb", durable: bool = False) -> Iterator[IO]:
-    """Write through the yielded file to a temp file beside ``path``, then rename it over ``path``.
-
-    With ``durable`` the data and the rename are fsynced (what a crash must not lose, such as results).
-    """
-    path = Path(path)
-    fd, tmp = _temp_beside(path)
+def _published_or_removed(tmp: Path, path: Path) -> Iterator[None]:
+    """Rename the temp file ``tmp`` over ``path`` once the block has written it; if the block fails, remove it and
+    leave ``path`` as it was (an :class:`OSError` becomes the one-line :func:`cannot_write` error)."""
     try:
-        with os.fdopen(fd, mode) as handle:
-            yield handle
-            if durable:
-                handle.flush()
-                os.fsync(handle.fileno())
+        yield
         publish(tmp, path)
     except OSError as err:
         tmp.unlink(missing_ok=True)
@@ -81,6 +73,21 @@ def atomic_open(path: str | Path, mode: str = "wb", durable: bool = False) -> It
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "wb", durable: bool = False) -> Iterator[IO]:
+    """Write through the yielded file to a temp file beside ``path``, then rename it over ``path``.
+
+    With ``durable`` the data and the rename are fsynced (what a crash must not lose, such as results).
+    """
+    path = Path(path)
+    fd, tmp = _temp_beside(path)
+    with _published_or_removed(tmp, path), os.fdopen(fd, mode) as handle:
+        yield handle
+        if durable:
+            handle.flush()
+            os.fsync(handle.fileno())
     if durable:
         _fsync_dir(path.parent)
 
@@ -98,17 +105,10 @@ def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:
     path = Path(path)
     fd, tmp = _temp_beside(path)
     os.close(fd)
-    try:
+    with _published_or_removed(tmp, path):
         write(tmp)
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
-        publish(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise cannot_write(path, err) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     _fsync_dir(path.parent)
     return path
 
