@@ -33,7 +33,6 @@ in the same order as the eager one.
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -118,31 +117,37 @@ class _Context:
         self.materialize_grads = value
 
 
+_CONTEXTS: dict[int, _Context] = {}
+"""The context of every live handle, by the address of its storage (a plain dictionary: a weak one's references cost
+more than the rest of the handle)."""
+
+
 class _Holder(bytearray):
     """The storage of a handle: eight zero bytes, whose address is the key of the context it keeps alive (the
     handle's value is the same for every call, so that a forward operator's outputs depend on its inputs alone, as
-    :func:`torch.library.opcheck` checks)."""
+    :func:`torch.library.opcheck` checks). The context leaves :data:`_CONTEXTS` when the handle's storage lets go of
+    the buffer: no other holder can have the address before then."""
 
-    context: _Context
+    address = 0
 
-
-_HOLDERS: weakref.WeakValueDictionary[int, _Holder] = weakref.WeakValueDictionary()
+    def __del__(self, contexts: dict[int, _Context] = _CONTEXTS) -> None:  # bound now: still there at exit
+        contexts.pop(self.address, None)
 
 
 def _handle(context: _Context) -> Tensor:
     holder = _Holder(8)
-    holder.context = context
-    handle = torch.frombuffer(holder, dtype=torch.int64)  # the tensor's storage holds the buffer, and so the context
-    _HOLDERS[handle.data_ptr()] = holder
+    handle = torch.frombuffer(holder, dtype=torch.int64)  # the tensor's storage holds the buffer
+    holder.address = handle.data_ptr()
+    _CONTEXTS[holder.address] = context
     return handle
 
 
 def _kept_context(handle: Tensor) -> _Context:
-    holder = _HOLDERS.get(handle.data_ptr())
-    if holder is None:
+    context = _CONTEXTS.get(handle.data_ptr())
+    if context is None:
         raise RuntimeError("a gatedformer operator's backward pass found no forward pass to go with it (its handle "
                            "was copied, or its forward pass ran in another process)")
-    return holder.context
+    return context
 
 
 def _view(t: Tensor | None) -> Tensor | None:
@@ -284,6 +289,9 @@ _TRAILING = "Tensor?..."
 where they are as another (``Tensor?[]`` would do, but autograd gives a list with a ``None`` in it no gradients)."""
 
 
+_REBUILT = ("Seed", "Blas", "Mask", "Mask?", "Mask[]", _TRAILING)
+"""The parameter kinds whose function argument is not the operator's argument as it comes (see :func:`_unflatten`)."""
+
 _SCHEMA_TYPES = {"Mask": "int", "Mask?": "int", "Mask[]": "int[]", "int": "SymInt"}
 """The operator's type for each parameter kind that is not one already."""
 
@@ -333,6 +341,8 @@ class FunctionOperator:
                               if kind not in ("Seed", "Blas"))
         schema = f"({arguments}, Tensor seeds, bool[] needs) -> Tensor[]"
         self._kinds = _tensor_kinds(schema)
+        self._plain = all(kind not in _REBUILT for kind, _ in self.parameters)
+        self._leaf_places = self._static_leaf_places()
         self.forward_op = define(name, schema, self._forward, self._fake_forward)
         self.backward_op = define(
             f"{name}_backward",
@@ -373,24 +383,35 @@ class FunctionOperator:
     def _forward(self, *args: object) -> list[Tensor]:
         *args, seeds, needs = args
         leaves = _leaves(self._kinds, [*args, seeds])
-        if len({id(t) for t in leaves if t is not None}) < sum(t is not None for t in leaves):
+        present = [id(t) for t in leaves if t is not None]
+        if len(set(present)) < len(present):
             # one tensor in two places: each place gets a view of its own, and so a gradient of its own
             args = [_view(a) if kind == "one" else [_view(t) for t in a] if kind == "list" else a  # type: ignore[union-attr]
                     for kind, a in zip(self._kinds, args, strict=False)]
             leaves = _leaves(self._kinds, [*args, seeds])
-        unpacked = self._function_arguments(args, seeds)
-        places = {id(a): j for j, a in enumerate(unpacked) if isinstance(a, Tensor)}
-        # for each tensor leaf, the function's argument it is (-1: none)
-        leaf_places = [-1 if t is None else places.get(id(t), -1) for t in leaves]
+        unpacked = list(args) if self._plain else self._function_arguments(args, seeds)
+        leaf_places = self._leaf_places
+        if leaf_places is None:  # tensor lists: where each tensor landed is known once they are unpacked
+            places = {id(a): j for j, a in enumerate(unpacked) if isinstance(a, Tensor)}
+            leaf_places = [-1 if t is None else places.get(id(t), -1) for t in leaves]
         needs_input_grad = [False] * len(unpacked)
         for place, need in zip(leaf_places, needs, strict=True):
-            if place >= 0:
-                needs_input_grad[place] = needs_input_grad[place] or need
+            if need and place >= 0:
+                needs_input_grad[place] = True
         context = _Context(tuple(needs_input_grad))
         result = _without_grad(self.function.forward, context, *unpacked)  # as Function.apply runs forward
         context.leaf_places = leaf_places  # type: ignore[attr-defined]
         outputs = list(result) if isinstance(result, tuple) else [result]
         return [*_fresh(outputs, leaves), _handle(context)]
+
+    def _static_leaf_places(self) -> list[int] | None:
+        """For each tensor argument of the forward operator, the function's argument it becomes (-1: the seeds),
+        where that is fixed: without tensor lists, the operator takes one argument for each of the function's
+        parameters but the seeds and ``Blas``, in order. ``None`` where there are tensor lists."""
+        if "list" in self._kinds:
+            return None
+        parameter_of = [j for j, (kind, _) in enumerate(self.parameters) if kind not in ("Seed", "Blas")] + [-1]
+        return [parameter_of[i] for i, kind in enumerate(self._kinds) if kind == "one"]
 
     def _fake_forward(self, *args: object) -> list[Tensor]:
         *args, seeds, _ = args
