@@ -18,7 +18,7 @@ __all__ = ["KERNEL", "backward", "forward", "split_streams"]
 
 # -ffast-math is safe for this code: its sigmoid never overflows, and NaNs still propagate.
 KERNEL = NativeKernel(
-    "sru", abi_version=3, env_var="GATEDFORMER_SRU_BACKEND",
+    "sru", abi_version=4, env_var="GATEDFORMER_SRU_BACKEND",
     description="the compiled SRU recurrence", fallback="PyTorch loops over time, which are several times slower",
     fast_math=True, avx512=True,
 )
@@ -47,21 +47,23 @@ def forward(
     b_r: Tensor,
     c0: Tensor,
     alpha: float,
-) -> tuple[Tensor, Tensor]:
-    """``h`` and every step's cell ``c``, ``(L, B, D, H)`` each, from contiguous operands of one dtype."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``h`` and every step's cell ``c``, ``(L, B, D, H)`` each, and the cell after every direction's last step
+    ``(B, D, H)`` (a tensor of its own), from contiguous operands of one dtype."""
     lib = KERNEL.library()
     assert lib is not None
     L, B, D, _, H = U.shape
     u, f, r, xs = split_streams(U, skip)
     h = torch.empty((L, B, D, H), dtype=U.dtype)
     c_all = torch.empty_like(h)
+    c_last = torch.empty((B, D, H), dtype=U.dtype)
     fn = lib.sru_forward_f64 if U.dtype == torch.float64 else lib.sru_forward_f32
     fn(
         u.data_ptr(), f.data_ptr(), r.data_ptr(), *u.stride()[:3], xs.data_ptr(), *xs.stride()[:3],
         v_f.data_ptr(), v_r.data_ptr(), b_f.data_ptr(), b_r.data_ptr(), c0.data_ptr(), float(alpha),
-        L, B, D, H, kernel_threads(h.numel()), h.data_ptr(), c_all.data_ptr(),
+        L, B, D, H, kernel_threads(h.numel()), h.data_ptr(), c_all.data_ptr(), c_last.data_ptr(),
     )  # fmt: skip
-    return h, c_all
+    return h, c_all, c_last
 
 
 def backward(
@@ -69,7 +71,8 @@ def backward(
     alpha: float, c_all: Tensor, grad_h: Tensor, grad_c_last: Tensor | None,
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """The gradients of ``U, skip, v_f, v_r, b_f, b_r, c0`` from those of :func:`forward`'s ``h`` and of the last
-    cell (``None``: zero), given its inputs and every step's cell ``c_all``."""
+    cell (``None``: zero), given its inputs and every step's cell ``c_all``. Each is a tensor of its own (the kernel
+    sums the parameters' gradients over the batch)."""
     lib = KERNEL.library()
     assert lib is not None
     L, B, D, _, H = U.shape
@@ -78,7 +81,7 @@ def backward(
     gu, gf, gr, _ = split_streams(grad_U, skip)
     grad_skip = None if skip is None else torch.empty_like(skip)
     gxs = grad_U[:, :, :, 3] if skip is None else grad_skip
-    partial = torch.empty((4, B, D, H), dtype=U.dtype)
+    g_vf, g_vr, g_bf, g_br = (torch.empty((D, H), dtype=U.dtype) for _ in range(4))
     grad_c0 = torch.empty((B, D, H), dtype=U.dtype)
     fn = lib.sru_backward_f64 if U.dtype == torch.float64 else lib.sru_backward_f32
     fn(
@@ -86,8 +89,6 @@ def backward(
         v_f.data_ptr(), v_r.data_ptr(), b_f.data_ptr(), b_r.data_ptr(), c0.data_ptr(), float(alpha),
         L, B, D, H, kernel_threads(c_all.numel()), c_all.data_ptr(), grad_h.data_ptr(), _ptr(grad_c_last),
         gu.data_ptr(), gf.data_ptr(), gr.data_ptr(), gxs.data_ptr(), *gxs.stride()[:3],
-        partial[0].data_ptr(), partial[1].data_ptr(), partial[2].data_ptr(), partial[3].data_ptr(),
-        grad_c0.data_ptr(),
+        g_vf.data_ptr(), g_vr.data_ptr(), g_bf.data_ptr(), g_br.data_ptr(), grad_c0.data_ptr(),
     )  # fmt: skip
-    g_vf, g_vr, g_bf, g_br = partial.sum(dim=1).unbind(0)
     return grad_U, grad_skip, g_vf, g_vr, g_bf, g_br, grad_c0

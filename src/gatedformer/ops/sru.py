@@ -168,6 +168,16 @@ def _last_cell(c_all: Tensor) -> Tensor:
     return torch.stack((c_all[-1, :, 0], c_all[0, :, 1]), dim=1)
 
 
+def _with_last_cell(forward):  # noqa: ANN001, ANN202
+    """``forward``, returning the last cell beside ``h`` and ``c_all`` as the native kernel does."""
+
+    def run(*args):  # noqa: ANN002, ANN202
+        h, c_all = forward(*args)
+        return h, c_all, _last_cell(c_all)
+
+    return run
+
+
 def _triton_forward(*args):  # noqa: ANN002, ANN202
     return _sru_triton.triton_forward(*args)
 
@@ -176,7 +186,9 @@ def _triton_backward(*args):  # noqa: ANN002, ANN202
     return _sru_triton.triton_backward(*args)
 
 
-_FORWARD = {"native": _sru_kernel.forward, "torch": _torch_forward, "triton": _triton_forward}
+_FORWARD = {"native": _sru_kernel.forward, "torch": _with_last_cell(_torch_forward),
+            "triton": _with_last_cell(_triton_forward)}
+"""Each backend's forward pass: ``h``, every step's cell and the last cell."""
 _BACKWARD = {"native": _sru_kernel.backward, "torch": _torch_backward, "triton": _triton_backward}
 
 
@@ -187,11 +199,10 @@ class _SRURecurrence(torch.autograd.Function):
             backend = _pick_backend(U.device, backend or None)
         dtype = _compute_dtype(U, skip, v_f, v_r, b_f, b_r, c0)
         args = [None if t is None else t.to(dtype).contiguous() for t in (U, skip, v_f, v_r, b_f, b_r, c0)]
-        h, c_all = _FORWARD[backend](*args, alpha)
+        h, c_all, c_last = _FORWARD[backend](*args, alpha)
         ctx.save_for_backward(*args, c_all)
         ctx.alpha, ctx.backend = alpha, backend
         ctx.dtypes = [None if t is None else t.dtype for t in (U, skip, v_f, v_r, b_f, b_r, c0)]
-        c_last = _last_cell(c_all)
         return h.to(U.dtype), c_last.to(U.dtype)
 
     @staticmethod

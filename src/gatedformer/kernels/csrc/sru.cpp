@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #elif defined(__SSE__) || defined(__x86_64__)
@@ -99,7 +100,7 @@ struct Grads {
     T *gu, *gf, *gr;  // strides of u, f, r
     T* gxs;
     int64_t gxt, gxb, gxd;
-    T *gvf, *gvr, *gbf, *gbr;  // per-row partial sums (B, D, H), reduced over b by the caller
+    T *gvf, *gvr, *gbf, *gbr;  // per-row partial sums (B, D, H), summed over b once every row is done
     T* gc;                     // dL/dc, carried back in time; ends as dL/dc0
 };
 
@@ -210,17 +211,50 @@ void backward_rows(const Args<T>& a, const Grads<T>& g, int64_t row0, int64_t ro
 #define SRU_MAKE_GRADS(T) \
     Grads<T>{c_all, grad_h, grad_c_last, gu, gf, gr, gxs, gxt, gxb, gxd, gvf, gvr, gbf, gbr, gc}
 
-#define SRU_DEFINE(T, SUFFIX)                                                                      \
-    void sru_forward_##SUFFIX(SRU_ARGS(T), T* h, T* c_all) {                                       \
-        const Args<T> a = SRU_MAKE_ARGS(T);                                                        \
-        gatedformer::parallel_chunks(B * D, threads, 1,                                              \
-                                     [&](int64_t lo, int64_t hi) { forward_rows(a, h, c_all, lo, hi); }); \
-    }                                                                                              \
-    void sru_backward_##SUFFIX(SRU_ARGS(T), SRU_GRAD_ARGS(T)) {                                    \
-        const Args<T> a = SRU_MAKE_ARGS(T);                                                        \
-        const Grads<T> g = SRU_MAKE_GRADS(T);                                                      \
-        gatedformer::parallel_chunks(B * D, threads, 1,                                              \
-                                     [&](int64_t lo, int64_t hi) { backward_rows(a, g, lo, hi); }); \
+// c after the last step of every row (t = L - 1 forwards, t = 0 backwards), a tensor of its own for the caller: a
+// view of c_all would have to be copied wherever outputs must not share memory (a custom operator's).
+template <typename T>
+void last_cells(const T* c_all, int64_t L, int64_t B, int64_t D, int64_t H, T* c_last) {
+    const int64_t ot = B * D * H;
+    for (int64_t row = 0; row < B * D; ++row) {
+        const T* c = c_all + (row % D == 0 ? L - 1 : 0) * ot + row * H;
+        for (int64_t j = 0; j < H; ++j) c_last[row * H + j] = c[j];
+    }
+}
+
+// The rows' partial sums (B, D, H) of one parameter's gradient, summed over b into (D, H) in double.
+template <typename T>
+void sum_rows(const T* partial, int64_t B, int64_t DH, T* out) {
+    for (int64_t k = 0; k < DH; ++k) {
+        double sum = 0;
+        for (int64_t b = 0; b < B; ++b) sum += partial[b * DH + k];
+        out[k] = static_cast<T>(sum);
+    }
+}
+
+#define SRU_DEFINE(T, SUFFIX)                                                                                  \
+    void sru_forward_##SUFFIX(SRU_ARGS(T), T* h, T* c_all, T* c_last) {                                        \
+        const Args<T> a = SRU_MAKE_ARGS(T);                                                                    \
+        gatedformer::parallel_chunks(B * D, threads, 1,                                                          \
+                                     [&](int64_t lo, int64_t hi) { forward_rows(a, h, c_all, lo, hi); });      \
+        last_cells(c_all, L, B, D, H, c_last);                                                                 \
+    }                                                                                                          \
+    void sru_backward_##SUFFIX(SRU_ARGS(T), SRU_GRAD_ARGS(T)) {                                                \
+        const Args<T> a = SRU_MAKE_ARGS(T);                                                                    \
+        /* each row accumulates its own partial sums (threads own whole rows), summed over b afterwards */     \
+        const int64_t n = B * D * H;                                                                           \
+        std::vector<T> partial(4 * n);                                                                         \
+        Grads<T> g = SRU_MAKE_GRADS(T);                                                                        \
+        g.gvf = partial.data();                                                                                \
+        g.gvr = g.gvf + n;                                                                                     \
+        g.gbf = g.gvr + n;                                                                                     \
+        g.gbr = g.gbf + n;                                                                                     \
+        gatedformer::parallel_chunks(B * D, threads, 1,                                                          \
+                                     [&](int64_t lo, int64_t hi) { backward_rows(a, g, lo, hi); });            \
+        sum_rows(g.gvf, B, D * H, gvf);                                                                        \
+        sum_rows(g.gvr, B, D * H, gvr);                                                                        \
+        sum_rows(g.gbf, B, D * H, gbf);                                                                        \
+        sum_rows(g.gbr, B, D * H, gbr);                                                                        \
     }
 
 extern "C" {
