@@ -185,3 +185,82 @@ def test_bench_compile_times_the_eager_step_beside_the_compiled_one(monkeypatch:
     text = format_report(report)
     assert "torch.compile: the training step eager and compiled" in text
     assert f"{row['compiled_speedup']:.2f}x" in text
+
+
+class _Scale(torch.autograd.Function):
+    """``x * k``: a function to make operators of here."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, k: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.k = k
+        return x * k
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad * ctx.k, None
+
+
+def _scale_operator(name: str) -> FunctionOperator:
+    operator = FunctionOperator(name, _Scale, "Tensor x, float k", lambda x, k: [torch.empty_like(x)])
+    REGISTERED.remove(operator)  # not one the models call
+    return operator
+
+
+def _count_general_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one at each call of the autograd kernels ``register_autograd`` makes from now on."""
+    import torch._library.autograd as library_autograd
+
+    calls: list[int] = []
+    make_general = library_autograd.make_autograd_impl
+
+    def counted(*args: object) -> object:
+        general = make_general(*args)
+        return lambda *a, **k: calls.append(1) or general(*a, **k)
+
+    monkeypatch.setattr(library_autograd, "make_autograd_impl", counted)
+    return calls
+
+
+def test_an_operator_without_gradients_skips_the_autograd_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a compiled graph's forward pass asks: gradients off, plain CPU tensors. Autograd's general kernel
+    # (register_autograd's) is for the rest: gradients wanted, a dispatch mode, fake tensors.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    general_calls = _count_general_calls(monkeypatch)
+    operator = _scale_operator("test_scale_short")
+    x = torch.randn(3, 4, requires_grad=True)
+    with torch.no_grad():
+        assert torch.equal(operator(x, 2.5), x * 2.5)
+    assert general_calls == []
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Passing():
+        assert torch.equal(operator(x, 2.5), x * 2.5)
+    assert general_calls == [1]
+    out = operator(x, 2.5)
+    assert general_calls == [1, 1]
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    assert torch.equal(grad, torch.full_like(x, 2.5))
+    with torch._subclasses.FakeTensorMode():
+        assert operator(torch.empty(2, 2), 3.0).shape == (2, 2)
+    assert len(general_calls) == 3
+
+
+def test_an_operator_falls_back_on_register_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a torch without the pieces of the short way (here: the dispatch keys it compares): register_autograd's kernel
+    # for every call
+    general_calls = _count_general_calls(monkeypatch)
+    with monkeypatch.context() as patched:
+        patched.setattr(torch._C, "DispatchKey", object())
+        operator = _scale_operator("test_scale_fallback")
+    x = torch.randn(3, 4, requires_grad=True)
+    with torch.no_grad():
+        assert torch.equal(operator(x, -1.5), x * -1.5)
+    assert general_calls == [1]
+    out = operator(x, -1.5)
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    assert torch.equal(out, x * -1.5) and torch.equal(grad, torch.full_like(x, -1.5))
+    torch.library.opcheck(operator.forward_op, (*operator.operator_arguments(x, -1.5), [True, False]))
