@@ -15,12 +15,11 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gatedformer.analysis.compare import slug
-from gatedformer.analysis.report import markdown_table
+from gatedformer.analysis.report import ComparisonReport, markdown_table
 from gatedformer.config import Recipe, RunConfig, Variant, build_config, check_overrides_spare_variants
 from gatedformer.data.glue import glue_task, locate_glue
 from gatedformer.errors import ConfigError, DataError, GatedformerError
@@ -31,7 +30,7 @@ from gatedformer.train.checkpoint import JSON_BYTES, latest_checkpoint
 from gatedformer.train.loop import FINISHED_RUN_CHANGES, RunResult, TrainingInterrupted, saved_config_differences, train
 from gatedformer.train.runlog import eval_series, read_log, series
 
-__all__ = ["PUBLISHED_TABLE_2", "TaskComparison", "run_glue_comparison", "train_or_keep"]
+__all__ = ["PUBLISHED_TABLE_2", "run_glue_comparison", "train_or_keep"]
 
 PUBLISHED_TABLE_2: dict[str, tuple[str, tuple[float, float, float, float]]] = {
     "mrpc": ("accuracy", (73.04, 81.86, 78.92, 79.41)),
@@ -46,16 +45,6 @@ PUBLISHED_TABLE_2: dict[str, tuple[str, tuple[float, float, float, float]]] = {
 PUBLISHED_SPECS = ("", "+EAU", "+GRC", "+EAU+GRC")
 """The gate spec of each of Table 2's columns."""
 _METRIC_LABELS = {"accuracy": "accuracy (%)", "matthews": "Matthews corr.", "pearson_spearman": "Pearson–Spearman"}
-
-
-@dataclass
-class TaskComparison:
-    """What ``compare`` prints of a comparison of the BERT or sentence-classification recipes."""
-
-    table: str
-    report_path: Path
-    figures: list[Path] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
 
 
 def _say(progress: bool, message: str) -> None:
@@ -223,7 +212,7 @@ def figure_2(pretrained: dict[str, list[RunResult]], path: Path) -> Path:
 
 def run_glue_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: list[str] | None = None,
                         data_dir: str | Path | None = None, progress: bool = True,
-                        only: list[str] | None = None) -> TaskComparison:
+                        only: list[str] | None = None) -> ComparisonReport:
     """Pretrain every variant × seed of a masked-LM recipe, fine-tune each on the GLUE tasks present, write
     ``OUT/report.md``."""
     if seeds < 1:
@@ -273,7 +262,7 @@ def run_glue_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides
     text = _report(recipe, variants, configs, pretrained, scores, tasks, figures, notes, out_dir, seeds)
     report_path = out_dir / "report.md"
     atomic_write_text(report_path, text)
-    return TaskComparison(table, report_path, figures, notes)
+    return ComparisonReport(table, report_path, figures, notes=notes)
 
 
 def _report(recipe: Recipe, variants: list[Variant], configs: dict[str, RunConfig],

@@ -54,6 +54,9 @@ def _total_seconds(result: RunResult) -> float:
 
 @dataclass
 class ComparisonReport:
+    """What ``compare`` prints of a comparison: its table, the report file, the figures, each variant's summary (the
+    language-model and translation comparisons; the GLUE and sentence-classification ones have none) and notes."""
+
     table: str
     report_path: Path
     figures: list[Path] = field(default_factory=list)

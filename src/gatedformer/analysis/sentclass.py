@@ -13,8 +13,8 @@ import statistics
 from pathlib import Path
 
 from gatedformer.analysis.compare import slug
-from gatedformer.analysis.glue import TaskComparison, select_variants, train_or_keep
-from gatedformer.analysis.report import markdown_table
+from gatedformer.analysis.glue import select_variants, train_or_keep
+from gatedformer.analysis.report import ComparisonReport, markdown_table
 from gatedformer.config import Recipe, build_config, check_overrides_spare_variants
 from gatedformer.data.sentclass import sentence_set
 from gatedformer.errors import ConfigError
@@ -37,7 +37,7 @@ def _mean_std(values: list[float]) -> str:
 
 def run_sentclass_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: list[str] | None = None,
                              data_dir: str | Path | None = None, progress: bool = True,
-                             only: list[str] | None = None) -> TaskComparison:
+                             only: list[str] | None = None) -> ComparisonReport:
     """Train every variant on every set (every fold, or every seed), write ``OUT/report.md``."""
     if seeds < 1:
         raise ConfigError(f"--seeds must be at least 1, got {seeds}")
@@ -99,4 +99,4 @@ def run_sentclass_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, over
         table, ""])
     report_path = out_dir / "report.md"
     atomic_write_text(report_path, text)
-    return TaskComparison(table, report_path)
+    return ComparisonReport(table, report_path)
