@@ -160,6 +160,32 @@ def test_a_sentence_classifier_round_trips_with_its_words(tmp_path: Path) -> Non
         gatedformer.from_pretrained(tmp_path / "export", device="cpu")
 
 
+def test_a_new_export_replaces_an_earlier_one_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "export"
+    _pretrained("ptb-char-tiny", SMALL, _char_corpus()).save_pretrained(folder)
+    (folder / "notes.txt").write_text("mine")
+    tokenizer = _wordpiece(tmp_path)
+    bert = _pretrained("bert-mlm-tiny", [*SMALL, "model.max_positions=32", "data.seq_len=16", "data.eval_seq_len=16"],
+                       tokenizer)
+    bert.save_pretrained(folder)
+    # the language model's vocabulary went with it; what the user put there stayed
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "README.md", "config.json", "model.safetensors", "notes.txt", "tokenizer.json", "vocab.txt"]
+    _same_weights(bert.model, gatedformer.from_pretrained(folder, device="cpu").model)
+
+    # interrupted while writing the weights: no config.json of the old model stays over the new files
+    def fail(*_: object) -> None:
+        raise OutputError("disk full")
+
+    monkeypatch.setattr("gatedformer.pretrained.save_model_weights", fail)
+    with pytest.raises(OutputError, match="disk full"):
+        _pretrained("bert-mlm-tiny", [*SMALL, "model.max_positions=32", "data.seq_len=16", "data.eval_seq_len=16",
+                                      "model.gates=+EAU+GRC"], tokenizer).save_pretrained(folder)
+    with pytest.raises(CheckpointError, match="no config.json"):
+        gatedformer.from_pretrained(folder, device="cpu")
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
 @pytest.fixture
 def export(tmp_path: Path) -> Path:
     return _pretrained("ptb-char-tiny", SMALL, _char_corpus()).save_pretrained(tmp_path / "export")

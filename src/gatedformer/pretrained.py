@@ -123,11 +123,14 @@ class Pretrained:
         """Write the model to ``folder`` in the Hub convention: ``config.json`` (the run config, the task, the
         vocabulary sizes, the format's version), ``model.safetensors`` (with the checksum and config the run's
         weights record), the task's vocabulary or tokenizer files and a ``README.md`` model card. A folder that
-        holds anything but an earlier export is refused, never overwritten."""
+        holds anything but an earlier export is refused, never overwritten; an earlier export is replaced whole (its
+        own files go, anything else in the folder stays), so the folder never mixes two models."""
         folder = Path(folder)
-        _check_export_target(folder)
+        earlier = _check_export_target(folder)
         files = self.task.inference_files(self.data)  # before anything is written: a task may not export
         make_folder(folder, "export folder")
+        if earlier is not None:
+            _retire_export(folder, earlier, keep={*files, WEIGHTS_FILE, CARD_FILE})
         config = self.config.to_dict()
         for name, text in files.items():
             atomic_write_text(folder / name, text)
@@ -177,14 +180,35 @@ def _vocab_sizes(data: Any) -> dict[str, int]:
         return {}
 
 
-def _check_export_target(folder: Path) -> None:
+def _check_export_target(folder: Path) -> dict[str, Any] | None:
+    """Refuse an export folder that holds anything but an earlier export; return that export's record (``None``:
+    a new or empty folder)."""
     if not folder.exists():
-        return
+        return None
     if not folder.is_dir():
         raise OutputError(f"{folder} is a file, not a folder; choose another export folder")
-    if any(folder.iterdir()) and _export_record(folder) is None:
+    record = _export_record(folder)
+    if record is None and any(folder.iterdir()):
         raise OutputError(f"{folder} is not empty and not a gatedformer export; choose an empty or new folder (an "
                           "earlier export may be overwritten)")
+    return record
+
+
+def _retire_export(folder: Path, record: dict[str, Any], keep: set[str]) -> None:
+    """Remove the earlier export in ``folder`` before a new one is written: its ``config.json`` first (until the new
+    one lands last, the folder is no whole export, never the old config over new weights), then the files it lists
+    that the new export does not write again (another task's vocabulary). Nothing it does not list is touched."""
+    listed = record.get("files")
+    names = [CONFIG_FILE, *(name for name in (listed if isinstance(listed, list) else [])
+                            if isinstance(name, str) and Path(name).name == name and name not in keep)]
+    for name in names:
+        path = folder / name
+        try:
+            if path.is_symlink() or path.is_file():
+                path.unlink()
+        except OSError as err:
+            raise OutputError(f"could not remove {path} of the earlier export ({_first_line(err)}); remove the "
+                              "folder or choose another") from None
 
 
 def _export_record(folder: Path) -> dict[str, Any] | None:
