@@ -190,7 +190,7 @@ def _check_export_target(folder: Path) -> dict[str, Any] | None:
     record = _export_record(folder)
     if record is None and any(folder.iterdir()):
         raise OutputError(f"{folder} is not empty and not a gatedformer export; choose an empty or new folder (an "
-                          "earlier export may be overwritten)")
+                          "earlier export is replaced)")
     return record
 
 
