@@ -227,6 +227,65 @@ def test_finetuning_reports_the_best_evaluation_and_resumes_bit_for_bit(pretrain
     assert submission[0] == "index\tprediction" and len(submission) == (6 if task == "mrpc" else 5)
 
 
+@pytest.mark.parametrize("task", ["mrpc", "cola", "stsb"])
+def test_a_finetuned_model_classifies_as_its_evaluation_does_and_exports(
+        pretrained: Path, glue_root: Path, tmp_path: Path, task: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import gatedformer
+    from gatedformer.cli import main
+    from gatedformer.runs import evaluate_run
+
+    config = finetune_config(pretrained, task, ["finetune.epochs=1"], glue_root)
+    train(config, tmp_path / "run", data_dir=glue_root, progress=False)
+    model = gatedformer.load(tmp_path / "run", device="cpu")
+    dev = glue_data.load_glue(task, glue_root)["valid"].examples
+    pairs = task != "cola"
+    inputs = [(e.text_a, e.text_b) if pairs else e.text_a for e in dev]
+    assert model.reads_pairs == pairs
+    predicted = model.classify(inputs, batch_size=7)  # batches of another size than the evaluation's
+    scores = evaluate_run(tmp_path / "run", "valid", data_dir=glue_root, device="cpu")
+    if task == "stsb":
+        assert model.labels is None and all(isinstance(p, float) and 0.0 <= p <= 5.0 for p in predicted)
+        with pytest.raises(ConfigError, match="no class probabilities"):
+            model.classify(inputs[0], probabilities=True)
+    else:
+        assert model.labels == ("0", "1")
+        accuracy = sum(p == model.labels[e.label] for p, e in zip(predicted, dev, strict=True)) / len(dev)
+        assert accuracy == pytest.approx(scores["accuracy"])  # the final weights' evaluation, example by example
+        chances = model.classify(inputs[:3], probabilities=True)
+        assert [max(c, key=c.get) for c in chances] == predicted[:3]
+        assert all(sum(c.values()) == pytest.approx(1.0) for c in chances)
+    alone = model.classify(inputs[4])  # one example, not a list of them (its batch unpadded: scores to rounding)
+    assert alone == (pytest.approx(predicted[4], rel=1e-5) if task == "stsb" else predicted[4])
+    # the example as the network reads it: [CLS] a [SEP] (b [SEP]), token types and all
+    ids, types = model.data[1].encode_pairs([dev[4].text_a], [dev[4].text_b] if pairs else None, config.data.seq_len)
+    with torch.no_grad():
+        out = model.model(torch.tensor(ids), torch.tensor(types), None)[0]
+    if task == "stsb":
+        assert alone == pytest.approx(float(out[0].clamp(0, 5)), rel=1e-6)
+    else:
+        chances = model.classify(inputs[4], probabilities=True)
+        assert list(chances.values()) == pytest.approx(out.softmax(-1).tolist(), rel=1e-6)
+    wrong = inputs[0][0] if pairs else (inputs[0], inputs[0])
+    with pytest.raises(DataError, match="input 1 is"):
+        model.classify([wrong])
+
+    exported = model.save_pretrained(tmp_path / "export")
+    assert "model.classify(" in (exported / "README.md").read_text()
+    again = gatedformer.from_pretrained(exported, device="cpu")
+    assert again.classify(inputs, batch_size=7) == predicted and again.labels == model.labels
+
+    lines = tmp_path / "lines.txt"
+    lines.write_text("\n".join(["\t".join(i) if pairs else i for i in inputs[:3]] + [""]) + "\n")
+    assert main(["classify", "--run", str(tmp_path / "run"), "--input", str(lines), "--device", "cpu"]) == 0
+    shown = [p if isinstance(p, str) else f"{p:.3f}" for p in predicted[:3]]
+    assert capsys.readouterr().out.splitlines() == [*shown, ""]  # an empty line gives an empty line
+    if pairs:
+        lines.write_text("one sentence only\n")
+        assert main(["classify", "--run", str(tmp_path / "run"), "--input", str(lines), "--device", "cpu"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "input line 1 holds 1 sentence(s)" in err and "\n" not in err
+
+
 def test_glue_comparison_of_two_variants_end_to_end(pretrained: Path, glue_root: Path, tmp_path: Path) -> None:
     from gatedformer.analysis.glue import run_glue_comparison
 

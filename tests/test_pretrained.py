@@ -141,6 +141,13 @@ def test_a_run_loads_exports_and_reloads_in_a_fresh_process(text_corpus: str, tm
                      "--context", "16", *flag]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[0].startswith("the cat")
+    # a language model does not classify: one line that says so, from Python and from the command line
+    with pytest.raises(ConfigError, match="language-model models do not classify text"):
+        model.classify("the cat")
+    (tmp_path / "lines.txt").write_text("the cat\n")
+    assert main(["classify", "--run", str(run), "--input", str(tmp_path / "lines.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "do not classify text; classify with a sentence-classification or GLUE run" in err and "\n" not in err
 
 
 def test_a_sentence_classifier_round_trips_with_its_words(tmp_path: Path) -> None:

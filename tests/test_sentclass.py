@@ -107,7 +107,8 @@ def _overrides(corpus: str, steps: int = 40) -> list[str]:
             f"train.steps={steps}", "train.eval_every=10", "train.log_every=10", "optim.lr=0.01", "data.batch_size=16"]
 
 
-def test_training_reports_test_accuracy_at_the_best_validation_accuracy(sentence_root: Path, tmp_path: Path) -> None:
+def test_training_reports_test_accuracy_at_the_best_validation_accuracy(sentence_root: Path, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     vectors = tmp_path / "vectors.txt"
     vectors.write_text("".join(f"{w} {' '.join(['1'] * 16 if w in POSITIVE else ['-1'] * 16)}\n"
                                for w in POSITIVE + NEGATIVE))
@@ -135,7 +136,63 @@ def test_training_reports_test_accuracy_at_the_best_validation_accuracy(sentence
     assert scores["accuracy"] == pytest.approx(saved["test_metric"])
     exported = gatedformer.load(tmp_path / "run", device="cpu", data_dir=sentence_root).save_pretrained(
         tmp_path / "export")
-    assert gatedformer.from_pretrained(exported, device="cpu").data.words == words
+    model = gatedformer.from_pretrained(exported, device="cpu")
+    assert model.data.words == words
+
+    # New text classified as the test split was scored: the same predictions, sentence by sentence
+    test = sc.load_sentences("mr", sentence_root, folds=3, fold=0).test
+    predicted = model.classify([" ".join(w) for w, _ in test], batch_size=5)
+    assert model.labels == ("negative", "positive") and not model.reads_pairs
+    right = sum(p == model.labels[y] for p, (_, y) in zip(predicted, test, strict=True))
+    assert right / len(test) == pytest.approx(scores["accuracy"])
+    assert model.classify("The film was GREAT!") == "positive" and model.classify("a very dull plot.") == "negative"
+    chances = model.classify(["the plot was awful", ""], probabilities=True)  # "": one unknown word, as in training
+    assert list(chances[0]) == ["negative", "positive"] and chances[0]["negative"] > 0.5
+    assert sum(chances[1].values()) == pytest.approx(1.0)
+    with pytest.raises(DataError, match=r"input 2 is tuple .* reads one sentence at a time"):
+        model.classify(["good", ("good", "bad")])
+    from gatedformer.cli import main
+
+    (tmp_path / "lines.txt").write_text("The film was GREAT!\n\na very dull plot.\n")
+    assert main(["classify", "--run", str(tmp_path / "run"), "--input", str(tmp_path / "lines.txt"),
+                 "--probabilities", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split("\t")[0] for line in out] == ["positive", "", "negative"]
+    assert 0.5 < float(out[0].split("\t")[1]) <= 1.0
+    assert main(["classify", "--run", str(tmp_path / "run"), "--input", str(tmp_path / "lines.txt"),
+                 "--batch-size", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "gatedformer: error: --batch-size must be at least 1, got 0"
+
+
+def test_new_text_reads_as_each_sets_files_write_theirs() -> None:
+    split_clitics = {"it", "'s", "does", "n't", "work", "great", "!", "(", ")", "...", "."}
+    assert sc.words_of("It's GREAT!", sc.sentence_set("sst"), split_clitics) == ["it", "'s", "great", "!"]
+    assert sc.words_of("It doesn't work...", sc.sentence_set("cr"), split_clitics) == \
+        ["it", "does", "n't", "work", "..."]
+    whole = {"it's", "doesn't", "work", "great", "."}  # MR writes "it's" and "doesn't" as one word
+    assert sc.words_of("It's great. It doesn't (work)", sc.sentence_set("mr"), whole) == \
+        ["it's", "great", ".", "it", "doesn't", "(", "work", ")"]
+    assert sc.words_of("How many people", sc.sentence_set("trec"), {"How"}) == ["How", "many", "people"]  # cased
+    assert sc.words_of(" \t ", sc.sentence_set("mr"), whole) == []
+    assert [s.classes for s in sc.SENTCLASS_SETS.values()] == [2, 2, 2, 2, 6, 2]
+
+
+@needs_shared("sentclass/MR/rt-polarity.all", "sentclass/CR/custrev.all", "sentclass/SUBJ/subj.all",
+              "sentclass/MPQA/mpqa.all", "sentclass/TREC/TREC.train.all", "sentclass/TREC/TREC.test.all",
+              "sentclass/SST/stsa.binary.phrases.train", "sentclass/SST/stsa.binary.dev",
+              "sentclass/SST/stsa.binary.test")
+def test_every_sentence_of_the_real_sets_reads_back_as_its_own_words() -> None:
+    for s in sc.SENTCLASS_SETS.values():
+        splits = sc.load_sentences(s.name, SHARED_DATA)
+        examples = splits.train + splits.valid + splits.test
+        known = {w for words, _ in examples for w in words}
+        assert all(sc.words_of(" ".join(words), s, known) == words for words, _ in examples), s.name
+        if s.name == "sst":  # SST writes clitics apart, MR keeps them on the word
+            assert sc.words_of("It's a gripping, funny film!", s, known) == \
+                ["it", "'s", "a", "gripping", ",", "funny", "film", "!"]
+        if s.name == "mr":
+            assert sc.words_of("It's a gripping, funny film!", s, known) == \
+                ["it's", "a", "gripping", ",", "funny", "film", "!"]
 
 
 def test_comparison_covers_every_set_and_fold(sentence_root: Path, tmp_path: Path) -> None:

@@ -288,6 +288,20 @@ def cmd_translate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_classify(args: argparse.Namespace) -> int:
+    from gatedformer.pretrained import classify_input, classify_lines, load
+
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    typed = not args.input and sys.stdin.isatty()
+    batch_size = args.batch_size or (1 if typed else 64)
+    lines = classify_input(args.input or None)  # read as it is classified, a line at most 64 KiB
+    model = load(args.run, args.device, args.data_dir)
+    for line in classify_lines(model, lines, batch_size, args.probabilities):
+        print(line, flush=True)  # a batch's lines as soon as it is classified
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from gatedformer.analysis.bench import run_from_args
 
@@ -430,6 +444,19 @@ def build_parser() -> argparse.ArgumentParser:
                                 "plot extra)")
     translate.add_argument("--device", default="auto")
     translate.set_defaults(handler=cmd_translate)
+
+    classify = commands.add_parser("classify", help="classify sentences (one a line, or two with a tab between for "
+                                   "a GLUE pair task; an empty line gives an empty line) with a trained "
+                                   "sentence-classification or GLUE run")
+    classify.add_argument("--run", required=True, help="a sentence-classification or GLUE fine-tuning run directory")
+    classify.add_argument("--input", help="UTF-8 file of sentences, one a line (default: stdin)")
+    classify.add_argument("--probabilities", action="store_true",
+                          help="print each class name with a tab and its probability")
+    classify.add_argument("--batch-size", type=int, metavar="N",
+                          help="lines classified together (default: 64; 1 when typing at a terminal)")
+    classify.add_argument("--data-dir", help="corpus folder, needed only if the run has no vocab.json")
+    classify.add_argument("--device", default="auto")
+    classify.set_defaults(handler=cmd_classify)
 
     from gatedformer.analysis.bench import add_arguments as add_bench_arguments
 

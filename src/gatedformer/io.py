@@ -10,6 +10,7 @@ import json
 import math
 import os
 import socket
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -314,3 +315,30 @@ def bounded_lines(stream: BinaryIO, what: str, max_line_bytes: int, fix: str) ->
             raise DataError(f"line {number} of {what} is not UTF-8 text (byte {err.start}: "
                             f"{chunk[err.start:err.start + 4]!r}); {fix}") from None
         yield from text.splitlines()
+
+
+
+MAX_INPUT_LINE_BYTES = 1 << 16
+"""The longest line a command reads as its input (``translate``'s sentences, ``classify``'s): a sentence is at most
+a few hundred bytes."""
+
+
+def input_lines(path: str | Path | None, fix: str) -> Iterator[str]:
+    """The lines a command reads as its input, from the file ``path`` (``None``: standard input), as they come: each
+    at most :data:`MAX_INPUT_LINE_BYTES` long, so that an endless input without line breaks (``/dev/zero``) is one
+    clear error, not a read until memory runs out (``fix`` says what to give instead). The file is opened here, so
+    one that cannot be read fails before a model is loaded."""
+    if path is None:
+        return bounded_lines(sys.stdin.buffer, "standard input", MAX_INPUT_LINE_BYTES, fix)
+    try:
+        if Path(path).is_dir():
+            raise IsADirectoryError(21, "a folder, not a file")
+        stream = open(path, "rb")  # noqa: SIM115 (read to its end by the generator, closed with it)
+    except OSError as err:
+        raise DataError(f"cannot read --input {path} ({err.strerror or err}); {fix}") from None
+
+    def lines() -> Iterator[str]:
+        with stream:
+            yield from bounded_lines(stream, f"--input {path}", MAX_INPUT_LINE_BYTES, fix)
+
+    return lines()

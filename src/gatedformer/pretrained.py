@@ -10,10 +10,11 @@ files (``pytorch_model.bin``, ``*.pt``...) are refused rather than read. Every d
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,8 @@ from torch import nn
 
 from gatedformer.config import RunConfig, config_from_dict, task_of
 from gatedformer.devices import resolve_device
-from gatedformer.errors import CheckpointError, ConfigError, OutputError
-from gatedformer.io import atomic_write_text, json_safe, make_folder, output_path, read_limited
+from gatedformer.errors import CheckpointError, ConfigError, DataError, OutputError
+from gatedformer.io import atomic_write_text, input_lines, json_safe, make_folder, output_path, read_limited
 from gatedformer.runs import load_trained
 from gatedformer.tasks import Task, get_task
 from gatedformer.train.checkpoint import (
@@ -116,6 +117,42 @@ class Pretrained:
         lines = [text] if isinstance(text, str) else list(text)
         out = translate_lines(self.model, self.config, self.data, lines, beam, length_penalty)
         return out[0] if isinstance(text, str) else out
+
+    @property
+    def labels(self) -> tuple[str, ...] | None:
+        """A classifier's class names, in the order of its outputs (``("negative", "positive")``; GLUE's as its files
+        write them); ``None`` for a model that scores (STS-B). A :class:`ConfigError` for a model that does not
+        classify."""
+        return self.task.class_names(self.data)
+
+    @property
+    def reads_pairs(self) -> bool:
+        """Whether :meth:`classify` takes pairs of sentences (a GLUE task such as MRPC) rather than sentences."""
+        return self.task.reads_pairs(self.data)
+
+    def classify(self, inputs: str | tuple[str, str] | Sequence[str | tuple[str, str]], probabilities: bool = False,
+                 batch_size: int = 64) -> Any:
+        """The class of one example, or of each of several (a list): a sentence (a string), or a pair of sentences
+        (a tuple of two strings) for a GLUE task that reads two. Each is its class name (:attr:`labels`), or with
+        ``probabilities`` a dictionary from every class name to its probability; a model that scores (STS-B) gives
+        its score on the task's scale. The text is read as the task's data is (a sentence-classification set's
+        tokenisation and case, a BERT's tokenizer)."""
+        single = isinstance(inputs, str | tuple)
+        items = [inputs] if single else list(inputs)  # type: ignore[list-item]
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
+        names = self.labels
+        if names is None and probabilities:
+            raise ConfigError(f"a {self.config.data.corpus} model scores, so it has no class probabilities; call "
+                              "classify() without probabilities=True")
+        out = self.task.classify(self.model, self.config, self.data, items, self.device, batch_size)
+        if names is None:
+            results: list[Any] = out.tolist()
+        elif probabilities:
+            results = [dict(zip(names, row, strict=True)) for row in out.tolist()]
+        else:
+            results = [names[i] for i in out.argmax(-1).tolist()]
+        return results[0] if single else results
 
     # ---- sharing it ------------------------------------------------------------------------------------------
 
@@ -268,11 +305,65 @@ The whole run config is in `config.json`; the weights in `model.safetensors` car
 """
 
 
+def classify_input(path: str | Path | None) -> Iterator[str]:
+    """The lines ``gatedformer classify`` reads, from the file ``path`` (``None``: standard input), as they come
+    (:func:`~gatedformer.io.input_lines`)."""
+    return input_lines(path, "give UTF-8 text, one sentence a line (two with a tab between for a pair task)")
+
+
+def classify_lines(model: Pretrained, lines: Iterable[str], batch_size: int = 64, probabilities: bool = False
+                   ) -> Iterator[str]:
+    """``gatedformer classify``: :meth:`Pretrained.classify` of lines of text as they come, ``batch_size`` at a time,
+    one output line for each (an empty one for an empty line): the class name, or the score of a model that scores,
+    and with ``probabilities`` a tab and the class's probability. A line of a task that reads pairs holds its two
+    sentences with a tab between them. A model that does not classify fails here, before a line is read."""
+    names = model.labels
+    if names is None and probabilities:
+        raise ConfigError(f"a {model.config.data.corpus} model scores, so it has no class probabilities; leave out "
+                          "--probabilities")
+
+    def example(number: int, line: str) -> str | tuple[str, str]:
+        if not model.reads_pairs:
+            return line
+        first, tab, second = line.partition("\t")
+        if not tab or "\t" in second:
+            raise DataError(f"input line {number} holds {line.count(chr(9)) + 1} sentence(s), but a "
+                            f"{model.config.data.corpus} model reads two a line; separate them with one tab")
+        return first, second
+
+    def formatted(result: Any) -> str:
+        if names is None:
+            return f"{result:.3f}"
+        if not probabilities:
+            return str(result)
+        label = max(result, key=result.get)
+        return f"{label}\t{result[label]:.4f}"
+
+    def outputs() -> Iterator[str]:
+        chunk: list[tuple[int, str]] = []
+        for number, line in enumerate(itertools.chain(lines, [None]), start=1):
+            if line is not None:
+                chunk.append((number, line))
+            if chunk and (line is None or len(chunk) >= batch_size):
+                wanted = [(n, example(n, text)) for n, text in chunk if text.strip()]
+                results = iter(model.classify([item for _, item in wanted], probabilities, batch_size)
+                               if wanted else [])
+                kept = {n for n, _ in wanted}
+                yield from (formatted(next(results)) if n in kept else "" for n, _ in chunk)
+                chunk = []
+
+    return outputs()
+
+
 def _usage(task: str) -> str:
     if task == "lm":
         return 'print(model.generate("The ", max_tokens=200, seed=0))'
     if task == "translation":
         return 'print(model.translate("A man is riding a bike."))'
+    if task == "sentclass":
+        return 'print(model.classify("A gripping, funny film."), model.labels)'
+    if task == "glue":  # a pair task takes ("first sentence", "second sentence")
+        return 'print(model.classify("A gripping, funny film."), model.labels)  # a pair: ("...", "...")'
     return "model.model  # the network, in eval mode"
 
 

@@ -27,8 +27,8 @@ from .paths import data_dir_candidates, find_file, holds, missing_error
 from .registry import CorpusSpec, FileSpec
 from .verify import verify_file
 
-__all__ = ["GLUE_CORPORA", "GLUE_TASKS", "GlueExample", "GlueSplit", "GlueTask", "glue_task", "load_glue",
-           "read_rows"]
+__all__ = ["GLUE_CORPORA", "GLUE_TASKS", "SCORE_RANGE", "GlueExample", "GlueSplit", "GlueTask", "glue_task",
+           "load_glue", "read_rows"]
 
 _GLUE_BASE = "https://dl.fbaipublicfiles.com/glue/data"
 
@@ -68,6 +68,9 @@ class GlueTask:
         """The file name GLUE's submission server expects for the test predictions."""
         return f"{self.folder}.tsv"
 
+
+SCORE_RANGE = (0.0, 5.0)
+"""The scale of a regression task's scores (STS-B's similarity, 0 to 5)."""
 
 GLUE_TASKS: dict[str, GlueTask] = {task.name: task for task in (
     GlueTask("cola", "CoLA", False, (3, None, 1), (1, None), ("0", "1"), "matthews", 5,
@@ -205,8 +208,9 @@ def _label(task: GlueTask, text: str, path: Path, line: int, fix: str) -> int | 
             score = float(text)
         except ValueError:
             score = float("nan")
-        if not 0.0 <= score <= 5.0:
-            raise DataError(f"{path} line {line}: score {text!r} is not a number in [0, 5]; {fix}")
+        low, high = SCORE_RANGE
+        if not low <= score <= high:
+            raise DataError(f"{path} line {line}: score {text!r} is not a number in [{low:g}, {high:g}]; {fix}")
         return score
     if text not in task.labels:
         raise DataError(f"{path} line {line}: label {text!r} is not one of {', '.join(task.labels)}; {fix}")

@@ -21,7 +21,7 @@ does not change.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,6 +162,25 @@ class Task(ABC):
         :class:`ConfigError` for a task whose models cannot be exported."""
         raise ConfigError(f"{self.title} models cannot be exported yet: their vocabulary is read from the corpus; "
                           "share the run folder instead")
+
+    def class_names(self, data: Any) -> tuple[str, ...] | None:
+        """What each of a classifier's outputs means (``("negative", "positive")``); ``None`` for a model that
+        scores (a regression) instead. A :class:`ConfigError` for a task whose models do not classify text."""
+        raise ConfigError(f"{self.title} models do not classify text; classify with a sentence-classification or "
+                          "GLUE run")
+
+    def reads_pairs(self, data: Any) -> bool:
+        """Whether an example of :meth:`classify` is a pair of sentences (a GLUE task such as MRPC) rather than
+        one."""
+        return False
+
+    def classify(self, model: nn.Module, config: RunConfig, data: Any, inputs: Sequence[str | tuple[str, str]],
+                 device: torch.device, batch_size: int = 64) -> torch.Tensor:
+        """The class probabilities ``(N, classes)`` of ``inputs`` (sentences, or pairs of them for a task that reads
+        two), or their scores ``(N,)`` where :meth:`class_names` is ``None``: the text read as the task's data reads
+        its own, ``batch_size`` at a time."""
+        self.class_names(data)  # the task's own error where it does not classify
+        raise NotImplementedError
 
     @abstractmethod
     def evaluate_split(self, model: nn.Module, config: RunConfig, split: str, data_dir: str | Path | None,

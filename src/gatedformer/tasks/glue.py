@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gatedformer.config import RunConfig, apply_overrides, config_from_dict, get_backbone, validate
-from gatedformer.data.glue import GlueSplit, GlueTask, glue_task, load_glue
+from gatedformer.data.glue import SCORE_RANGE, GlueSplit, GlueTask, glue_task, load_glue
 from gatedformer.data.wordpiece import WordPiece
 from gatedformer.devices import autocast
 from gatedformer.errors import ConfigError, DataError, GatedformerError
@@ -143,35 +143,44 @@ def _loss(task: GlueTask, outputs: torch.Tensor, labels: torch.Tensor, reduction
     return F.cross_entropy(outputs.float(), labels, reduction=reduction)
 
 
-@torch.no_grad()
+def _batches(model: nn.Module, split: Encoded, pad_id: int, size: int, precision: str, device: torch.device
+             ) -> Iterator[tuple[list[int], torch.Tensor | None, torch.Tensor]]:
+    """The model's outputs for ``split``, ``size`` examples at a time in order of length (so that a batch pads
+    little): ``(their indices, their labels or None, their outputs)`` a batch, in eval mode (the model's own mode
+    back after the last)."""
+    was_training = model.training
+    model.eval()
+    order = sorted(range(len(split)), key=lambda i: len(split.ids[i]))
+    try:
+        for start in range(0, len(split), size):
+            chosen = order[start: start + size]
+            batch = collate(split, chosen, pad_id)
+            tokens, types, mask = (t.to(device) for t in batch[:3])
+            with torch.no_grad(), autocast(device, precision):
+                outputs = model(tokens, types, None if bool(mask.all()) else mask).float()
+            yield chosen, (batch[3].to(device) if len(batch) > 3 else None), outputs
+    finally:
+        model.train(was_training)
+
+
 def predict(model: nn.Module, data: GlueData, split: Encoded, config: RunConfig, device: torch.device
             ) -> tuple[list[float], float]:
     """Every example's prediction (a label position, or a score) and the mean loss where the split has labels."""
-    was_training = model.training
-    model.eval()
     predictions: list[float] = [0.0] * len(split)
     total = 0.0
-    size = config.data.eval_batch_size
-    # In order of length, so that a batch pads little; the predictions go back to the examples' order.
-    order = sorted(range(len(split)), key=lambda i: len(split.ids[i]))
-    for start in range(0, len(split), size):
-        chosen = order[start: start + size]
-        batch = collate(split, chosen, data.tokenizer.pad_id)
-        tokens, types, mask = (t.to(device) for t in batch[:3])
-        with autocast(device, config.train.precision):
-            outputs = model(tokens, types, None if bool(mask.all()) else mask).float()
-        if len(batch) > 3:
-            total += _loss(data.task, outputs, batch[3].to(device), "sum").item()
+    for chosen, labels, outputs in _batches(model, split, data.tokenizer.pad_id, config.data.eval_batch_size,
+                                            config.train.precision, device):
+        if labels is not None:
+            total += _loss(data.task, outputs, labels, "sum").item()
         for i, value in zip(chosen, (outputs[:, 0] if data.task.regression else outputs.argmax(-1)).tolist(),
                             strict=True):
             predictions[i] = value
-    model.train(was_training)
     return predictions, total / max(len(split), 1)
 
 
 def _label_text(task: GlueTask, value: float) -> str:
     if task.regression:
-        return f"{min(5.0, max(0.0, value)):.3f}"
+        return f"{min(SCORE_RANGE[1], max(SCORE_RANGE[0], value)):.3f}"
     return task.labels[int(value)]  # type: ignore[index]
 
 
@@ -298,6 +307,35 @@ class GlueFinetuneTask(Task):
 
     def inference_files(self, data: tuple[GlueTask, WordPiece]) -> dict[str, str]:
         return {"tokenizer.json": data[1].to_json(), "vocab.txt": data[1].vocab_txt()}
+
+    def class_names(self, data: tuple[GlueTask, WordPiece]) -> tuple[str, ...] | None:
+        return data[0].labels
+
+    def reads_pairs(self, data: tuple[GlueTask, WordPiece]) -> bool:
+        return data[0].columns[1] is not None
+
+    def classify(self, model: nn.Module, config: RunConfig, data: tuple[GlueTask, WordPiece],
+                 inputs: Sequence[str | tuple[str, str]], device: torch.device, batch_size: int = 64) -> torch.Tensor:
+        task, tokenizer = data
+        pairs = self.reads_pairs(data)
+        for number, item in enumerate(inputs, start=1):
+            if pairs:
+                fits = isinstance(item, tuple | list) and len(item) == 2 and all(isinstance(t, str) for t in item)
+            else:
+                fits = isinstance(item, str)
+            if not fits:
+                wanted = "a pair of sentences (a tuple of two strings)" if pairs else "one sentence (a string)"
+                raise DataError(f"input {number} is {type(item).__name__} {str(item)[:60]!r}, but {task.title} "
+                                f"reads {wanted} an example")
+        first = [item[0] if pairs else item for item in inputs]
+        second = [item[1] for item in inputs] if pairs else None
+        ids, types = tokenizer.encode_pairs(first, second, config.data.seq_len)  # type: ignore[arg-type]
+        split = Encoded(ids, types, None, list(range(len(ids))))
+        out = torch.empty((len(split),) if task.regression else (len(split), len(task.labels or ())))
+        for chosen, _, outputs in _batches(model, split, tokenizer.pad_id, batch_size, config.train.precision,
+                                           device):
+            out[chosen] = (outputs[:, 0].clamp(*SCORE_RANGE) if task.regression else outputs.softmax(-1)).cpu()
+        return out
 
     def evaluate_split(self, model: nn.Module, config: RunConfig, split: str, data_dir: str | Path | None,
                        device: torch.device, data: tuple[GlueTask, WordPiece]) -> dict[str, float]:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gatedformer.config import RunConfig, get_backbone
-from gatedformer.data.sentclass import SentenceSet, load_sentences, sentence_set
+from gatedformer.data.sentclass import SentenceSet, load_sentences, sentence_set, words_of
 from gatedformer.devices import autocast
 from gatedformer.errors import CheckpointError, ConfigError, DataError
 from gatedformer.io import read_limited
@@ -119,24 +119,33 @@ def collate(split: Encoded, indices: Sequence[int]) -> tuple[torch.Tensor, torch
     return tokens, lengths, split.labels[list(indices)]
 
 
-@torch.no_grad()
-def predict(model: nn.Module, split: Encoded, config: RunConfig, device: torch.device) -> tuple[list[int], float]:
-    """Every sentence's predicted class and the mean loss."""
+def _batches(model: nn.Module, split: Encoded, size: int, precision: str, device: torch.device
+             ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """The model's logits for ``split``, ``size`` sentences at a time in order of length (batches of like lengths
+    pad little): ``(their indices, their labels, their logits)`` a batch, in eval mode (the model's own mode back
+    after the last)."""
     was_training = model.training
     model.eval()
+    order = sorted(range(len(split)), key=lambda i: len(split.ids[i]))
+    try:
+        for start in range(0, len(split), size):
+            chosen = order[start: start + size]
+            tokens, lengths, labels = (t.to(device) for t in collate(split, chosen))
+            with torch.no_grad(), autocast(device, precision):
+                logits = model(tokens, lengths).float()
+            yield chosen, labels, logits
+    finally:
+        model.train(was_training)
+
+
+def predict(model: nn.Module, split: Encoded, config: RunConfig, device: torch.device) -> tuple[list[int], float]:
+    """Every sentence's predicted class and the mean loss."""
     predictions: list[int] = [0] * len(split)
     total = 0.0
-    size = config.data.eval_batch_size
-    order = sorted(range(len(split)), key=lambda i: len(split.ids[i]))  # batches of like lengths pad little
-    for start in range(0, len(split), size):
-        chosen = order[start: start + size]
-        tokens, lengths, labels = (t.to(device) for t in collate(split, chosen))
-        with autocast(device, config.train.precision):
-            logits = model(tokens, lengths).float()
+    for chosen, labels, logits in _batches(model, split, config.data.eval_batch_size, config.train.precision, device):
         total += F.cross_entropy(logits, labels, reduction="sum").item()
         for i, value in zip(chosen, logits.argmax(-1).tolist(), strict=True):
             predictions[i] = value
-    model.train(was_training)
     return predictions, total / max(len(split), 1)
 
 
@@ -278,6 +287,25 @@ class SentenceClassificationTask(Task):
 
     def inference_files(self, data: SentenceData) -> dict[str, str]:
         return {VOCAB_FILE: json.dumps(_vocab_record(data), ensure_ascii=False)}
+
+    def class_names(self, data: SentenceData) -> tuple[str, ...]:
+        return data.set.labels
+
+    def classify(self, model: nn.Module, config: RunConfig, data: SentenceData,
+                 inputs: Sequence[str | tuple[str, str]], device: torch.device, batch_size: int = 64) -> torch.Tensor:
+        index = {w: i for i, w in enumerate(data.words)}
+        sentences = []
+        for number, text in enumerate(inputs, start=1):
+            if not isinstance(text, str):
+                raise DataError(f"input {number} is {type(text).__name__} {str(text)[:60]!r}, but a "
+                                f"{data.set.title} model reads one sentence at a time; give it a string (several: "
+                                "a list of strings)")
+            sentences.append((words_of(text, data.set, index), 0))
+        split = _encode(sentences, index)
+        probabilities = torch.empty((len(split), len(data.set.labels)))
+        for chosen, _, logits in _batches(model, split, batch_size, config.train.precision, device):
+            probabilities[chosen] = logits.softmax(-1).cpu()
+        return probabilities
 
     def evaluate_split(self, model: nn.Module, config: RunConfig, split: str, data_dir: str | Path | None,
                        device: torch.device, data: SentenceData) -> dict[str, float]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -53,14 +52,12 @@ from gatedformer.data.translation import (
 from gatedformer.data.vocab import Vocab
 from gatedformer.devices import autocast
 from gatedformer.errors import CheckpointError, ConfigError, DataError, GatedformerError
-from gatedformer.io import atomic_write_text, bounded_lines, read_limited
+from gatedformer.io import atomic_write_text, input_lines, read_limited
 from gatedformer.tasks.base import Task, TrainBatch
 
 METRIC = "bleu"
 MAX_DECODE_ROWS = 4096
 """The most hypotheses decoded side by side (sentences × beam), which bounds a wide beam's memory."""
-MAX_SOURCE_LINE_BYTES = 1 << 16
-"""The longest source line ``translate`` reads (a sentence is at most a few hundred bytes)."""
 
 
 class TranslationModel(Protocol):
@@ -492,24 +489,8 @@ def translate_lines(model: TranslationModel, config: RunConfig, vocabularies: Vo
 
 def source_lines(path: str | Path | None) -> Iterator[str]:
     """The source sentences ``translate`` reads, one a line, from the file ``path`` (``None``: standard input), as
-    they come: each line at most :data:`MAX_SOURCE_LINE_BYTES` long, so that an endless input without line breaks
-    (``/dev/zero``) is one clear error, not a read until memory runs out. The file is opened here, so one that
-    cannot be read fails before a model is loaded."""
-    fix = "give UTF-8 text, one source sentence a line"
-    if path is None:
-        return bounded_lines(sys.stdin.buffer, "standard input", MAX_SOURCE_LINE_BYTES, fix)
-    try:
-        if Path(path).is_dir():
-            raise IsADirectoryError(21, "a folder, not a file")
-        stream = open(path, "rb")  # noqa: SIM115 (read to its end by the generator, closed with it)
-    except OSError as err:
-        raise DataError(f"cannot read --input {path} ({err.strerror or err}); {fix}") from None
-
-    def lines() -> Iterator[str]:
-        with stream:
-            yield from bounded_lines(stream, f"--input {path}", MAX_SOURCE_LINE_BYTES, fix)
-
-    return lines()
+    they come (:func:`~gatedformer.io.input_lines`)."""
+    return input_lines(path, "give UTF-8 text, one source sentence a line")
 
 
 def translate_stream(model: TranslationModel, config: RunConfig, vocabularies: Vocabularies, lines: Iterable[str],
