@@ -451,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     classify.add_argument("--run", required=True, help="a sentence-classification or GLUE fine-tuning run directory")
     classify.add_argument("--input", help="UTF-8 file of sentences, one a line (default: stdin)")
     classify.add_argument("--probabilities", action="store_true",
-                          help="print each class name with a tab and its probability")
+                          help="print a tab and the probability of the class after its name")
     classify.add_argument("--batch-size", type=int, metavar="N",
                           help="lines classified together (default: 64; 1 when typing at a terminal)")
     classify.add_argument("--data-dir", help="corpus folder, needed only if the run has no vocab.json")

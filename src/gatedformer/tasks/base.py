@@ -20,6 +20,7 @@ does not change.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -34,7 +35,7 @@ from torch import nn
 from gatedformer.config import RunConfig
 from gatedformer.errors import ConfigError
 
-__all__ = ["Task", "TrainBatch"]
+__all__ = ["Task", "TrainBatch", "by_length", "evaluating"]
 
 
 @dataclass
@@ -186,6 +187,24 @@ class Task(ABC):
     def evaluate_split(self, model: nn.Module, config: RunConfig, split: str, data_dir: str | Path | None,
                        device: torch.device, data: Any) -> dict[str, float]:
         """The loss and metric of a trained model on a whole split (``valid`` or ``test``)."""
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode for the block, and back in its own mode after it, however the block ends."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def by_length(lengths: Sequence[int], size: int) -> Iterator[list[int]]:
+    """The indices of ``lengths`` in order of length, ``size`` at a time: batches of like lengths pad little."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    for start in range(0, len(order), size):
+        yield order[start: start + size]
 
 
 def rng(*words: int) -> np.random.Generator:

@@ -39,7 +39,7 @@ from gatedformer.data.wordpiece import WordPiece
 from gatedformer.devices import autocast
 from gatedformer.errors import ConfigError, DataError, GatedformerError
 from gatedformer.models.bert import load_hf_checkpoint
-from gatedformer.tasks.base import Task, TrainBatch, rng, shuffled_epochs
+from gatedformer.tasks.base import Task, TrainBatch, by_length, evaluating, rng, shuffled_epochs
 from gatedformer.tasks.best import BestEvaluation
 from gatedformer.tasks.mlm import resolve_tokenizer, saved_tokenizer, tokenizer_files
 from gatedformer.tasks.weights import load_matching, read_start_weights, start_weights_file
@@ -145,22 +145,15 @@ def _loss(task: GlueTask, outputs: torch.Tensor, labels: torch.Tensor, reduction
 
 def _batches(model: nn.Module, split: Encoded, pad_id: int, size: int, precision: str, device: torch.device
              ) -> Iterator[tuple[list[int], torch.Tensor | None, torch.Tensor]]:
-    """The model's outputs for ``split``, ``size`` examples at a time in order of length (so that a batch pads
-    little): ``(their indices, their labels or None, their outputs)`` a batch, in eval mode (the model's own mode
-    back after the last)."""
-    was_training = model.training
-    model.eval()
-    order = sorted(range(len(split)), key=lambda i: len(split.ids[i]))
-    try:
-        for start in range(0, len(split), size):
-            chosen = order[start: start + size]
+    """The model's outputs for ``split``, ``size`` examples at a time in order of length: ``(their indices, their
+    labels or None, their outputs)`` a batch, in eval mode (the model's own mode back after the last)."""
+    with evaluating(model):
+        for chosen in by_length([len(ids) for ids in split.ids], size):
             batch = collate(split, chosen, pad_id)
             tokens, types, mask = (t.to(device) for t in batch[:3])
             with torch.no_grad(), autocast(device, precision):
                 outputs = model(tokens, types, None if bool(mask.all()) else mask).float()
             yield chosen, (batch[3].to(device) if len(batch) > 3 else None), outputs
-    finally:
-        model.train(was_training)
 
 
 def predict(model: nn.Module, data: GlueData, split: Encoded, config: RunConfig, device: torch.device

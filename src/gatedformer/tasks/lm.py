@@ -28,7 +28,7 @@ from gatedformer.devices import autocast
 from gatedformer.errors import CheckpointError, ConfigError
 from gatedformer.io import read_limited
 from gatedformer.models import build_model
-from gatedformer.tasks.base import Task, TrainBatch
+from gatedformer.tasks.base import Task, TrainBatch, evaluating
 
 __all__ = ["DecodingWindow", "LMData", "LanguageModelTask", "evaluate", "generate", "generate_stream", "metric_value",
            "sample_ids"]
@@ -48,18 +48,16 @@ def metric_value(metric: str, loss: float) -> float:
 def evaluate(model: nn.Module, stream: LMStream, device: torch.device, precision: str = "fp32",
              max_windows: int = 0) -> float:
     """Mean negative log-likelihood (nats per token) over the stream's windows, in order."""
-    was_training = model.training
-    model.eval()
     total, count, state = 0.0, 0, None
     windows = len(stream) if max_windows <= 0 else min(max_windows, len(stream))
-    for k in range(windows):
-        x, y = stream.window(k)
-        x, y = x.to(device), y.to(device)
-        with autocast(device, precision):
-            loss, state = model(x, state, targets=y, reduction="sum")
-        total += loss.item()
-        count += y.numel()
-    model.train(was_training)
+    with evaluating(model):
+        for k in range(windows):
+            x, y = stream.window(k)
+            x, y = x.to(device), y.to(device)
+            with autocast(device, precision):
+                loss, state = model(x, state, targets=y, reduction="sum")
+            total += loss.item()
+            count += y.numel()
     return total / max(count, 1)
 
 

@@ -36,7 +36,7 @@ from gatedformer.data.wordpiece import WordPiece, encode_corpus
 from gatedformer.devices import autocast
 from gatedformer.errors import ConfigError, DataError
 from gatedformer.models.bert import load_hf_checkpoint
-from gatedformer.tasks.base import Task, TrainBatch, rng
+from gatedformer.tasks.base import Task, TrainBatch, evaluating, rng
 from gatedformer.tasks.weights import start_weights_file
 
 __all__ = ["MLMData", "MaskedLMTask", "mask_tokens", "resolve_tokenizer", "windows"]
@@ -165,24 +165,22 @@ def evaluate(model: nn.Module, windows_: torch.Tensor, data: MLMData, config: Ru
              limit: int = 0) -> tuple[float, float]:
     """The MLM loss (nats per chosen token) and accuracy over the first ``limit`` windows (0: all), with the split's
     fixed masks."""
-    was_training = model.training
-    model.eval()
     tk = data.tokenizer
     total, correct, count = 0.0, 0, 0
-    for start, batch in _batches(windows_, config.data.eval_batch_size, limit):
-        inputs, positions, targets = mask_tokens(batch, rng(_EVAL_STREAM, start), config.mlm.mask_prob, len(tk),
-                                                 tk.mask_id, tk.special_ids)
-        mask = inputs != tk.pad_id
-        inputs, positions, targets, mask = (t.to(device) for t in (inputs, positions, targets, mask))
-        with autocast(device, config.train.precision):
-            logits = model(inputs, None, None if bool(mask.all()) else mask, positions=positions)
-        logits = logits.float().flatten(0, 1)
-        flat = targets.flatten()
-        total += F.cross_entropy(logits, flat, ignore_index=IGNORE, reduction="sum").item()
-        real = flat != IGNORE
-        correct += int((logits.argmax(-1)[real] == flat[real]).sum())
-        count += int(real.sum())
-    model.train(was_training)
+    with evaluating(model):
+        for start, batch in _batches(windows_, config.data.eval_batch_size, limit):
+            inputs, positions, targets = mask_tokens(batch, rng(_EVAL_STREAM, start), config.mlm.mask_prob, len(tk),
+                                                     tk.mask_id, tk.special_ids)
+            mask = inputs != tk.pad_id
+            inputs, positions, targets, mask = (t.to(device) for t in (inputs, positions, targets, mask))
+            with autocast(device, config.train.precision):
+                logits = model(inputs, None, None if bool(mask.all()) else mask, positions=positions)
+            logits = logits.float().flatten(0, 1)
+            flat = targets.flatten()
+            total += F.cross_entropy(logits, flat, ignore_index=IGNORE, reduction="sum").item()
+            real = flat != IGNORE
+            correct += int((logits.argmax(-1)[real] == flat[real]).sum())
+            count += int(real.sum())
     return total / max(count, 1), correct / max(count, 1)
 
 

@@ -32,7 +32,7 @@ from gatedformer.data.sentclass import SentenceSet, load_sentences, sentence_set
 from gatedformer.devices import autocast
 from gatedformer.errors import CheckpointError, ConfigError, DataError
 from gatedformer.io import read_limited
-from gatedformer.tasks.base import Task, TrainBatch, rng, shuffled_epochs
+from gatedformer.tasks.base import Task, TrainBatch, by_length, evaluating, rng, shuffled_epochs
 from gatedformer.tasks.best import BestEvaluation
 
 __all__ = ["SentenceClassificationTask", "SentenceData", "read_word_vectors"]
@@ -121,21 +121,14 @@ def collate(split: Encoded, indices: Sequence[int]) -> tuple[torch.Tensor, torch
 
 def _batches(model: nn.Module, split: Encoded, size: int, precision: str, device: torch.device
              ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """The model's logits for ``split``, ``size`` sentences at a time in order of length (batches of like lengths
-    pad little): ``(their indices, their labels, their logits)`` a batch, in eval mode (the model's own mode back
-    after the last)."""
-    was_training = model.training
-    model.eval()
-    order = sorted(range(len(split)), key=lambda i: len(split.ids[i]))
-    try:
-        for start in range(0, len(split), size):
-            chosen = order[start: start + size]
+    """The model's logits for ``split``, ``size`` sentences at a time in order of length: ``(their indices, their
+    labels, their logits)`` a batch, in eval mode (the model's own mode back after the last)."""
+    with evaluating(model):
+        for chosen in by_length([len(ids) for ids in split.ids], size):
             tokens, lengths, labels = (t.to(device) for t in collate(split, chosen))
             with torch.no_grad(), autocast(device, precision):
                 logits = model(tokens, lengths).float()
             yield chosen, labels, logits
-    finally:
-        model.train(was_training)
 
 
 def predict(model: nn.Module, split: Encoded, config: RunConfig, device: torch.device) -> tuple[list[int], float]:

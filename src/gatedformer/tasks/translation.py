@@ -53,7 +53,7 @@ from gatedformer.data.vocab import Vocab
 from gatedformer.devices import autocast
 from gatedformer.errors import CheckpointError, ConfigError, DataError, GatedformerError
 from gatedformer.io import atomic_write_text, input_lines, read_limited
-from gatedformer.tasks.base import Task, TrainBatch
+from gatedformer.tasks.base import Task, TrainBatch, by_length, evaluating
 
 METRIC = "bleu"
 MAX_DECODE_ROWS = 4096
@@ -230,20 +230,16 @@ def translate_ids(model: TranslationModel, sources: Sequence[Sequence[int]], bea
 
     ``beam=1`` decodes greedily, more runs beam search.
     """
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     outputs: list[list[int]] = [[] for _ in sources]
     # Sentences a decoding batch holds: beam search keeps `beam` rows of each, so a wide beam takes fewer at a time.
     step = max(1, min(batch_size, MAX_DECODE_ROWS // max(beam, 1)))
-    for start in range(0, len(order), step):
-        chunk = order[start: start + step]
-        src = source_batch([sources[i] for i in chunk]).to(device)
-        decoded = greedy_decode(model, src) if beam == 1 else beam_search(model, src, beam, length_penalty)
-        for i, ids in zip(chunk, decoded, strict=True):
-            outputs[i] = ids
-    model.train(was_training)
+    with evaluating(model):
+        for chunk in by_length([len(ids) for ids in sources], step):
+            src = source_batch([sources[i] for i in chunk]).to(device)
+            decoded = greedy_decode(model, src) if beam == 1 else beam_search(model, src, beam, length_penalty)
+            for i, ids in zip(chunk, decoded, strict=True):
+                outputs[i] = ids
     return outputs
 
 
@@ -269,16 +265,14 @@ def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str], lowercase:
 def evaluate_loss(model: nn.Module, split: ParallelSplit, batch_size: int, device: torch.device,
                   precision: str = "fp32") -> float:
     """Mean negative log-likelihood (nats) per target token, ``<eos>`` included, under teacher forcing."""
-    was_training = model.training
-    model.eval()
     total, count = 0.0, 0
-    for indices in length_batches(split, batch_size, shuffle=False):
-        src, tgt_in, tgt_out = (t.to(device) for t in collate(split, indices))
-        with autocast(device, precision):
-            loss = model(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID, reduction="sum")
-        total += loss.item()
-        count += int((tgt_out != PAD_ID).sum())
-    model.train(was_training)
+    with evaluating(model):
+        for indices in length_batches(split, batch_size, shuffle=False):
+            src, tgt_in, tgt_out = (t.to(device) for t in collate(split, indices))
+            with autocast(device, precision):
+                loss = model(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID, reduction="sum")
+            total += loss.item()
+            count += int((tgt_out != PAD_ID).sum())
     return total / max(count, 1)
 
 
@@ -539,14 +533,12 @@ def attention_maps(model: TranslationModel, src_ids: Sequence[int], source: Sequ
     """Translate one source sentence (ids without ``<eos>``, ``source`` their tokens) and read every decoder layer's
     attention as the decoder reads that translation with teacher forcing: the attention incremental decoding had at
     each step, since the decoders are causal."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
-    ids = translate_ids(model, [list(src_ids)], beam, length_penalty)[0]
-    src = source_batch([list(src_ids)]).to(device)
-    tgt_in = torch.tensor([[BOS_ID, *ids]], dtype=torch.long, device=device)
-    layers = [weights[0].float().cpu() for weights in model.attention_maps(src, tgt_in)]
-    model.train(was_training)
+    with evaluating(model):
+        ids = translate_ids(model, [list(src_ids)], beam, length_penalty)[0]
+        src = source_batch([list(src_ids)]).to(device)
+        tgt_in = torch.tensor([[BOS_ID, *ids]], dtype=torch.long, device=device)
+        layers = [weights[0].float().cpu() for weights in model.attention_maps(src, tgt_in)]
     output = [tgt_vocab.itos[i] for i in ids]
     return AttentionMaps([*source, "<eos>"], [*output, "<eos>"], layers)
 

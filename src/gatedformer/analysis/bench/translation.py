@@ -35,6 +35,7 @@ from gatedformer.analysis.bench.timing import bf16_mfu, measured_peaks, peak_con
 from gatedformer.config import RunConfig, apply_overrides, backbone_names
 from gatedformer.data.translation import EOS_ID, PAD_ID
 from gatedformer.kernels.build import pytorch_operations
+from gatedformer.tasks.base import evaluating
 from gatedformer.tasks.translation import beam_search, build_seq2seq
 
 __all__ = ["DECODE_SENTENCES", "LENGTH", "SENTENCES", "VOCAB", "bench_translation"]
@@ -53,11 +54,8 @@ def _config(size: BenchSize, backbone: str) -> RunConfig:
 def _forward_flops(model: nn.Module, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
-    was_training = model.training
-    model.eval()
-    with pytorch_operations(), torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with evaluating(model), pytorch_operations(), torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID)
-    model.train(was_training)
     return int(counter.get_total_flops())
 
 
