@@ -169,7 +169,8 @@ def _mlm_overrides(corpus: str, steps: int = 6) -> list[str]:
             "train.eval_windows=4", "train.threads=1", "finetune.seq_len=32"]
 
 
-def test_masked_lm_trains_scores_and_keeps_its_tokenizer(tmp_path: Path, text_corpus: str) -> None:
+def test_masked_lm_trains_scores_and_keeps_its_tokenizer(tmp_path: Path, text_corpus: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
     config = build_config(load_recipe("bert-mlm-tiny"), _mlm_overrides(text_corpus) + ["model.gates=+EAU+GRC"])
     result = train(config, tmp_path / "run", progress=False)
     assert result is not None and result.metric == "ppl" and np.isfinite(result.valid_loss)
@@ -181,6 +182,18 @@ def test_masked_lm_trains_scores_and_keeps_its_tokenizer(tmp_path: Path, text_co
 
     scored = evaluate_run(tmp_path / "run", "valid")
     assert abs(scored["loss"] - result.valid_loss) < 1e-5
+
+    # the trained model fills a mask from the command line: the likeliest pieces first, no special token
+    from gatedformer.cli import main
+
+    assert main(["fill-mask", "--run", str(tmp_path / "run"), "--text", "The [MASK] sat on the [MASK] .",
+                 "--top-k", "3", "--device", "cpu"]) == 0
+    rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert [r[0] for r in rows] == ["1", "1", "1", "2", "2", "2"] and not {r[1] for r in rows} & set(SPECIALS)
+    chances = [float(r[2]) for r in rows]
+    assert chances[:3] == sorted(chances[:3], reverse=True) and 0.0 < sum(chances[:3]) <= 1.0
+    assert main(["fill-mask", "--run", str(tmp_path / "run"), "--text", "no mask here"]) == 2
+    assert "the text has no [MASK]" in capsys.readouterr().err
 
 
 def test_starts_from_a_hugging_face_checkpoint_with_fresh_gates(tmp_path: Path, text_corpus: str) -> None:

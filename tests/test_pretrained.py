@@ -97,6 +97,33 @@ def test_a_masked_language_model_round_trips_with_its_tokenizer(tmp_path: Path) 
     assert loaded.data.encode_texts(["the cats"]) == tokenizer.encode_texts(["the cats"])
 
 
+def test_fill_mask_gives_the_masked_positions_pieces_as_the_full_logits_do(tmp_path: Path) -> None:
+    tokenizer = _wordpiece(tmp_path)
+    model = _pretrained("bert-mlm-tiny", [*SMALL, "model.max_positions=12", "data.seq_len=12", "data.eval_seq_len=12"],
+                        tokenizer)
+    found = model.fill_mask("The cat [MASK] on the mat", top_k=3)
+    ids = [tokenizer.cls_id, *tokenizer.encode_texts(["the cat"])[0], tokenizer.mask_id,
+           *tokenizer.encode_texts(["on the mat"])[0], tokenizer.sep_id]
+    with torch.no_grad():
+        logits = model.model(torch.tensor([ids]))[0, 3]  # every position's logits, read at the mask's
+    logits[list(tokenizer.special_ids)] = float("-inf")
+    chances, best = logits.softmax(-1).topk(3)
+    assert [piece for piece, _ in found] == [tokenizer.piece(i) for i in best.tolist()]
+    assert [p for _, p in found] == pytest.approx(chances.tolist(), rel=1e-5)
+    assert all(piece not in SPECIALS for piece, _ in model.fill_mask("[MASK]", top_k=len(tokenizer)))
+    two = model.fill_mask("[MASK] cat sat on a [MASK]", top_k=2)  # a list for each mask
+    assert len(two) == 2 and all(len(candidates) == 2 for candidates in two)
+    with pytest.raises(GatedformerError, match=r"the text has no \[MASK\]"):
+        model.fill_mask("the cat sat")
+    with pytest.raises(GatedformerError, match=r"15 pieces with \[CLS\] and \[SEP\], but the model reads at most 12"):
+        model.fill_mask("the cat sat on a mat the dog ran on the [MASK] mat")
+    with pytest.raises(ConfigError, match="top_k must be a whole number of at least 1"):
+        model.fill_mask("[MASK]", top_k=0)
+    lm = _pretrained("ptb-char-tiny", SMALL, _char_corpus())
+    with pytest.raises(ConfigError, match=r"fill_mask\(\) needs a masked-language-model model"):
+        lm.fill_mask("a [MASK]")
+
+
 def test_a_run_loads_exports_and_reloads_in_a_fresh_process(text_corpus: str, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture) -> None:
     run = tmp_path / "run"

@@ -302,6 +302,17 @@ def cmd_classify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fill_mask(args: argparse.Namespace) -> int:
+    from gatedformer.pretrained import load
+
+    model = load(args.run, args.device)
+    found = model.fill_mask(args.text, args.top_k)
+    for number, candidates in enumerate(found if isinstance(found[0], list) else [found], start=1):
+        for piece, probability in candidates:
+            print(f"{number}\t{piece}\t{probability:.4f}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from gatedformer.analysis.bench import run_from_args
 
@@ -457,6 +468,14 @@ def build_parser() -> argparse.ArgumentParser:
     classify.add_argument("--data-dir", help="corpus folder, needed only if the run has no vocab.json")
     classify.add_argument("--device", default="auto")
     classify.set_defaults(handler=cmd_classify)
+
+    fill = commands.add_parser("fill-mask", help="the likeliest pieces for each [MASK] of a text, with a trained "
+                               "masked-language-model run (a line each: the mask's number, the piece, its probability)")
+    fill.add_argument("--run", required=True, help="a masked-language-model run directory written by train")
+    fill.add_argument("--text", required=True, help="text with one or more [MASK], e.g. 'the cat sat on the [MASK] .'")
+    fill.add_argument("--top-k", type=int, default=5, metavar="K", help="pieces shown for each mask (default: 5)")
+    fill.add_argument("--device", default="auto")
+    fill.set_defaults(handler=cmd_fill_mask)
 
     from gatedformer.analysis.bench import add_arguments as add_bench_arguments
 

@@ -118,6 +118,16 @@ class Pretrained:
         out = translate_lines(self.model, self.config, self.data, lines, beam, length_penalty)
         return out[0] if isinstance(text, str) else out
 
+    def fill_mask(self, text: str, top_k: int = 5) -> list[Any]:
+        """The ``top_k`` likeliest pieces for the ``[MASK]`` in ``text`` as ``(piece, probability)`` pairs, likeliest
+        first; for a text with several masks, such a list for each (a masked language model; see
+        :func:`gatedformer.tasks.mlm.fill_mask`)."""
+        from gatedformer.tasks.mlm import fill_mask
+
+        self._require("mlm", "fill_mask")
+        found = fill_mask(self.model, self.data, text, top_k, self.config.model.max_positions)
+        return found[0] if len(found) == 1 else found
+
     @property
     def labels(self) -> tuple[str, ...] | None:
         """A classifier's class names, in the order of its outputs (``("negative", "positive")``; GLUE's as its files
@@ -360,6 +370,8 @@ def _usage(task: str) -> str:
         return 'print(model.generate("The ", max_tokens=200, seed=0))'
     if task == "translation":
         return 'print(model.translate("A man is riding a bike."))'
+    if task == "mlm":
+        return 'print(model.fill_mask("the cat sat on the [MASK] ."))'
     if task == "sentclass":
         return 'print(model.classify("A gripping, funny film."), model.labels)'
     if task == "glue":  # a pair task takes ("first sentence", "second sentence")

@@ -160,6 +160,10 @@ class WordPiece:
             tokenizer.no_truncation()  # type: ignore[attr-defined]
         return [e.ids for e in encodings], [e.type_ids for e in encodings]
 
+    def piece(self, i: int) -> str:
+        """The vocabulary's piece of id ``i`` as written there (a word's continuation with its ``##``)."""
+        return self.tokenizer.id_to_token(int(i))  # type: ignore[attr-defined]
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))  # type: ignore[attr-defined]
 

@@ -39,10 +39,12 @@ from gatedformer.models.bert import load_hf_checkpoint
 from gatedformer.tasks.base import Task, TrainBatch, evaluating, rng
 from gatedformer.tasks.weights import start_weights_file
 
-__all__ = ["MLMData", "MaskedLMTask", "mask_tokens", "resolve_tokenizer", "windows"]
+__all__ = ["MASK", "MLMData", "MaskedLMTask", "fill_mask", "mask_tokens", "resolve_tokenizer", "windows"]
 
 IGNORE = -100
 """The target of a padding row of the chosen positions."""
+MASK = "[MASK]"
+"""Where :func:`fill_mask` is to predict a piece, as a user writes it in the text."""
 _EVAL_STREAM, _MASK_STREAM, _ORDER_STREAM = 0x5EED, 1, 2
 
 
@@ -182,6 +184,39 @@ def evaluate(model: nn.Module, windows_: torch.Tensor, data: MLMData, config: Ru
             correct += int((logits.argmax(-1)[real] == flat[real]).sum())
             count += int(real.sum())
     return total / max(count, 1), correct / max(count, 1)
+
+
+@torch.no_grad()
+def fill_mask(model: nn.Module, tokenizer: WordPiece, text: str, top_k: int = 5, max_len: int = 512
+              ) -> list[list[tuple[str, float]]]:
+    """For every ``[MASK]`` of ``text``, in order, the ``top_k`` likeliest pieces of the vocabulary with their
+    probabilities, likeliest first. The text is read as the training windows were, ``[CLS] text [SEP]`` (the text
+    between the masks through the tokenizer, each ``[MASK]``, written so, one masked position); special tokens are
+    never proposed. At most ``max_len`` pieces (the model's positions)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ConfigError(f"top_k must be a whole number of at least 1, got {top_k!r}")
+    parts = text.split(MASK)
+    if len(parts) < 2:
+        raise DataError(f"the text has no {MASK}; write {MASK} where a piece is to be predicted, e.g. "
+                        f"'the cat sat on the {MASK} .'")
+    ids, positions = [tokenizer.cls_id], []
+    for i, pieces in enumerate(tokenizer.encode_texts(parts)):
+        if i:
+            positions.append(len(ids))
+            ids.append(tokenizer.mask_id)
+        ids += pieces
+    ids.append(tokenizer.sep_id)
+    if len(ids) > max_len:
+        raise DataError(f"the text is {len(ids)} pieces with [CLS] and [SEP], but the model reads at most {max_len} "
+                        "(model.max_positions); shorten it")
+    device = next(model.parameters()).device
+    with evaluating(model):
+        logits = model(torch.tensor([ids], device=device), positions=torch.tensor([positions], device=device))
+    logits = logits[0].float()
+    logits[:, list(tokenizer.special_ids)] = -math.inf
+    chances, best = logits.softmax(-1).topk(min(top_k, logits.shape[-1] - len(tokenizer.special_ids)), dim=-1)
+    return [[(tokenizer.piece(i), p) for i, p in zip(row_ids, row_p, strict=True)]
+            for row_ids, row_p in zip(best.tolist(), chances.tolist(), strict=True)]
 
 
 class MaskedLMTask(Task):
