@@ -327,13 +327,13 @@ def classify_lines(model: Pretrained, lines: Iterable[str], batch_size: int = 64
     one output line for each (an empty one for an empty line): the class name, or the score of a model that scores,
     and with ``probabilities`` a tab and the class's probability. A line of a task that reads pairs holds its two
     sentences with a tab between them. A model that does not classify fails here, before a line is read."""
-    names = model.labels
+    names, pairs = model.labels, model.reads_pairs
     if names is None and probabilities:
         raise ConfigError(f"a {model.config.data.corpus} model scores, so it has no class probabilities; leave out "
                           "--probabilities")
 
     def example(number: int, line: str) -> str | tuple[str, str]:
-        if not model.reads_pairs:
+        if not pairs:
             return line
         first, tab, second = line.partition("\t")
         if not tab or "\t" in second:
