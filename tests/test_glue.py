@@ -227,6 +227,25 @@ def test_finetuning_reports_the_best_evaluation_and_resumes_bit_for_bit(pretrain
     assert submission[0] == "index\tprediction" and len(submission) == (6 if task == "mrpc" else 5)
 
 
+@pytest.mark.parametrize("task", ["stsb", "cola"])
+def test_the_metric_is_recomputed_exactly_from_dev_predictions(pretrained: Path, glue_root: Path, tmp_path: Path,
+                                                               task: str) -> None:
+    # STS-B's scores and labels were written to three decimals (and clipped to 0-5): the file could not give back
+    # the number results.json holds.
+    config = finetune_config(pretrained, task, ["finetune.epochs=1"], glue_root)
+    train(config, tmp_path / "run", data_dir=glue_root, progress=False)
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    spec = glue_data.glue_task(f"glue-{task}")
+    rows = [line.split("\t") for line in (tmp_path / "run" / "dev_predictions.tsv").read_text().splitlines()[1:]]
+
+    def value(text: str) -> float:
+        return float(text) if spec.regression else float(spec.labels.index(text))
+
+    metrics = glue_metrics(spec, [value(p) for _, p, _ in rows], [value(y) for _, _, y in rows])
+    assert metrics[spec.metric] == results["valid_metric"]
+    assert all(metrics[name] == results[name] for name in metrics if name in results)
+
+
 @pytest.mark.parametrize("task", ["mrpc", "cola", "stsb"])
 def test_a_finetuned_model_classifies_as_its_evaluation_does_and_exports(
         pretrained: Path, glue_root: Path, tmp_path: Path, task: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -177,12 +177,19 @@ def _label_text(task: GlueTask, value: float) -> str:
     return task.labels[int(value)]  # type: ignore[index]
 
 
+def _scored_text(task: GlueTask, value: float) -> str:
+    """A prediction or label as the metric read it: an STS-B score's shortest text that reads back as the same float
+    (neither rounded nor clipped to 0-5), so the metric in ``results.json`` can be recomputed from the file."""
+    return repr(float(value)) if task.regression else _label_text(task, value)
+
+
 def prediction_files(task: GlueTask, valid: Encoded, valid_predictions: list[float], test: Encoded,
                      test_predictions: list[float]) -> dict[str, str]:
-    """``dev_predictions.tsv`` and the submission file of the test set."""
+    """``dev_predictions.tsv`` (the values the metric scored, exactly) and the submission file of the test set (STS-B
+    scores clipped to 0-5 and rounded to three decimals, as GLUE takes them)."""
     labels = valid.labels.tolist() if valid.labels is not None else [None] * len(valid)
     dev = ["index\tprediction\tlabel\n"] + [
-        f"{row}\t{_label_text(task, p)}\t{'' if y is None else _label_text(task, y)}\n"
+        f"{row}\t{_scored_text(task, p)}\t{'' if y is None else _scored_text(task, y)}\n"
         for row, p, y in zip(valid.rows, valid_predictions, labels, strict=True)]
     submission = ["index\tprediction\n"] + [f"{row}\t{_label_text(task, p)}\n"
                                             for row, p in zip(test.rows, test_predictions, strict=True)]
