@@ -20,8 +20,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_overrides
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from gatedformer.cli import _one_line_warning, main
 from gatedformer.config import build_config, load_recipe
@@ -351,29 +349,3 @@ def test_flipped_bytes_in_weights_or_trainer_state_are_refused(runs: dict, tmp_p
     assert all(w == written[0] for w in written)  # safetensors alone writes the metadata in a random order
     header = json.loads(written[0][8: 8 + int.from_bytes(written[0][:8], "little")])
     assert list(header["__metadata__"]) == sorted(header["__metadata__"]) and "weights_sha256" in header["__metadata__"]
-
-
-def _as_previous_version(run: Path) -> None:
-    """What the previous version wrote: no lock file, no checksums."""
-    (run / "run.lock").unlink()
-    for path in run.rglob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = {k: v for k, v in handle.metadata().items() if k != "weights_sha256"}
-            tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
-        save_file(tensors, str(path), metadata=metadata or None)  # ({} would write a header it cannot read)
-    for meta_file in run.glob("ckpt/step-*/meta.json"):
-        meta = json.loads(meta_file.read_text())
-        del meta["trainer_sha256"]
-        meta_file.write_text(json.dumps(meta))
-
-
-def test_a_run_folder_of_the_previous_version_loads_evaluates_and_resumes(runs: dict, tmp_path: Path,
-                                                                          capsys: pytest.CaptureFixture) -> None:
-    finished, half = copy_run(runs, "finished", tmp_path), copy_run(runs, "half", tmp_path)
-    for run in (finished, half):
-        _as_previous_version(run)
-    assert main(["eval", "--run", str(finished), "--split", "test"]) == 0
-    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(runs["result"].test_loss, rel=1e-6)
-    assert main(train_args(runs, half, "--resume")) == 0
-    assert json.loads((half / "results.json").read_text())["test_loss"] == runs["result"].test_loss
-    assert (half / "run.lock").is_file()

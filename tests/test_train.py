@@ -329,30 +329,25 @@ def test_compiled_training_follows_eager_training(text_corpus: str, tmp_path: Pa
     assert compiled.test_loss == pytest.approx(eager.test_loss, rel=1e-4)
 
 
-def _write_legacy_names(path: Path) -> None:
-    """Rewrite a weights file as earlier versions saved it: a gated MHDPA under ``gated_mix``, a GRC under
-    ``residual_gate``."""
+def _drop_checksum(path: Path) -> None:
+    """Rewrite a weights file with the same tensors and config but no recorded checksum."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     with safe_open(str(path), framework="pt") as handle:
-        metadata = {k: v for k, v in handle.metadata().items() if k != "weights_sha256"}  # they kept no checksum
-    tensors = load_file(str(path))
-    legacy = {k.replace(".gated_mhdpa.", ".gated_mix.").replace(".grc.", ".residual_gate."): v
-              for k, v in tensors.items()}
-    assert legacy.keys() != tensors.keys()
-    save_file(legacy, str(path), metadata=metadata)
+        metadata = {k: v for k, v in handle.metadata().items() if k != "weights_sha256"}
+    save_file(load_file(str(path)), str(path), metadata=metadata)
 
 
-def test_runs_saved_under_the_gates_legacy_names_evaluate_and_resume(text_corpus: str, tmp_path: Path) -> None:
+def test_weights_without_their_checksum_are_refused_by_eval_and_resume(text_corpus: str, tmp_path: Path) -> None:
     from gatedformer.runs import evaluate_run
 
-    extra = ("model.gates=+gated MHDPA L1 + GRC L2",)
-    whole = train(config_for(text_corpus, *extra), tmp_path / "whole", progress=False)
-    _write_legacy_names(tmp_path / "whole" / "model.safetensors")
-    assert evaluate_run(tmp_path / "whole", "test", device="cpu")["loss"] == pytest.approx(whole.test_loss, rel=1e-6)
-    assert train(config_for(text_corpus, *extra), tmp_path / "split", progress=False, stop_after=4) is None
-    _write_legacy_names(latest_checkpoint(tmp_path / "split") / "model.safetensors")
-    resumed = train(config_for(text_corpus, *extra), tmp_path / "split", progress=False, resume=True)
-    assert train_losses(tmp_path / "split") == train_losses(tmp_path / "whole")
-    assert (resumed.valid_loss, resumed.test_loss) == (whole.valid_loss, whole.test_loss)
+    train(config_for(text_corpus), tmp_path / "whole", progress=False)
+    _drop_checksum(tmp_path / "whole" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="records no checksum") as refused:
+        evaluate_run(tmp_path / "whole", "test", device="cpu")
+    assert "\n" not in str(refused.value)
+    assert train(config_for(text_corpus), tmp_path / "split", progress=False, stop_after=4) is None
+    _drop_checksum(latest_checkpoint(tmp_path / "split") / "model.safetensors")
+    with pytest.raises(CheckpointError, match="records no checksum"):
+        train(config_for(text_corpus), tmp_path / "split", progress=False, resume=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from gatedformer.errors import CheckpointError, ConfigError, GatedformerError
-from gatedformer.gates.kinds import GATE_KINDS, LEGACY_NAMES
+from gatedformer.gates.kinds import GATE_KINDS
 from gatedformer.train.runlog import read_log
 
 BIASES_FILE = "gate_biases.safetensors"
@@ -61,9 +61,9 @@ class GateSite:
 
 
 def parse_site(name: str) -> GateSite:
-    """The stack, layer, sublayer and unit (a gate kind's name, legacy names mapped) of a gate module name."""
+    """The stack, layer, sublayer and unit (a gate kind's name) of a gate module name."""
     parts = name.split(".")
-    unit = LEGACY_NAMES.get(parts[-1], parts[-1])
+    unit = parts[-1]
     index = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
     if index is None:
         return GateSite(name, "", 0, ".".join(parts[:-1]), unit)

@@ -119,26 +119,14 @@ GATE_KINDS: dict[str, GateKind] = {kind.name: kind for kind in (
 )}
 """Every gate kind, in the order their slots are listed (and reports show them)."""
 
-LEGACY_NAMES = {"gated_mix": "gated_mhdpa", "residual_gate": "grc"}
-"""Names earlier versions gave the sublayer attributes of two kinds: weights, gate biases and logged statistics
-saved under them still load (:func:`canonical_name`)."""
-
-
 def kind_of(unit: nn.Module) -> GateKind | None:
     """The kind whose unit ``unit`` is (exact type), or ``None`` for anything else."""
     return _BY_UNIT.get(type(unit))
 
 
-def canonical_name(qualified: str) -> str:
-    """``qualified`` (a parameter or module name such as ``layers.0.attn.gated_mix.proj.bias``) with the legacy slot
-    names of :data:`LEGACY_NAMES` replaced by today's."""
-    parts = qualified.split(".")
-    return ".".join(LEGACY_NAMES.get(part, part) for part in parts)
-
-
 def kind_in_name(qualified: str) -> GateKind | None:
-    """The kind whose slot appears in a qualified name (``layers.0.attn.sdu`` → SDU), legacy names included."""
-    for part in canonical_name(qualified).split("."):
+    """The kind whose slot appears in a qualified name (``layers.0.attn.sdu`` → SDU)."""
+    for part in qualified.split("."):
         if part in GATE_KINDS:
             return GATE_KINDS[part]
     return None
@@ -146,5 +134,4 @@ def kind_in_name(qualified: str) -> GateKind | None:
 
 _BY_UNIT = {kind.unit: kind for kind in GATE_KINDS.values()}
 
-__all__ = ["GATE_FNS", "GATE_KINDS", "LEGACY_NAMES", "ROLES", "SUBLAYERS", "GateKind", "canonical_name",
-           "kind_in_name", "kind_of"]
+__all__ = ["GATE_FNS", "GATE_KINDS", "ROLES", "SUBLAYERS", "GateKind", "kind_in_name", "kind_of"]

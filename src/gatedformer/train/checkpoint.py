@@ -45,7 +45,6 @@ from torch import nn
 
 from gatedformer.config import RunConfig, config_from_dict
 from gatedformer.errors import CheckpointError, ConfigError
-from gatedformer.gates.kinds import canonical_name
 from gatedformer.io import _fsync_dir, atomic_write, atomic_write_text, cannot_write, make_folder, read_limited
 from gatedformer.tasks.weights import recorded_config
 from gatedformer.version import __version__
@@ -220,9 +219,7 @@ def check_architecture(saved: dict[str, Any] | None, current: dict[str, Any], wh
 
 
 def load_model_weights(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
-    """Load ``state`` into ``model``, naming what does not fit. Weights saved under a gate's legacy name
-    (:data:`~gatedformer.gates.kinds.LEGACY_NAMES`) load under today's."""
-    state = {canonical_name(key): tensor for key, tensor in state.items()}
+    """Load ``state`` into ``model``, naming what does not fit."""
     expected = model.state_dict()
     missing = [k for k in expected if k not in state and not _is_tied_copy(model, k, state)]
     unexpected = [k for k in state if k not in expected]
@@ -386,13 +383,15 @@ def _safe_torch_load(path: Path) -> dict[str, Any]:
 
 def read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of a safetensors file, the tensors checked against the checksum the file records
-    (a :class:`ValueError` where they differ; a file without a checksum, written before they were recorded, loads
-    as it is)."""
+    (a :class:`ValueError` where they differ, or where it records none: every file gatedformer writes has one)."""
     with safe_open(str(path), framework="pt") as handle:
         metadata = dict(handle.metadata() or {})
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
     recorded = metadata.get(CHECKSUM_KEY)
-    if recorded is not None and tensors_checksum(tensors, metadata) != recorded:
+    if recorded is None:
+        raise ValueError(f"it records no checksum ({CHECKSUM_KEY}), so it was not written by gatedformer or was "
+                         "rewritten since")
+    if tensors_checksum(tensors, metadata) != recorded:
         raise ValueError("its contents do not match the checksum recorded when it was written: bytes were changed "
                          "since")
     return tensors, metadata
