@@ -76,9 +76,8 @@ REQUIRE_NATIVE = "GATEDFORMER_REQUIRE_NATIVE"
 
 HEAVY_ELEMENT = 8
 """The ``cost`` of an element for kernels that draw a Philox-4x32-10 mask word per element or normalise rows
-(dropout, dropout + residual + LayerNorm): about eight plain element-wise passes. Split from 4k elements
-instead of 32k, 1024 × 48 rows of dropout, residual and LayerNorm took 84 µs on two threads against 156 µs on
-one (Transformer-XL's attention sublayer at ``enwik8-xl12-tiny``'s width)."""
+(dropout, dropout + residual + LayerNorm): about eight plain element-wise passes, so such a call is worth a second
+thread at an eighth of the elements a plain pass needs."""
 
 
 def kernel_threads(numel: int, elements_per_thread: int | None = None, *, cost: int = 1) -> int:

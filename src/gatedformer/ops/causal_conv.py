@@ -2,14 +2,13 @@
 
 ``conv1d`` of the input padded by ``k - 1`` zeros on the left, without the transposes to and from the channels-first
 layout: forward one product of the ``k`` shifted windows of every position with the weight, backward two products and
-``k - 1`` shifted sums. On the CPU, at the ``-tiny`` sizes, that is 1.3x faster forward and backward than a
-channels-first ``nn.Conv1d``, whose backward pass was most of the step.
+``k - 1`` shifted sums. On the CPU that beats a channels-first ``nn.Conv1d``, whose backward pass is most of a GCNN
+step (``gatedformer bench --sections models`` times both; benchmarks/README.md).
 
-The windows are tap-major (each tap a contiguous run of channels): the Conv1d weight's own channel-major order makes
-building them a transpose, 4x slower eagerly and 10x slower as ``torch.compile`` writes the copy. The function is
-PyTorch operations only, so ``torch.compile`` traces it like any other code: no custom operator, whose dispatch cost
-more than Inductor's code for the copies and sums (a compiled GCNN step 0.93-0.96x of the eager one as an operator,
-1.01x traced, on two CPU threads).
+The windows are tap-major (each tap a contiguous run of channels): the Conv1d weight's own channel-major order would
+make building them a transpose, a strided copy both eagerly and as ``torch.compile`` writes it. The function is
+PyTorch operations only, so ``torch.compile`` traces it like any other code: no custom operator, since an operator's
+dispatch costs more than the copies and sums Inductor writes for it.
 """
 
 from __future__ import annotations

@@ -93,8 +93,8 @@ _INT32_VALUES = 2 ** 32
 def registered(module: nn.Module, name: str) -> Any:
     """``getattr(module, name)`` for a submodule or parameter that ``module`` registers under ``name`` (``None``
     where it registers none), read from its own tables. ``nn.Module`` finds these only after an ordinary attribute
-    lookup has failed, with an exception raised and caught: about 0.6 µs a read against 0.1, and the fused paths'
-    checks read a few hundred of them each step."""
+    lookup has failed, with an exception raised and caught, several times the cost of a dictionary read; the fused
+    paths' checks read a few hundred of them each step."""
     found = module._modules.get(name)
     return found if found is not None else module._parameters.get(name)
 

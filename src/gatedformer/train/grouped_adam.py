@@ -3,7 +3,7 @@
 PyTorch's fused Adam still does Python work for every parameter tensor each step: it gathers the tensors and
 their state into lists, increments one step counter per tensor, and groups them by device and dtype. A 12-layer
 model of width 48 has 171 parameter tensors, most a few hundred floats, and there that bookkeeping, ``zero_grad``
-and gradient clipping cost more than the arithmetic: about 3 ms a step on two CPU cores. :class:`GroupedAdam`
+and gradient clipping cost more than the arithmetic. :class:`GroupedAdam`
 keeps each group's tensor lists ready, counts the group's steps in one tensor, and hands the lists to the same
 fused kernel in one call; :meth:`GroupedAdam.clip_grad_norm_` clips with two multi-tensor calls.
 

@@ -751,8 +751,8 @@ inline int64_t padded16(int64_t floats) { return (floats + 15) / 16 * 16; }
 
 // Room for every layer's packed weights, kept by the calling thread from one call to the next and grown when needed.
 // MKL asks for several MB per packed weight, whatever its size, and writes a few pages of it: allocated afresh for
-// each call, that much comes straight from mmap, and whatever the packing touches faults in again on every call
-// (about a tenth of an enwik8-xl12-tiny step on two threads).
+// each call, that much comes straight from mmap, and whatever the packing touches faults in again on every call,
+// a cost of the same order as the small products themselves.
 float* kept_pack_room(int64_t floats) {
     struct Kept {
         void* raw = nullptr;
