@@ -13,6 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("GATEDFORMER_DATA", REPO.parent / "shared" / "data"))
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+# Built kernels are shared by every test and subprocess of a session (tests that give a run its own data cache
+# included), and kept for the next session in this checkout: they are named by a hash of their sources and flags.
+os.environ.setdefault("GATEDFORMER_KERNEL_CACHE", str(REPO / ".pytest_cache" / "gatedformer-kernels"))
 
 
 @pytest.fixture(autouse=True)

@@ -250,6 +250,7 @@ def _broken_sources(tmp_path: Path) -> tuple[Path, int]:
 @pytest.fixture
 def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("GATEDFORMER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("GATEDFORMER_KERNEL_CACHE", raising=False)
     monkeypatch.delenv("GATEDFORMER_GATE_BACKEND", raising=False)
     return tmp_path / "cache"
 
@@ -343,3 +344,12 @@ def test_the_first_error_line_is_the_first_that_says_error() -> None:
     assert _native._first_error("\n  \nld: cannot find -lmvec: No such file\nmore\n") == \
         "ld: cannot find -lmvec: No such file"
     assert _native._first_error("collect2: ERROR something\n") == "collect2: ERROR something"
+
+
+def test_kernels_are_built_into_their_own_cache_when_one_is_named(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEDFORMER_CACHE", str(tmp_path / "data-cache"))
+    monkeypatch.delenv("GATEDFORMER_KERNEL_CACHE", raising=False)
+    assert _native.cache_dir() == tmp_path / "data-cache" / "kernels"
+    monkeypatch.setenv("GATEDFORMER_KERNEL_CACHE", str(tmp_path / "kernels-here"))
+    assert _native.cache_dir() == tmp_path / "kernels-here"

@@ -405,7 +405,7 @@ def test_language_model_learns() -> None:
 
 
 def test_nothing_compiles_at_import(tmp_path: Path) -> None:
-    env = {**os.environ, "GATEDFORMER_CACHE": str(tmp_path), "PYTHONPATH": str(REPO / "src")}
+    env = {**os.environ, "GATEDFORMER_KERNEL_CACHE": str(tmp_path / "kernels"), "PYTHONPATH": str(REPO / "src")}
     code = "import gatedformer.kernels.sru as k, gatedformer.nn.sru; assert k.KERNEL._lib is None"
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
     assert not (tmp_path / "kernels").exists()

@@ -10,7 +10,8 @@ and result types that ctypes is given: each signature is written once.
 
 No source includes a Torch header, so a kernel builds in about a second and does not depend on the Torch version.
 It is compiled with the system C++ compiler (``$CXX``, else ``c++``) the first time it is needed, never at import,
-into ``$GATEDFORMER_CACHE/kernels`` (else ``~/.cache/gatedformer/kernels``), under a name hashed from every file of
+into ``$GATEDFORMER_KERNEL_CACHE``, else ``$GATEDFORMER_CACHE/kernels``, else ``~/.cache/gatedformer/kernels``
+(a folder of its own, e.g. node-local disk, or one kept across test sessions), under a name hashed from every file of
 ``csrc/`` and the flags, so a changed source or header is rebuilt and concurrent processes never load half a file.
 On CPUs with AVX2 and FMA a second build for those instructions is preferred, and kernels written for 512-bit
 vectors add a third for CPUs with AVX-512 (``GATEDFORMER_KERNEL_ISA=avx2`` or ``baseline`` caps the choice, e.g. to
@@ -133,7 +134,11 @@ def native_required() -> bool:
 
 
 def cache_dir() -> Path:
-    """``$GATEDFORMER_CACHE/kernels``, else ``~/.cache/gatedformer/kernels`` (as the data caches)."""
+    """``$GATEDFORMER_KERNEL_CACHE``, else ``$GATEDFORMER_CACHE/kernels``, else ``~/.cache/gatedformer/kernels``
+    (beside the data caches)."""
+    own = os.environ.get("GATEDFORMER_KERNEL_CACHE", "").strip()
+    if own:
+        return Path(own).expanduser()
     env = os.environ.get("GATEDFORMER_CACHE")
     return (Path(env).expanduser() if env else Path.home() / ".cache" / "gatedformer") / "kernels"
 
