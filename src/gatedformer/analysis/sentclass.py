@@ -21,11 +21,16 @@ from gatedformer.errors import ConfigError
 from gatedformer.io import atomic_write_text, make_folder
 from gatedformer.train.loop import RunResult
 
-__all__ = ["PUBLISHED_SRU", "run_sentclass_comparison"]
+__all__ = ["PUBLISHED_SRU", "PUBLISHED_SRU_SOURCE", "run_sentclass_comparison"]
 
 PUBLISHED_SRU: dict[str, float] = {"cr": 86.4, "subj": 93.8, "mr": 83.1, "trec": 94.8, "sst": 89.6}
-"""The SRU paper's best test accuracies (Lei et al. 2018, Table 1, the best SRU configuration of each set, as Papers
-with Code lists them; it lists none for MPQA)."""
+"""Test accuracies (%) of the SRU paper's Table 1, the best of its SRU rows (2, 4, 8 layers) for each set."""
+
+PUBLISHED_SRU_SOURCE = ("Lei et al. 2018 (SRU), Table 1 (main text): the best SRU row of each set, as Papers with Code "
+                        "transcribes it; that transcription has no MPQA number and this checkout's copy of the paper "
+                        "(appendix only) has no Table 1, so MPQA's is left empty rather than guessed")
+"""Where :data:`PUBLISHED_SRU` comes from; the ``sentclass-sru-*`` recipes' ``published_source`` and the report say
+the same."""
 
 
 def _mean_std(values: list[float]) -> str:
@@ -96,7 +101,7 @@ def run_sentclass_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, over
         "Test accuracy at the best validation accuracy of each run (as the SRU paper reports it), mean ± std over "
         "the folds or seeds, and that best validation accuracy. `published SRU` is the paper's best SRU "
         "configuration (pretrained word2vec vectors, its full training): compare directions, not values.", "",
-        table, ""])
+        table, "", f"Published: {PUBLISHED_SRU_SOURCE}.", ""])
     report_path = out_dir / "report.md"
     atomic_write_text(report_path, text)
     return ComparisonReport(table, report_path)
