@@ -1,5 +1,5 @@
 """Gate analysis: bias heatmap, t-SNE of the biases and activation curves for a gated run, and the
-``analyze`` command (a run without gates has nothing to draw and says so)."""
+``analyze`` command (a run without gates has no gate figures to draw and says so)."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_run_without_gates_has_nothing_to_draw(runs: dict[str, Path], capsys: py
     assert analyze_run(runs["plain"]).figures == []
     assert main(["analyze", "--run", str(runs["plain"])]) == 0  # not an error: one line saying so
     printed = capsys.readouterr().out.strip().splitlines()
-    assert len(printed) == 1 and "has no gates" in printed[0] and "nothing to draw" in printed[0]
+    assert len(printed) == 1 and "has no gates" in printed[0] and "no gate figures to draw" in printed[0]
     assert not list(runs["plain"].glob("gate_*.png"))
 
 

@@ -393,7 +393,9 @@ def test_translate_draws_the_attention_of_the_first_sentence(convs2s_run: Path, 
 def test_analyze_draws_a_translation_runs_attention(convs2s_run: Path, corpus_dir: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["analyze", "--run", str(convs2s_run), "--data-dir", str(corpus_dir)]) == 0
-    assert f"figure: {convs2s_run / 'attention.png'}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"figure: {convs2s_run / 'attention.png'}" in out
+    assert "nothing to draw" not in out  # it said so, then drew the attention figure
     assert (convs2s_run / "attention.png").stat().st_size > 0
 
 

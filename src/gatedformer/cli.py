@@ -48,12 +48,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not is_main_process():
         return 0  # under torchrun, rank 0 alone prints and plots
     _print_result(result.__dict__)
-    try:
-        from gatedformer.analysis.plots import plot_run
+    from gatedformer.train.lossplot import can_draw
 
-        path = plot_run(Path(args.out))
-        print(f"loss curve: {path}")
-    except ImportError:
+    if can_draw():  # train() drew it
+        print(f"loss curve: {Path(args.out) / 'loss.png'}")
+    else:
         print("loss curve skipped: install the 'plot' extra (pip install 'gatedformer[plot]')")
     return 0
 

@@ -170,7 +170,7 @@ def analyze_run(run_dir: str | Path, out_dir: str | Path | None = None, prefix: 
     activations = gate_activation_series(run_dir)
     if not biases and not activations:
         result.notes.append(f"{run_dir} has no gates (no {BIASES_FILE}, no gate statistics in log.jsonl); "
-                            "nothing to draw")
+                            "no gate figures to draw")  # other figures may follow (a translation's attention)
         return result
     require_analysis_extra()
     title = _run_title(run_dir.resolve()) if title is None else title

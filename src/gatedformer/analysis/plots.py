@@ -1,4 +1,5 @@
-"""Figures: a run's loss curve and the convergence of several variants. Needs matplotlib."""
+"""Figures: the convergence of several variants, and (from :mod:`gatedformer.train.lossplot`, where the training
+loop draws it at the end of every run) a run's loss curve. Needs matplotlib."""
 
 from __future__ import annotations
 
@@ -6,61 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gatedformer.io import atomic_write
+from gatedformer.train.lossplot import WHOLE_SPLIT, _pyplot, _save, plot_run
 from gatedformer.train.runlog import eval_series, read_log, series
 
-# The legend entry of a last evaluation that scored the whole validation split, where the curve scored a part.
-WHOLE_SPLIT = "end of run, whole valid split"
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
-    plt = _pyplot()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png"))
-    plt.close(fig)
-    return path
-
-
-def plot_run(run_dir: Path, metric: str | None = None) -> Path:
-    """``run_dir/loss.png``: train loss and validation metric against step."""
-    plt = _pyplot()
-    records = read_log(run_dir)
-    metric = metric or _metric_of(records)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    steps, losses = series(records, "train", "train_loss")
-    left.plot(steps, losses, label="train")
-    (vsteps, vlosses), whole = eval_series(records, "valid_loss")
-    left.plot(vsteps, vlosses, marker="o", label="valid")
-    if whole:
-        left.plot(*whole, marker="*", markersize=12, linestyle="none", color="tab:orange", label=WHOLE_SPLIT)
-    left.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
-    left.legend()
-    (msteps, values), whole = eval_series(records, f"valid_{metric}")
-    right.plot(msteps, values, marker="o", color="tab:orange")
-    if whole:
-        right.plot(*whole, marker="*", markersize=12, linestyle="none", color="tab:red", label=WHOLE_SPLIT)
-        right.legend()
-    right.set(xlabel="step", ylabel=f"valid {metric}", title=f"valid {metric}")
-    for axis in (left, right):
-        axis.grid(alpha=0.3)
-    fig.suptitle(Path(run_dir).name)
-    return _save(fig, Path(run_dir) / "loss.png")
-
-
-def _metric_of(records: list[dict]) -> str:
-    for record in records:
-        for key in record:
-            if key.startswith("valid_") and key not in ("valid_loss", "valid_windows"):
-                return key[len("valid_"):]
-    return "loss"
+__all__ = ["WHOLE_SPLIT", "plot_convergence", "plot_run"]
 
 
 def _whole_split(axis, points: list[tuple[float, float] | None], color) -> None:

@@ -50,7 +50,9 @@ from gatedformer.train.compiling import compile_model
 from gatedformer.train.gate_stats import GateStatistics, gate_biases
 from gatedformer.train.init import initialise
 from gatedformer.train.loggers import check_loggers, open_loggers
+from gatedformer.train.lossplot import write_loss_curve
 from gatedformer.train.optim import build_optimizer, build_scheduler, clip_gradients, follow_changed_lr
+from gatedformer.train.progress import progress_bar
 from gatedformer.train.rundir import claim_run_folder, release_run_folder
 from gatedformer.train.runlog import log_records
 
@@ -549,6 +551,8 @@ def _train(config: RunConfig, task: Task, out_dir: Path, data_dir: str | Path | 
         log({"event": "test", "step": step, "test_loss": test_loss, f"test_{metric}": test_metric})
         if ddp.is_main:
             atomic_write_json(out_dir / "results.json", {**task.result_fields(data), **result.__dict__})
+    if ddp.is_main:
+        write_loss_curve(out_dir, metric)  # loss.png, from Python as from the command line (with matplotlib)
     distributed.barrier(ddp)  # every rank returns once the results are written
     for logger in loggers:
         logger.close()
@@ -572,7 +576,5 @@ def _truncate_log(log_path: Path, step: int, drop_evaluation: bool = False) -> N
 
 
 def _progress_bar(enabled: bool, total: int, initial: int, name: str) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc=name, disable=not enabled or None, leave=False,
-                dynamic_ncols=True, unit="step")
+    # a bar on a terminal, plain lines elsewhere (a script's log, a scheduler's job), never silence
+    return progress_bar(enabled, total, initial, name)
