@@ -754,7 +754,7 @@ def test_lmstream_errors():
     with pytest.raises(DataError) as err:
         LMStream(torch.arange(100), batch_size=4, seq_len=30, split="valid")
     msg = one_line(err)
-    assert "valid" in msg and "100 tokens" in msg and "lower seq_len or batch_size" in msg
+    assert "valid" in msg and "100 tokens" in msg and "set data.eval_batch_size=3 or data.eval_seq_len=24" in msg
     LMStream(torch.arange(100), batch_size=4, seq_len=24)  # exactly one full window fits
     with pytest.raises(DataError) as err:
         LMStream(torch.arange(100), batch_size=6, seq_len=4, shard=(0, 4))

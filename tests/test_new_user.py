@@ -148,3 +148,28 @@ def test_analyze_of_a_translation_run_does_not_say_nothing_to_draw_then_draw(
     assert printed[-1] == f"figure: {drawn}"
     assert not any("nothing to draw" in line for line in printed)
     assert any("no gate figures to draw" in line for line in printed)
+
+
+# --- a small text: corpus is told which field to change ---------------------------------------------------------
+
+
+def test_a_small_text_corpus_names_the_evaluation_field_and_a_value_that_works(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Training fitted; the valid split did not hold one evaluation window, and the error said to lower batch_size.
+    from gatedformer.cli import main
+
+    text = tmp_path / "notes.txt"
+    text.write_text("the cat sat on a mat. " * 600, encoding="utf-8")
+    args = ["train", "--recipe", "ptb-char-tiny", "--data", f"text:{text}", "--out", str(tmp_path / "run"), "--quiet",
+            "--set", "data.batch_size=2", "--set", "data.seq_len=8", "--set", "data.eval_seq_len=32",
+            "--set", "data.eval_batch_size=32", "--set", "model.d_model=16", "--set", "model.n_layers=1",
+            "--set", "model.n_heads=2", "--set", "model.d_ffn=32", "--set", "train.steps=2",
+            "--set", "train.eval_every=2"]
+    assert main(args) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "valid split has" in error
+    assert "data.eval_batch_size=32" in error and "data.batch_size" not in error
+    fix = error.rsplit("; set ", 1)[1].split(" or ")
+    assert [f.split("=")[0] for f in fix] == ["data.eval_batch_size", "data.eval_seq_len"]
+    for value in fix:  # each value it names works
+        assert main([*args, "--set", value, "--out", str(tmp_path / value)]) == 0, capsys.readouterr().err

@@ -8,6 +8,31 @@ import torch
 
 from ..errors import DataError
 
+# The config fields that size each split's windows: evaluation reads its own (data.eval_seq_len 0 means seq_len).
+_FIELDS = {"train": ("data.batch_size", "data.seq_len"), "valid": ("data.eval_batch_size", "data.eval_seq_len"),
+           "test": ("data.eval_batch_size", "data.eval_seq_len")}
+
+
+def _too_short(split: str, n: int, batch_size: int, seq_len: int, world: int, fields: tuple[str, str] | None) -> str:
+    """Why ``n`` tokens hold no full window, naming the fields that size this split's windows and values that fit."""
+    batch_field, len_field = fields or ("batch_size", "seq_len")
+    fits = []
+    # the most columns of seq_len + 1 tokens that fit, a multiple of the processes (each takes its share)
+    batch = n // (seq_len + 1) // world * world
+    if batch >= 1:
+        fits.append(f"{batch_field}={batch}")
+    longest = n // batch_size - 1  # the longest window that batch_size columns leave room for
+    if longest >= 1:
+        fits.append(f"{len_field}={longest}")
+    if fits:
+        fix = f"set {' or '.join(fits)}"
+    elif n >= 2 * world:
+        fix = f"set {batch_field}={world} and {len_field}={n // world - 1}"
+    else:
+        fix = "use a longer text"
+    return (f"{split} split has {n} tokens, too few for {batch_field}={batch_size} windows of {len_field}={seq_len} "
+            f"tokens (one full window needs {batch_size * (seq_len + 1)}); {fix}")
+
 
 class LMStream:
     """Batches of (input, target) windows over one token stream.
@@ -18,7 +43,9 @@ class LMStream:
     so that every token after the first of each column is scored exactly once per pass.
 
     ``shard=(rank, world)`` keeps a contiguous block of ``batch_size // world`` columns, so that the
-    global batch of a DDP run equals the single-process batch.
+    global batch of a DDP run equals the single-process batch. ``fields`` names the config fields that gave
+    ``batch_size`` and ``seq_len`` (by default those of the ``split``: ``data.eval_*`` for ``valid`` and ``test``), so
+    a split too short for one window says which to change, and to what.
     """
 
     def __init__(
@@ -29,6 +56,7 @@ class LMStream:
         shard: tuple[int, int] = (0, 1),
         *,
         split: str = "token",
+        fields: tuple[str, str] | None = None,
     ) -> None:
         if tokens.dim() != 1:
             raise DataError(f"{split} stream must be 1-D, got shape {tuple(tokens.shape)}; flatten it first")
@@ -45,10 +73,7 @@ class LMStream:
         n = len(tokens)
         T = n // batch_size
         if seq_len > T - 1:
-            raise DataError(
-                f"{split} split has {n} tokens, too few for batch_size={batch_size} x seq_len={seq_len} "
-                f"(one full window needs {batch_size * (seq_len + 1)}); lower seq_len or batch_size"
-            )
+            raise DataError(_too_short(split, n, batch_size, seq_len, world, fields or _FIELDS.get(split)))
         local = batch_size // world
         cols = tokens[: batch_size * T].to(torch.int64).reshape(batch_size, T)
         self.cols = cols[rank * local : (rank + 1) * local].contiguous()
