@@ -6,9 +6,24 @@ import pytest
 import torch
 
 from gatedformer import Seq2SeqTransformer, TransformerLM
-from gatedformer.config import Backbone, RunConfig, apply_overrides, backbone_names, register_backbone, validate
+from gatedformer.config import (
+    Backbone,
+    RunConfig,
+    apply_overrides,
+    backbone_names,
+    get_backbone,
+    register_backbone,
+    validate,
+)
 from gatedformer.errors import ConfigError
 from gatedformer.models import build_model
+
+
+def _config(backbone: str, *overrides: str) -> RunConfig:
+    """A config of ``backbone`` with those of ``overrides`` that it reads (it refuses any other)."""
+    reads = get_backbone(backbone).fields
+    kept = [o for o in overrides if o.partition("=")[0].removeprefix("model.") in reads]
+    return apply_overrides(RunConfig(), [f"model.backbone={backbone}", *kept])
 
 
 def test_each_model_module_registers_its_backbones() -> None:
@@ -21,14 +36,15 @@ def test_each_model_module_registers_its_backbones() -> None:
 
 def test_a_backbone_is_registered_once_per_task() -> None:
     with pytest.raises(ValueError, match="registered twice"):
-        register_backbone(Backbone("transformer", "lm", lambda cfg, vocab_size: None, "another"))
+        register_backbone(Backbone("transformer", "lm", lambda cfg, vocab_size: None, "another", fields=("d_model",)))
+    with pytest.raises(ValueError, match="must declare the ModelConfig fields it reads"):
+        register_backbone(Backbone("mine", "lm", lambda cfg, vocab_size: None, "mine", fields=("width",)))
 
 
 @pytest.mark.parametrize("backbone", sorted(backbone_names()))
 def test_each_backbone_builds_runs_and_is_causal(backbone: str) -> None:
-    config = apply_overrides(RunConfig(), [f"model.backbone={backbone}", "model.d_model=16", "model.n_heads=2",
-                                           "model.d_ffn=32", "model.n_layers=2", "model.dropout=0",
-                                           "model.rnn_window=3", "model.mem_len=4"])
+    config = _config(backbone, "model.d_model=16", "model.n_heads=2", "model.d_ffn=32", "model.n_layers=2",
+                     "model.dropout=0", "model.rnn_window=3", "model.mem_len=4")
     torch.manual_seed(0)
     model = build_model(validate(config).model, 11).eval()
     tokens = torch.randint(0, 11, (2, 9))
@@ -59,8 +75,7 @@ def test_sru_transformer_puts_an_sru_in_place_of_every_feed_forward_hidden_layer
 
 
 def test_module_argument_errors_become_config_errors() -> None:
-    config = apply_overrides(RunConfig(), ["model.backbone=sru", "model.d_model=16", "model.n_heads=2",
-                                           "model.projection_size=100"])
+    config = apply_overrides(RunConfig(), ["model.backbone=sru", "model.d_model=16", "model.projection_size=100"])
     with pytest.raises(ConfigError, match="model config rejected by backbone sru"):
         build_model(validate(config).model, 11)
 
@@ -68,8 +83,7 @@ def test_module_argument_errors_become_config_errors() -> None:
 @pytest.mark.parametrize("backbone", sorted(backbone_names()))
 def test_an_empty_vocabulary_is_refused_before_any_layer_is_built(backbone: str) -> None:
     # torch builds an nn.Embedding of 0 rows with only a warning; the model then fails at its first forward.
-    config = apply_overrides(RunConfig(), [f"model.backbone={backbone}", "model.d_model=16", "model.n_heads=2",
-                                           "model.d_ffn=32", "model.n_layers=2"])
+    config = _config(backbone, "model.d_model=16", "model.n_heads=2", "model.d_ffn=32", "model.n_layers=2")
     with pytest.raises(ConfigError, match="vocab_size must be an integer >= 1, got 0"):
         build_model(validate(config).model, 0)
 

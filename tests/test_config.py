@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+from conftest import SHARED_DATA, needs_shared
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gatedformer.config import (
+    TASK_SECTIONS,
+    MaskedLMConfig,
+    ModelConfig,
     RunConfig,
     apply_overrides,
+    backbone_names,
     build_config,
     config_from_dict,
+    get_backbone,
     load_recipe,
     recipe_names,
     validate,
 )
 from gatedformer.errors import ConfigError
+from gatedformer.runs import load_trained
+from gatedformer.tasks import TASKS
 
 
 def test_every_shipped_recipe_loads_and_validates() -> None:
@@ -86,9 +97,116 @@ def test_bad_overrides_name_the_problem(override: str, fragment: str) -> None:
 )
 def test_validation_names_the_field_and_fix(override: str, fragment: str) -> None:
     config = apply_overrides(RunConfig(), override.split(";"))
-    with pytest.raises(ConfigError, match=fragment):
+    with pytest.raises(ConfigError, match=fragment) as refused:
         validate(config)
-    assert "\n" not in str(ConfigError(fragment))
+    assert "\n" not in str(refused.value)
+
+
+# One corpus of each task, as a config names it.
+TASK_CONFIG = {"lm": [], "translation": ["data.corpus=multi30k"], "mlm": ["data.corpus=wikitext2", "data.task=mlm"],
+               "glue": ["data.corpus=glue-rte"], "sentclass": ["data.corpus=mr"]}
+
+
+def test_a_model_field_the_backbone_never_reads_is_refused_naming_the_fields_it_reads() -> None:
+    recipe = load_recipe("ptb-char-tiny")
+    with pytest.raises(ConfigError) as refused:
+        build_config(recipe, ["model.mem_len=512"])
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("model.mem_len=512 does nothing: model.backbone=transformer")
+    assert all(f"model.{key}" in message for key in get_backbone("transformer").fields)
+    assert "transformer-xl" in message  # the backbone that reads it
+    assert build_config(recipe, ["model.backbone=transformer-xl", "model.mem_len=512"]).model.mem_len == 512
+    with pytest.raises(ConfigError, match="model.conv_layers='512x3' does nothing: model.backbone=transformer"):
+        build_config(recipe, ["model.conv_layers=512x3"])
+    # a head count on a convolutional LM, an attention dropout on ConvS2S: nothing reads them there
+    with pytest.raises(ConfigError, match="model.n_heads=8 does nothing: model.backbone=gcnn reads only "
+                                          "model.backbone, model.d_model"):
+        validate(apply_overrides(RunConfig(), ["model.backbone=gcnn", "model.n_heads=8"]))
+    with pytest.raises(ConfigError, match="model.attn_dropout=0.1 does nothing: model.backbone=convs2s"):
+        validate(apply_overrides(RunConfig(), [*TASK_CONFIG["translation"], "model.backbone=convs2s",
+                                               "model.attn_dropout=0.1"]))
+    # set to its default it changes nothing, so it is no lie
+    assert validate(apply_overrides(RunConfig(), ["model.mem_len=0"])).model.mem_len == 0
+
+
+def test_a_task_section_the_task_never_reads_is_refused_naming_the_sections_it_reads() -> None:
+    with pytest.raises(ConfigError) as refused:
+        build_config(load_recipe("ptb-char-tiny"), ["translation.beam_size=5"])
+    assert str(refused.value) == (
+        "translation.beam_size=5 does nothing: this lm run (data.corpus=ptb-char) reads only [data], [model], "
+        "[optim], [init], [train], and [translation] is read by translation runs; drop translation.beam_size")
+    with pytest.raises(ConfigError, match=r"mlm.mask_prob=0.3 does nothing: this translation run .* \[translation\]"):
+        validate(apply_overrides(RunConfig(), [*TASK_CONFIG["translation"], "mlm.mask_prob=0.3"]))
+    with pytest.raises(ConfigError, match="sentclass.folds=5 does nothing: this mlm run"):
+        validate(apply_overrides(RunConfig(), [*TASK_CONFIG["mlm"], "model.backbone=bert", "sentclass.folds=5"]))
+    # a pretraining run keeps its fine-tuning's settings
+    assert validate(apply_overrides(RunConfig(), [*TASK_CONFIG["mlm"], "model.backbone=bert", "finetune.lr=1e-4"]))
+    assert set(TASK_SECTIONS) == set(TASKS)
+
+
+@pytest.mark.parametrize(("task", "backbone"), [(task, name) for task in TASK_CONFIG for name in backbone_names(task)])
+def test_a_field_every_backbone_reads_is_taken(task: str, backbone: str) -> None:
+    config = validate(apply_overrides(RunConfig(), [*TASK_CONFIG[task], f"model.backbone={backbone}",
+                                                    "model.dropout=0.3", "model.d_model=64", "model.n_layers=2"]))
+    assert (config.model.dropout, config.model.d_model, config.model.n_layers) == (0.3, 64, 2)
+
+
+class _Reads:
+    """A model config that notes which of its fields are read."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config, self.read = config, set()
+
+    def __getattr__(self, name: str) -> object:
+        self.read.add(name)
+        return getattr(self.config, name)
+
+
+BUILD_SIZES = {"lm": {"vocab_size": 11}, "mlm": {"vocab_size": 11}, "glue": {"vocab_size": 11, "num_labels": 2},
+               "sentclass": {"vocab_size": 11, "num_labels": 2},
+               "translation": {"src_vocab": 11, "tgt_vocab": 13, "max_len": 16, "pad_id": 0}}
+
+
+@pytest.mark.parametrize(("task", "backbone"), [(task, name) for task in TASK_CONFIG for name in backbone_names(task)])
+def test_each_backbone_declares_the_fields_its_build_reads(task: str, backbone: str) -> None:
+    import gatedformer.models  # noqa: F401 (fills the table)
+
+    declared = get_backbone(backbone, task)
+    sizes = ModelConfig(backbone=backbone, d_model=16, n_heads=2, d_ffn=32, n_layers=2)
+    built, checked = _Reads(sizes), _Reads(sizes)
+    declared.build(built, **BUILD_SIZES[task])
+    if declared.check is not None:
+        declared.check(checked)  # may read a field only to refuse it (an SRU-FFN's model.ffn)
+    assert built.read - {"backbone"} <= set(declared.fields)
+    # init_from_hf is read by the BERT tasks, which load the checkpoint into the model they built
+    assert set(declared.fields) - built.read - checked.read <= {"init_from_hf"}
+
+
+@needs_shared("glue/RTE/train.tsv", "glue/RTE/dev.tsv")
+def test_fine_tuning_drops_the_pretraining_runs_masking_and_refuses_a_masking_override(tmp_path: Path) -> None:
+    from gatedformer.tasks.glue import finetune_config
+
+    # bert-mlm-paper pretrains on its own 85/15 split (mlm.valid_fraction), which a GLUE run never reads
+    pretraining = build_config(load_recipe("bert-mlm-paper"))
+    assert pretraining.mlm.valid_fraction > 0
+    (tmp_path / "config.json").write_text(json.dumps(pretraining.to_dict()))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # finetune_config only asks that the run has finished
+    config = finetune_config(tmp_path, "rte", [], SHARED_DATA)
+    assert config.data.corpus == "glue-rte" and config.mlm == MaskedLMConfig()
+    with pytest.raises(ConfigError, match=r"mlm.mask_prob=0.2 does nothing: this glue run .* \[finetune\]"):
+        finetune_config(tmp_path, "rte", ["mlm.mask_prob=0.2"], SHARED_DATA)
+
+
+def test_a_bad_value_in_a_runs_config_json_names_the_file_and_the_field(tmp_path: Path) -> None:
+    config_file = tmp_path / "config.json"
+    for edit, field in ((["model.dropout=2.0"], "model.dropout"), (["model.mem_len=64"], "model.mem_len")):
+        saved = apply_overrides(RunConfig(), edit).to_dict()  # as if edited by hand after the run was written
+        config_file.write_text(json.dumps(saved))
+        with pytest.raises(ConfigError) as refused:
+            load_trained(tmp_path)
+        message = str(refused.value)
+        assert message.startswith(f"{config_file}: {field}") and "\n" not in message
+        assert "correct it in that file" in message
 
 
 def test_unknown_recipe_suggests_the_closest() -> None:

@@ -49,7 +49,8 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    """The network. Every variant is a keyword; backbone-specific fields are ignored elsewhere."""
+    """The network. Every variant is a keyword. Each backbone reads the fields it declares
+    (:attr:`Backbone.fields`); :func:`validate` refuses any other set away from its default."""
 
     backbone: str = "transformer"
     d_model: int = 128
@@ -308,6 +309,10 @@ class Backbone:
     """Whether it is an encoder-decoder (a gate spec then also reaches the decoder's cross-attention)."""
     check: Callable[[ModelConfig], None] | None = None
     """Checks of its own fields beyond :func:`validate`'s (a :class:`ConfigError` naming the field)."""
+    fields: tuple[str, ...] = field(kw_only=True)
+    """The :class:`ModelConfig` fields its network reads, ``backbone`` aside (its build, its module's checks and its
+    task's use of ``[model]``): :func:`validate` refuses any other set away from its default, since the model would
+    silently ignore it."""
 
 
 _BACKBONES: dict[tuple[str, str], Backbone] = {}
@@ -315,6 +320,10 @@ _BACKBONES: dict[tuple[str, str], Backbone] = {}
 
 def register_backbone(backbone: Backbone) -> Backbone:
     """Add ``backbone`` to the table (a model module calls this once, at import)."""
+    unknown = sorted(set(backbone.fields) - set(_field_types(ModelConfig)))
+    if unknown or not backbone.fields:
+        raise ValueError(f"backbone {backbone.name!r} must declare the ModelConfig fields it reads (unknown: "
+                         f"{unknown})")
     key = (backbone.task, backbone.name)
     if key in _BACKBONES and _BACKBONES[key] != backbone:
         raise ValueError(f"backbone {backbone.name!r} is registered twice for task {backbone.task!r}")
@@ -340,6 +349,18 @@ def task_of(config: RunConfig) -> str:
     """The task a run is: ``data.task`` where it names one, else the corpus's (``translation`` for a parallel corpus,
     ``glue`` and ``sentclass`` for the classification sets, ``lm`` for every other)."""
     return config.data.task.strip().lower() or corpus_task(config.data.corpus)
+
+
+TASK_SECTIONS: dict[str, tuple[str, ...]] = {
+    "lm": (),
+    "translation": ("translation",),
+    # A pretraining run keeps the settings of its fine-tuning (``gatedformer finetune --run``, the GLUE comparison).
+    "mlm": ("tokenizer", "mlm", "finetune"),
+    "glue": ("tokenizer", "finetune"),
+    "sentclass": ("sentclass",),
+}
+"""The task sections each task reads, beside ``[data]``, ``[model]``, ``[optim]``, ``[init]`` and ``[train]``, which
+every run reads: :func:`validate` refuses a field of any other task section set away from its default."""
 
 
 @dataclass
@@ -459,8 +480,9 @@ def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
     return config
 
 
-def config_from_dict(data: dict[str, Any], *, where: str = "config") -> RunConfig:
-    """Build a :class:`RunConfig` from nested dicts (a recipe's TOML or a saved ``config.json``)."""
+def config_from_dict(data: dict[str, Any], *, where: str = "config", check: bool = False) -> RunConfig:
+    """Build a :class:`RunConfig` from nested dicts (a recipe's TOML or a saved ``config.json``); with ``check``,
+    also :func:`validate` it. An error names ``where`` (the file) unless it is ``"config"``."""
     config = RunConfig()
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must be a table of sections, got {type(data).__name__}")
@@ -472,10 +494,13 @@ def config_from_dict(data: dict[str, Any], *, where: str = "config") -> RunConfi
                 raise ConfigError(f"[{section_name}] must be a table of key = value lines")
             for field_name, value in values.items():
                 set_value(config, f"{section_name}.{field_name}", value)
+        if check:
+            validate(config)
     except ConfigError as err:
         if where == "config":
             raise
-        raise ConfigError(f"{where}: {err}") from None
+        fix = " (correct it in that file, or restore the file from a copy)" if check else ""
+        raise ConfigError(f"{where}: {err}{fix}") from None
     return config
 
 
@@ -511,10 +536,13 @@ def validate(config: RunConfig) -> RunConfig:
     _check_task(config)
 
     backbone = get_backbone(model.backbone, task_of(config))
+    # Only the fields the backbone reads are checked for range here; any other set at all is refused below.
+    reads = set(backbone.fields)
     for key in ("d_model", "n_layers", "n_heads", "d_ffn"):
-        _positive(f"model.{key}", getattr(model, key))
+        if key in reads:
+            _positive(f"model.{key}", getattr(model, key))
     _check(
-        model.d_model % model.n_heads == 0,
+        "n_heads" not in reads or model.d_model % model.n_heads == 0,
         f"model.d_model={model.d_model} is not divisible by model.n_heads={model.n_heads}; "
         "pick a head count that divides d_model",
     )
@@ -584,7 +612,37 @@ def validate(config: RunConfig) -> RunConfig:
     else:
         _check(not model.share_embeddings, "model.share_embeddings shares a translation model's source and target "
                "embeddings; a language model has one embedding (model.tie_embeddings ties it to the output)")
+    _refuse_unread(config, backbone)
     return config
+
+
+def _refuse_unread(config: RunConfig, backbone: Backbone) -> None:
+    """A field set away from its default where nothing reads it would leave the user believing the run changed."""
+    task = task_of(config)
+    reads = ("backbone", *backbone.fields)
+    for name, default in dataclasses.asdict(ModelConfig()).items():
+        value = getattr(config.model, name)
+        if name in reads or value == default:
+            continue
+        others = [b.name for (owner, _), b in _BACKBONES.items() if owner == task and name in b.fields]
+        instead = f", or pick a backbone that reads it ({', '.join(others)})" if others else ""
+        raise ConfigError(f"model.{name}={value!r} does nothing: model.backbone={backbone.name} reads only "
+                          f"{', '.join(f'model.{key}' for key in reads)}; drop model.{name}{instead}")
+    own = TASK_SECTIONS[task]
+    task_sections = {section for sections in TASK_SECTIONS.values() for section in sections}
+    for section in _sections():
+        if section not in task_sections or section in own:
+            continue
+        values = getattr(config, section)
+        for name, default in dataclasses.asdict(type(values)()).items():
+            value = getattr(values, name)
+            if value == default:
+                continue
+            readers = " and ".join(t for t, sections in TASK_SECTIONS.items() if section in sections)
+            read = ", ".join(f"[{s}]" for s in _sections() if s not in task_sections or s in own)
+            raise ConfigError(f"{section}.{name}={value!r} does nothing: this {task} run (data.corpus="
+                              f"{config.data.corpus}) reads only {read}, and [{section}] is read by {readers} runs; "
+                              f"drop {section}.{name}")
 
 
 TEXT_TASKS = ("mlm",)

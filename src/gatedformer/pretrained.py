@@ -466,7 +466,7 @@ def _read_export(folder: Path, device: str) -> Pretrained:
                               f"this gatedformer does not read (it reads {FORMAT_VERSION}); upgrade gatedformer")
     if not isinstance(record.get("config"), dict):
         raise CheckpointError(f"{config_file} has no run config; export the model again")
-    config = config_from_dict(record["config"], where=str(config_file))
+    config = config_from_dict(record["config"], where=str(config_file), check=True)
     task = get_task(task_of(config))
     if record.get("task") != task.name:
         raise CheckpointError(f"{config_file} says task {str(record.get('task'))[:40]!r} but its config is a "

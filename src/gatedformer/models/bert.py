@@ -332,7 +332,10 @@ def _check(cfg: ModelConfig) -> None:
 _DESCRIPTION = ("BERT in bert-base-uncased's layout: learned positions and token types, post-LN layers with a GELU "
                 "feed-forward, a tanh pooler; '+EAU+GRC' puts an EAU after every self-attention and a GRC on every "
                 "residual")
+# init_from_hf: read by the masked-LM and GLUE tasks, which load the checkpoint into the model
+_FIELDS = ("d_model", "n_layers", "n_heads", "d_ffn", "dropout", "attn_dropout", "ffn", "gates", "max_positions",
+           "type_vocab", "init_from_hf")
 register_backbone(Backbone("bert", "mlm", build_mlm, _DESCRIPTION + " (with the MLM head, its decoder tied)",
-                           check=_check))
+                           check=_check, fields=_FIELDS))
 register_backbone(Backbone("bert", "glue", build_classifier, _DESCRIPTION + " (with a classification or regression "
-                           "head on the pooled output)", check=_check))
+                           "head on the pooled output)", check=_check, fields=_FIELDS))

@@ -387,4 +387,7 @@ register_backbone(Backbone(
     "convs2s", "translation", _build,
     "ConvS2S (Gehring et al. 2017): convolutional encoder and causal decoder of GLU blocks with √0.5 residuals, "
     "learned positions, multi-step attention in every decoder layer, the appendix's initialisation; "
-    "model.d_model is the embedding width, model.conv_layers the convolutions", gated=False, check=_check))
+    "model.d_model is the embedding width, model.conv_layers the convolutions", gated=False, check=_check,
+    # n_layers and kernel_size give the convolutions where conv_layers is empty
+    fields=("d_model", "conv_layers", "decoder_conv_layers", "n_layers", "kernel_size", "out_dim", "dropout",
+            "weight_norm", "tie_embeddings", "share_embeddings")))

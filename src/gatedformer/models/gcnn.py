@@ -246,4 +246,5 @@ def _build(cfg: ModelConfig, vocab_size: int) -> GatedConvLM:
 register_backbone(Backbone(
     "gcnn", "lm", _build,
     "gated convolutional LM: causal convolutions with GLU, residual (optionally bottleneck) blocks, GLU init",
-    gated=False))
+    gated=False, fields=("d_model", "n_layers", "kernel_size", "dropout", "bottleneck", "weight_norm",
+                         "tie_embeddings")))

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from gatedformer.config import Backbone, ModelConfig, register_backbone
 from gatedformer.gates.spec import SublayerGates, resolve_placement
 from gatedformer.kernels import local_rnn as _local_rnn_kernel
+from gatedformer.models.transformer import TRANSFORMER_FIELDS
 from gatedformer.nn.attention import CausalSelfAttention
 from gatedformer.nn.dropout import Dropout
 from gatedformer.nn.sublayer import Sublayer, check_lm_sizes, make_ffn
@@ -284,4 +285,5 @@ def _build(cfg: ModelConfig, vocab_size: int) -> RTransformerLM:
 
 register_backbone(Backbone(
     "rtransformer", "lm", _build,
-    "R-Transformer: a GRU/LSTM localRNN over the last model.rnn_window positions before each attention sublayer"))
+    "R-Transformer: a GRU/LSTM localRNN over the last model.rnn_window positions before each attention sublayer",
+    fields=(*TRANSFORMER_FIELDS, "rnn_type", "rnn_window", "rnn_recompute")))

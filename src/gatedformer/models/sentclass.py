@@ -70,4 +70,5 @@ def _check(cfg: ModelConfig) -> None:
 register_backbone(Backbone(
     "sru", "sentclass", build_classifier,
     "word vectors, a stack of SRUs (model.d_model units, model.n_layers layers) and a linear layer over the last "
-    "word's state", gated=False, check=_check))
+    "word's state", gated=False, check=_check,
+    fields=("d_model", "n_layers", "dropout", "highway_bias", "rescale", "sru_layer_norm")))

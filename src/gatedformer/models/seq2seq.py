@@ -45,7 +45,7 @@ from torch.nn import functional as F
 
 from gatedformer.config import Backbone, ModelConfig, register_backbone
 from gatedformer.gates.spec import SublayerGates, resolve_placement
-from gatedformer.models.transformer import check_sru_ffn
+from gatedformer.models.transformer import SRU_FFN_FIELDS, TRANSFORMER_FIELDS, check_sru_ffn
 from gatedformer.nn.attention import sinusoidal_positions
 from gatedformer.nn.dropout import Dropout
 from gatedformer.nn.sru import SRUFeedForward
@@ -373,9 +373,11 @@ def _build(cfg: ModelConfig, src_vocab: int, tgt_vocab: int, max_len: int, pad_i
 register_backbone(Backbone(
     "transformer", "translation", _build,
     "an encoder-decoder with the layout of torch.nn.Transformer; '+EAU+GRC' puts an EAU after every attention "
-    "(encoder self, decoder self and cross) and a GRC on every residual connection", cross_attention=True))
+    "(encoder self, decoder self and cross) and a GRC on every residual connection", cross_attention=True,
+    fields=(*TRANSFORMER_FIELDS, "share_embeddings")))
 register_backbone(Backbone(
     "sru-transformer", "translation",
     lambda cfg, src_vocab, tgt_vocab, max_len, pad_id: _build(cfg, src_vocab, tgt_vocab, max_len, pad_id, "sru"),
     "the SRU paper's Transformer w/ SRU: the encoder-decoder above with an SRU of model.d_ffn units (no highway term) "
-    "as every feed-forward's hidden layer; gates by the same spec", cross_attention=True, check=check_sru_ffn))
+    "as every feed-forward's hidden layer; gates by the same spec", cross_attention=True, check=check_sru_ffn,
+    fields=(*SRU_FFN_FIELDS, "share_embeddings")))

@@ -110,4 +110,5 @@ def _check(cfg: ModelConfig) -> None:
 
 register_backbone(Backbone(
     "sru", "lm", _build, "stacked SRU layers (model.highway_bias, model.rescale, model.projection_size)",
-    gated=False, check=_check))
+    gated=False, check=_check, fields=("d_model", "n_layers", "dropout", "highway_bias", "rescale", "projection_size",
+                                       "sru_layer_norm", "tie_embeddings")))

@@ -18,6 +18,11 @@ from gatedformer.ops.output_loss import logits_or_loss
 
 _POSITIONS_CACHED = 1024
 """Rows of the sinusoidal table built with the model (a longer input extends it)."""
+TRANSFORMER_FIELDS = ("d_model", "n_layers", "n_heads", "d_ffn", "dropout", "emb_dropout", "attn_dropout", "norm",
+                      "ffn", "tie_embeddings", "gates")
+"""The ``[model]`` fields a Transformer reads; the backbones built on its layers add their own."""
+SRU_FFN_FIELDS = tuple(key for key in TRANSFORMER_FIELDS if key != "ffn")
+"""With an SRU as every feed-forward's hidden layer, ``model.ffn`` has nothing to choose."""
 
 
 class TransformerLayer(nn.Module):
@@ -137,8 +142,9 @@ def check_sru_ffn(cfg: ModelConfig) -> None:
 
 register_backbone(Backbone(
     "transformer", "lm", _build,
-    "the Highway Transformer paper's LM: sinusoidal positions, causal MHDPA, ReLU (or GLU) FFN, post- or pre-LN"))
+    "the Highway Transformer paper's LM: sinusoidal positions, causal MHDPA, ReLU (or GLU) FFN, post- or pre-LN",
+    fields=TRANSFORMER_FIELDS))
 register_backbone(Backbone(
     "sru-transformer", "lm", lambda cfg, vocab_size: _build(cfg, vocab_size, ffn="sru"),
     "the SRU paper's Transformer w/ SRU: every feed-forward's hidden layer is an SRU of model.d_ffn units (no "
-    "highway term) before the output projection", check=check_sru_ffn))
+    "highway term) before the output projection", check=check_sru_ffn, fields=SRU_FFN_FIELDS))

@@ -32,6 +32,7 @@ from torch.nn import functional as F
 from gatedformer.config import Backbone, ModelConfig, register_backbone
 from gatedformer.gates.spec import SublayerGates, resolve_placement
 from gatedformer.kernels.relative_attention import kernel_takes
+from gatedformer.models.transformer import TRANSFORMER_FIELDS
 from gatedformer.nn.attention import sinusoidal_positions
 from gatedformer.nn.dropout import Dropout
 from gatedformer.nn.sublayer import Sublayer, check_lm_sizes, make_ffn
@@ -395,4 +396,5 @@ def _build(cfg: ModelConfig, vocab_size: int) -> TransformerXLLM:
 
 register_backbone(Backbone(
     "transformer-xl", "lm", _build,
-    "relative positional attention and segment memory of model.mem_len states, carried across windows"))
+    "relative positional attention and segment memory of model.mem_len states, carried across windows",
+    fields=(*TRANSFORMER_FIELDS, "mem_len")))

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gatedformer.config import RunConfig, apply_overrides, config_from_dict, get_backbone, validate
+from gatedformer.config import MaskedLMConfig, RunConfig, apply_overrides, config_from_dict, get_backbone, validate
 from gatedformer.data.glue import SCORE_RANGE, GlueSplit, GlueTask, glue_task, load_glue
 from gatedformer.data.wordpiece import WordPiece
 from gatedformer.devices import autocast
@@ -379,7 +379,7 @@ def finetune_config(pretrained: str | Path, task_name: str, overrides: list[str]
     start_weights_file(str(pretrained))  # one clear line if it is not a finished run
     try:
         saved = (pretrained / "config.json").read_text(encoding="utf-8")
-        config = config_from_dict(json.loads(saved), where=str(pretrained / "config.json"))
+        config = config_from_dict(json.loads(saved), where=str(pretrained / "config.json"), check=True)
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot read {pretrained / 'config.json'} ({err}); give a finished pretraining run") \
             from None
@@ -391,6 +391,7 @@ def finetune_config(pretrained: str | Path, task_name: str, overrides: list[str]
     apply_overrides(config, overrides)
     # A bad [finetune] value is named as such, before it is copied into the optimiser's and data's fields.
     validate(config)
+    config.mlm = MaskedLMConfig()  # the pretraining's masking, which fine-tuning never reads
     ft = config.finetune
     examples = len(load_glue(task.name, data_dir)["train"].examples)
     if ft.max_train_examples:

@@ -426,7 +426,8 @@ def read_run_config(run_dir: Path) -> RunConfig:
     if not config_file.is_file():
         raise ConfigError(f"{run_dir} is not a gatedformer run (no config.json); pass the --out of a train run")
     try:
-        return config_from_dict(json.loads(read_limited(config_file, JSON_BYTES)), where=str(config_file))
+        return config_from_dict(json.loads(read_limited(config_file, JSON_BYTES)), where=str(config_file),
+                                check=True)
     except (OSError, ValueError) as err:
         reason = _first_line(err)
     recorded = recorded_run_config(run_dir)
@@ -435,7 +436,7 @@ def read_run_config(run_dir: Path) -> RunConfig:
                               "restore config.json from a copy of the run") from None
     warnings.warn(f"gatedformer: {config_file} is damaged ({reason}); using the config recorded in {recorded[1]}",
                   stacklevel=2)
-    return config_from_dict(recorded[0], where=str(recorded[1]))
+    return config_from_dict(recorded[0], where=str(recorded[1]), check=True)
 
 
 def load_run_weights(model: nn.Module, run_dir: Path, config: dict[str, Any]) -> None:
