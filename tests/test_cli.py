@@ -216,7 +216,8 @@ def test_main_job_on_real_data_in_miniature(tmp_path: Path, capsys: pytest.Captu
             "--set", "data.eval_seq_len=256", "--set", "data.eval_batch_size=256"]
     assert main(args) == 0
     table = capsys.readouterr().out
-    for name in ("baseline", "+σ SDU", "+tanh SDU", "valid bpc", "test bpc", "params", "s/step"):
+    for name in ("baseline", "+σ SDU", "+tanh SDU", "valid bpc", "test bpc", "params",
+                 "step time × base (interleaved)"):
         assert name in table
     assert (tmp_path / "cmp" / "report.md").is_file()
     assert (tmp_path / "cmp" / "convergence.png").stat().st_size > 5000

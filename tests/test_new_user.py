@@ -173,3 +173,149 @@ def test_a_small_text_corpus_names_the_evaluation_field_and_a_value_that_works(
     assert [f.split("=")[0] for f in fix] == ["data.eval_batch_size", "data.eval_seq_len"]
     for value in fix:  # each value it names works
         assert main([*args, "--set", value, "--out", str(tmp_path / value)]) == 0, capsys.readouterr().err
+
+
+# --- compare: the speed it prints is the side-by-side ratio, and a re-run keeps the recorded one ----------------
+
+
+def _result(name: str, seconds_per_step: float) -> Any:
+    from gatedformer.train.loop import RunResult
+
+    return RunResult(run_dir=name, corpus="ptb-char", metric="bpc", valid_loss=1.0, valid_metric=1.4, test_loss=1.0,
+                     test_metric=1.4, params=100, steps=10, seconds_per_step=seconds_per_step,
+                     train_seconds=10 * seconds_per_step, tokens_per_second=1000.0)
+
+
+def _times(ratio: float, rounds: int = 5) -> Any:
+    from gatedformer.analysis.bench.timing import Timing
+    from gatedformer.analysis.step_timing import StepTimes
+
+    return StepTimes({"baseline": Timing([0.01] * rounds), "+σ SDU": Timing([0.01 * ratio] * rounds)})
+
+
+def _rows(table: str) -> list[dict[str, str]]:
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True)) for line in lines[2:]]
+
+
+def test_the_printed_table_shows_the_interleaved_ratio_not_each_runs_raw_time() -> None:
+    from gatedformer.analysis.report import VariantSummary, format_table
+
+    # Under load the baseline's run took 0.12 s a step and the gated one's 0.02: its own time says 6× faster.
+    summaries = [VariantSummary("baseline", [_result("a", 0.12)]), VariantSummary("+σ SDU", [_result("b", 0.02)])]
+    recipe = load_recipe("ptb-char-tiny")
+    rows = _rows(format_table(summaries, "bpc", recipe, _times(1.25)))
+    assert [r["step time × base (interleaved)"] for r in rows] == ["×1.00", "×1.25"]
+    assert not any("s/step" in key for key in rows[0])
+    alone = _rows(format_table(summaries, "bpc", recipe))  # --no-step-timing: the runs' own times, said so
+    assert [r["s/step (own run)"] for r in alone] == ["0.1200", "0.0200"]
+
+
+def test_a_recorded_measurement_is_kept_and_a_new_one_goes_beside_it(tmp_path: Path) -> None:
+    from gatedformer.analysis.step_timing import TIMES_FILE, recorded_or_measured
+
+    recipe = load_recipe("ptb-char-tiny")
+    configs = {"baseline": build_config(recipe, [], recipe.variants[0]),
+               "+σ SDU": build_config(recipe, [], recipe.variants[1])}
+    first, notes = recorded_or_measured(configs, tmp_path, lambda: _times(1.33))
+    assert notes == [] and not first.recorded and first.ratio("+σ SDU") == pytest.approx(1.33)
+
+    def refuse() -> Any:
+        raise AssertionError("measured again: the recorded ratios would be silently replaced")
+
+    again, _ = recorded_or_measured(configs, tmp_path, refuse)  # a re-run of the finished comparison
+    assert again.recorded and again.measured == first.measured and again.ratio("+σ SDU") == pytest.approx(1.33)
+    assert again["baseline"].samples == first["baseline"].samples
+
+    # Changed settings are another measurement: taken now, recorded beside the first, which stays.
+    configs["+σ SDU"] = build_config(recipe, ["train.threads=1"], recipe.variants[1])
+    changed, _ = recorded_or_measured(configs, tmp_path, lambda: _times(1.89))
+    assert not changed.recorded and changed.ratio("+σ SDU") == pytest.approx(1.89)
+    recorded = json.loads((tmp_path / TIMES_FILE).read_text())["measurements"]
+    assert len(recorded) == 2 and all(m["measured"].endswith("UTC") for m in recorded)
+
+    # A damaged file is neither trusted nor overwritten.
+    (tmp_path / TIMES_FILE).write_text("{not json")
+    fresh, notes = recorded_or_measured(configs, tmp_path, lambda: _times(1.5))
+    assert fresh.ratio("+σ SDU") == pytest.approx(1.5) and "could not be read" in notes[0]
+    assert (tmp_path / TIMES_FILE).read_text() == "{not json"
+
+
+def test_rerunning_a_finished_compare_keeps_its_timing_table(text_corpus: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from gatedformer.analysis import compare as compare_module
+
+    recipe = load_recipe("ptb-char-tiny")
+    overrides = [*tiny_overrides(text_corpus, steps=2), "train.eval_every=2"]
+    only = ["baseline", "+σ SDU"]
+    monkeypatch.setattr(compare_module, "interleaved_step_times", lambda *args: _times(1.33, rounds=3))
+    first = compare_module.run_comparison(recipe, tmp_path / "cmp", overrides=overrides, only=only, progress=False)
+    text = first.report_path.read_text(encoding="utf-8")
+    timing = text[text.index("## Training-time cost"):text.index("## Parameters")]
+    assert "×1.33" in first.table and "measured 20" in timing
+
+    # The machine is busier now: a second measurement would give other ratios, and replace the first silently.
+    monkeypatch.setattr(compare_module, "interleaved_step_times", lambda *args: _times(1.89, rounds=3))
+    second = compare_module.run_comparison(recipe, tmp_path / "cmp", overrides=overrides, only=only, progress=False)
+    again = second.report_path.read_text(encoding="utf-8")
+    assert second.table == first.table and "×1.89" not in again
+    assert again[again.index("## Training-time cost"):again.index("## Parameters")].replace(
+        "recorded in `step_times.json` by an earlier invocation and kept", "recorded in `step_times.json`") == timing
+
+
+# --- init-check on ConvS2S: interior positions, where appendix A's sums hold -------------------------------------
+
+
+def _padded_batches(count: int = 4, batch: int = 16, length: int = 16) -> list[tuple[Any, Any, Any]]:
+    """Sentences of 5 to ``length`` tokens, padded at the end, as the translation batches are."""
+    import torch
+
+    from gatedformer.data.translation import PAD_ID
+
+    generator = torch.Generator().manual_seed(0)
+
+    def side() -> Any:
+        lengths = torch.randint(5, length + 1, (batch,), generator=generator)
+        tokens = torch.randint(4, 50, (batch, length), generator=generator)
+        tokens[torch.arange(length)[None, :] >= lengths[:, None]] = PAD_ID
+        return tokens
+
+    out = []
+    for _ in range(count):
+        src, tgt = side(), side()
+        out.append((src, tgt, tgt.roll(-1, 1)))
+    return out
+
+
+def test_init_check_measures_convs2s_blocks_on_interior_positions() -> None:
+    # Pooled over sentence edges and padding, where part of each kernel reads zeros, the forward ratio read some 5 %
+    # (here, with short sentences and w=5, far more) below appendix A's 1.
+    import statistics
+
+    import torch
+
+    from gatedformer.analysis import init_check as ic
+    from gatedformer.data.translation import PAD_ID
+    from gatedformer.models.convs2s import ConvS2S
+
+    real = torch.tensor([[True] * 5 + [False] * 2])
+    assert ic.interior_positions(real, 1).tolist() == [[False, True, True, True, False, False, False]]
+    assert ic.interior_positions(real, 2).tolist() == [[False, False, True, False, False, False, False]]
+
+    torch.manual_seed(0)
+    model = ConvS2S(50, 50, embed_dim=64, encoder_layers=[(64, 5)] * 3, max_len=64, dropout=0.1, pad_id=PAD_ID,
+                    weight_norm=False).train()
+    runner = ic._TranslationRunner(model, torch.device("cpu")).train()
+    measured = {}
+    for name, sites in (("pooled", ic.layer_sites(model)),
+                        ("interior", ic._interior_sites(ic.layer_sites(model), runner))):
+        torch.manual_seed(1)  # the same dropout masks
+        measured[name] = ic.measure_layers(runner, _padded_batches(), loss_fn=ic._cross_entropy, sites=sites)
+    interior = measured["interior"]
+    assert all(r["positions"] == "interior" and "interior positions" in r["note"] for r in interior)
+    assert statistics.fmean(r["forward"] for r in measured["pooled"]) < 0.9
+    assert all(abs(r["forward"] - r["forward_predicted"]) < 0.1 for r in interior), [r["forward"] for r in interior]
+    assert all(abs(r["backward"] - r["backward_predicted"]) < 0.12 for r in interior), [r["backward"] for r in interior]
+    assert "interior positions: real tokens" in ic.format_init_check(interior)
+    assert "interior positions" not in ic.format_init_check(measured["pooled"])

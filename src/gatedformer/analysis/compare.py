@@ -23,7 +23,7 @@ from gatedformer.analysis.report import (
     format_table,
     render_report,
 )
-from gatedformer.analysis.step_timing import ROUNDS, interleaved_step_times
+from gatedformer.analysis.step_timing import ROUNDS, TIMES_FILE, StepTimes, interleaved_step_times, recorded_or_measured
 from gatedformer.config import (
     Recipe,
     RunConfig,
@@ -250,13 +250,22 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
                                         _steps_per_epoch(config, results, shared),
                                         _components(config, first_dir, data_dir, shared)))
     metric = summaries[0].results[0].metric
-    table = format_table(summaries, metric, recipe)
     notes: list[str] = []
     step_times = None
     if step_timing:
-        tracker.say(f"timing every variant's training step, interleaved ({ROUNDS} rounds)")
         firsts = {v.name: next(c for p, _, c, _ in plans if p is v) for v in variants}
-        step_times = interleaved_step_times(firsts, data_dir, shared)
+
+        def measure() -> StepTimes:
+            tracker.say(f"timing every variant's training step, interleaved ({ROUNDS} rounds)")
+            return interleaved_step_times(firsts, data_dir, shared)
+
+        # A re-run shows the recorded measurement of these configs: measured again, the ratios would change with
+        # the load of the moment, silently.
+        step_times, timing_notes = recorded_or_measured(firsts, out_dir, measure)
+        notes += timing_notes
+        if step_times.recorded:
+            tracker.say(f"step times: the measurement of {step_times.measured}, kept in {out_dir / TIMES_FILE}")
+    table = format_table(summaries, metric, recipe, step_times)
     if seeds == 1:
         notes.append("One seed per variant: the changes against the baseline carry no spread, so a small one may be "
                      "seed-to-seed variation; `--seeds 3` pairs each change with its spread over seeds.")

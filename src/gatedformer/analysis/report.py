@@ -135,18 +135,28 @@ def published_header(recipe: Recipe, metric: str) -> str:
     return f"published test {recipe.published_metric or metric}"
 
 
-def format_table(summaries: list[VariantSummary], metric: str, recipe: Recipe) -> str:
+def _interleaved(summaries: list[VariantSummary], step_times: dict[str, Any] | None) -> bool:
+    return step_times is not None and all(s.name in step_times for s in summaries)
+
+
+def format_table(summaries: list[VariantSummary], metric: str, recipe: Recipe,
+                 step_times: dict[str, Any] | None = None) -> str:
     """The paper-style markdown table; the first variant is the baseline for the relative changes.
 
     With published numbers in the recipe there are two more columns: each variant's published number
-    (from its own ``[[variants]]`` entry) and the relative change the paper reports against its baseline.
+    (from its own ``[[variants]]`` entry) and the relative change the paper reports against its baseline. The
+    speed column is the step time against the baseline's as ``step_times`` measured it, every variant's step timed
+    side by side (:mod:`~gatedformer.analysis.step_timing`); without it, each run's own seconds per step, labelled
+    as such: the runs trained one after another, so whatever else the machine did skews them (one variant once looked
+    6× faster than another).
     """
+    timed = _interleaved(summaries, step_times)
     has_published = any(s.published is not None for s in summaries)
     header = ["variant", "valid loss", f"valid {metric}", "test loss", f"test {metric}",
               f"Δ test {metric} vs base (paired)"]
     if has_published:
         header += [published_header(recipe, metric), "published Δ"]
-    header += ["params", "s/step", "total time (s)"]
+    header += ["params", "step time × base (interleaved)" if timed else "s/step (own run)", "total time (s)"]
     base = summaries[0]
     rows = []
     for s in summaries:
@@ -156,8 +166,8 @@ def format_table(summaries: list[VariantSummary], metric: str, recipe: Recipe) -
             row.append("—" if s.published is None else f"{s.published:g}")
             known = s is not base and s.published is not None and base.published is not None
             row.append(_change(s.published, base.published) if known else "—")
-        row += [f"{s.results[0].params:,}", f"{s.mean('seconds_per_step'):.4f}",
-                _mean_pm([_total_seconds(r) for r in s.results], 1)]
+        speed = f"×{step_times.ratio(s.name):.2f}" if timed else f"{s.mean('seconds_per_step'):.4f}"  # type: ignore[union-attr]
+        row += [f"{s.results[0].params:,}", speed, _mean_pm([_total_seconds(r) for r in s.results], 1)]
         rows.append(row)
     return markdown_table(header, rows)
 
@@ -171,7 +181,7 @@ def timing_table(summaries: list[VariantSummary], step_times: dict[str, Any] | N
     base = summaries[0]
     base_step = base.mean("seconds_per_step")
     base_params = base.results[0].params
-    timed = step_times is not None and all(s.name in step_times for s in summaries)
+    timed = _interleaved(summaries, step_times)
     header = (["variant", "s/step (interleaved)", "× base (interleaved)"] if timed else ["variant"]) + [
         "s/step (runs)", "s/epoch", "× base (runs)", "tokens/s", "setup (s)", "params", "Δ params"]
     rows = []
@@ -191,6 +201,24 @@ def timing_table(summaries: list[VariantSummary], step_times: dict[str, Any] | N
         ]
         rows.append(row)
     return markdown_table(header, rows)
+
+
+def measurement_note(summaries: list[VariantSummary], step_times: Any) -> str:
+    """When the interleaved step times were measured, whether a re-run kept them, and the ratios of the other
+    measurements of the same variants that ``step_timing.TIMES_FILE`` records (they differ as the load did)."""
+    if not _interleaved(summaries, step_times) or not getattr(step_times, "measured", ""):
+        return ""
+    kept = ("recorded in `step_times.json` by an earlier invocation and kept" if step_times.recorded
+            else "recorded in `step_times.json`")
+    text = (f"The interleaved step times were measured {step_times.measured} ({kept}; a re-run of this comparison "
+            "shows them again, and measures anew only where a variant's settings changed, recording that "
+            "measurement beside this one; delete the file to measure again).")
+    others = [t for t in getattr(step_times, "earlier", []) if all(s.name in t for s in summaries)]
+    if others:
+        ratios = "; ".join(f"{t.measured}: " + ", ".join(f"×{t.ratio(s.name):.2f}" for s in summaries[1:])
+                           for t in others)
+        text += f" Earlier measurements of the same variants ({', '.join(s.name for s in summaries[1:])}): {ratios}."
+    return text
 
 
 def parameter_table(summaries: list[VariantSummary]) -> str | None:
@@ -229,8 +257,10 @@ def render_report(recipe: Recipe, summaries: list[VariantSummary], table: str, *
         parts += [f"Published numbers: {recipe.published_source}.", ""]
     interleaved = ("First, every variant's training step timed in this process one after another, round-robin in "
                    "a shuffled order (median seconds per step [interquartile range] over the rounds, and the median "
-                   "per-round ratio to the baseline): load that comes and goes falls on every variant alike, so "
-                   "these ratios are the cost of the gates. Then, from the runs, which trained one after another: "
+                   "per-round ratio to the baseline): load on the machine falls on every variant alike, so it skews "
+                   "these ratios far less than the runs' own times, though load that starts or stops within the "
+                   "rounds still moves them (compare the interquartile ranges, and the earlier measurements where "
+                   "there are some). Then, from the runs, which trained one after another, so that load skews them: "
                    if step_times else "")
     parts += ["## Training-time cost", "",
               interleaved + ("m" if interleaved else "M") + "ean training time per step (evaluation excluded) and "
@@ -239,6 +269,9 @@ def render_report(recipe: Recipe, summaries: list[VariantSummary], table: str, *
               "s/step and tokens/s and shown as setup: it builds kernels on first use (once per machine, so "
               "whichever variant runs first pays it) and compiles under `--compile`. The results table's "
               "total time is the whole run, evaluations included.", "", timing_table(summaries, step_times), ""]
+    measured = measurement_note(summaries, step_times)
+    if measured:
+        parts += [measured, ""]
     params = parameter_table(summaries)
     if params:
         parts += ["## Parameters", "", params, ""]
