@@ -157,7 +157,7 @@ def _result_field(result: RunResult, key: str) -> float | None:
 
 def mlm_table(variants: list[Variant], pretrained: dict[str, list[RunResult]]) -> str:
     header = ["variant", "valid MLM loss", "valid ppl", "valid acc. (%)", "test MLM loss", "test ppl",
-              "test acc. (%)", "params", "s/step"]
+              "test acc. (%)", "params", "s/step (own run)"]  # runs one after another: load skews it
     rows = []
     for variant in variants:
         results = pretrained[variant.name]
