@@ -81,6 +81,16 @@ def tiny_overrides(corpus: str, steps: int = 12) -> list[str]:
     ]
 
 
+def for_backbone(backbone: str, overrides: list[str], task: str = "lm") -> list[str]:
+    """``model.backbone=backbone`` and ``overrides`` less the ``[model]`` fields that backbone never reads (validation
+    refuses them): one list of sizes for every backbone."""
+    from gatedformer.config import get_backbone
+
+    reads = get_backbone(backbone, task).fields
+    return [f"model.backbone={backbone}",
+            *(o for o in overrides if not o.startswith("model.") or o[len("model."):].partition("=")[0] in reads)]
+
+
 def needs_shared(*relative: str) -> pytest.MarkDecorator:
     missing = [r for r in relative if not (SHARED_DATA / r).is_file()]
     return pytest.mark.skipif(bool(missing), reason=f"real corpus files not found under {SHARED_DATA}: {missing}")

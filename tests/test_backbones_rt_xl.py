@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import for_backbone
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -393,12 +394,12 @@ def corpus(tmp_path: Path) -> str:
 
 
 def tiny_config(corpus: str, backbone: str) -> RunConfig:
-    return validate(apply_overrides(RunConfig(), [
+    return validate(apply_overrides(RunConfig(), for_backbone(backbone, [
         f"data.corpus={corpus}", "data.batch_size=4", "data.seq_len=12", "data.eval_batch_size=4",
-        f"model.backbone={backbone}", "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
+        "model.d_model=16", "model.n_layers=2", "model.n_heads=2",
         "model.d_ffn=32", "model.dropout=0.1", "model.mem_len=12", "model.rnn_window=3", "model.gates=+σ L2",
         "optim.lr=0.01", "train.steps=16", "train.eval_every=8", "train.log_every=4", "train.eval_windows=2",
-    ]))
+    ])))
 
 
 @pytest.mark.parametrize("backbone", ["rtransformer", "transformer-xl"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import for_backbone, tiny_overrides
 from torch import nn
 
 from gatedformer.config import ModelConfig, RunConfig, apply_overrides, validate
@@ -98,9 +98,9 @@ def test_compiled_variants_in_one_process_train_without_dynamo_warnings(
     variants = ["", "+σ SDU"]
     with torch._dynamo.config.patch(recompile_limit=1):
         for i, gates in enumerate(variants):
-            overrides = [f"model.backbone={backbone}", "model.mem_len=8", f"model.gates={gates}",
-                         "model.dropout=0.0", "train.compile=true"]
-            config = validate(apply_overrides(RunConfig(), tiny_overrides(text_corpus, 2) + overrides))
+            overrides = ["model.mem_len=8", f"model.gates={gates}", "model.dropout=0.0", "train.compile=true"]
+            config = validate(apply_overrides(RunConfig(), for_backbone(backbone, tiny_overrides(text_corpus, 2)
+                                                                        + overrides)))
             train(config, tmp_path / str(i), progress=False)
             assert series(read_log(tmp_path / str(i)), "train", "train_loss")[1]
     assert dynamo_warnings == []

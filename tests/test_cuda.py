@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import for_backbone, tiny_overrides
 
 from gatedformer import SRU
 from gatedformer.analysis.bench import BenchOptions, BenchSize, RNNSize, run_bench
@@ -43,9 +43,9 @@ def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def _model_config(backbone: str, gates: str) -> RunConfig:
-    return validate(apply_overrides(RunConfig(), [
-        f"model.backbone={backbone}", "model.d_model=32", "model.n_heads=4", "model.d_ffn=64", "model.n_layers=2",
-        "model.dropout=0", "model.rnn_window=3", "model.mem_len=6", f"model.gates={gates}"]))
+    return validate(apply_overrides(RunConfig(), for_backbone(backbone, [
+        "model.d_model=32", "model.n_heads=4", "model.d_ffn=64", "model.n_layers=2",
+        "model.dropout=0", "model.rnn_window=3", "model.mem_len=6", f"model.gates={gates}"])))
 
 
 def _pairs() -> list[tuple[str, str]]:

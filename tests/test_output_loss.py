@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import for_backbone
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -179,10 +180,9 @@ def test_other_dtypes_autocast_and_the_torch_backend_take_linear_then_cross_entr
 
 
 def _small_model(backbone: str, tie: bool = False) -> nn.Module:
-    config = apply_overrides(RunConfig(), [f"model.backbone={backbone}", "model.d_model=16", "model.n_heads=2",
-                                           "model.d_ffn=32", "model.n_layers=2", "model.dropout=0.1",
-                                           "model.rnn_window=3", "model.mem_len=4",
-                                           f"model.tie_embeddings={str(tie).lower()}"])
+    config = apply_overrides(RunConfig(), for_backbone(backbone, [
+        "model.d_model=16", "model.n_heads=2", "model.d_ffn=32", "model.n_layers=2", "model.dropout=0.1",
+        "model.rnn_window=3", "model.mem_len=4", f"model.tie_embeddings={str(tie).lower()}"]))
     torch.manual_seed(0)
     return build_model(validate(config).model, 23)
 

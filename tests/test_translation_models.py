@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import for_backbone, tiny_overrides
 from test_translation import _write_corpus
 from torch import nn
 
@@ -44,10 +44,10 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def _model(backbone: str, dropout: float = 0.0, *extra: str) -> nn.Module:
-    config = validate(apply_overrides(RunConfig(), [
-        "data.corpus=multi30k", f"model.backbone={backbone}", "model.d_model=16", "model.n_heads=2", "model.d_ffn=24",
+    config = validate(apply_overrides(RunConfig(), for_backbone(backbone, [
+        "data.corpus=multi30k", "model.d_model=16", "model.n_heads=2", "model.d_ffn=24",
         "model.n_layers=2", "model.kernel_size=3", f"model.dropout={dropout}", "translation.max_len=24",
-        "model.decoder_conv_layers=16x3,20x2", *extra]))
+        "model.decoder_conv_layers=16x3,20x2"], "translation") + list(extra)))
     torch.manual_seed(0)
     model = build_seq2seq(config, 23, 29)
     initialise(model, config.init)
@@ -234,11 +234,12 @@ def corpus_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _config(*extra: str) -> RunConfig:
-    return validate(apply_overrides(RunConfig(), [
+    backbone = next((o.partition("=")[2] for o in extra if o.startswith("model.backbone=")), "transformer")
+    return validate(apply_overrides(RunConfig(), for_backbone(backbone, [
         "data.corpus=multi30k", "data.batch_size=16", "data.eval_batch_size=8", "model.d_model=16",
         "model.n_layers=1", "model.n_heads=2", "model.d_ffn=32", "model.dropout=0.1", "model.kernel_size=3",
         "translation.max_len=12", "translation.min_freq=1", "translation.beam_size=2", "translation.bleu_sentences=4",
-        "train.steps=4", "train.eval_every=2", "train.log_every=1", "optim.lr=0.003", *extra]))
+        "train.steps=4", "train.eval_every=2", "train.log_every=1", "optim.lr=0.003"], "translation") + list(extra)))
 
 
 def test_a_shared_vocabulary_and_embeddings(corpus_dir: Path) -> None:
