@@ -24,6 +24,14 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
     monkeypatch.setenv("GATEDFORMER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
+@pytest.fixture(autouse=True)
+def _loss_plot_only_where_asked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    # train() draws loss.png at the end of every run, a matplotlib figure each (about 0.3 s), and the suite trains
+    # hundreds of runs; the tests that check the figure ask for it with @pytest.mark.loss_plot.
+    if request.node.get_closest_marker("loss_plot") is None:
+        monkeypatch.setattr("gatedformer.train.loop.write_loss_curve", lambda *args, **kwargs: None)
+
+
 def _single_thread() -> Iterator[None]:
     # The models in the tests are tiny: on a shared 2-core machine a second thread only waits for the first (and
     # the subprocesses some tests compare against run with OMP_NUM_THREADS=1, bit for bit).

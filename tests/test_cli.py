@@ -36,6 +36,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) ->
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.loss_plot
 def test_train_eval_generate_params(text_corpus: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "run"
     overrides = tiny_overrides(text_corpus) + ["model.gates=+σ SDU"]

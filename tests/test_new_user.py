@@ -74,6 +74,7 @@ def test_loss_png_right_panel_draws_the_tasks_metric(tmp_path: Path, monkeypatch
 # --- train() from Python: loss.png, and progress lines off a terminal ------------------------------------------
 
 
+@pytest.mark.loss_plot
 def test_train_from_python_draws_loss_png_and_prints_plain_progress(text_corpus: str, tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
