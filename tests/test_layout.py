@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "tasks": {"models", "data", "config", "devices", "io", "errors"},
     "train": {"tasks", "config", "data", "gates", "devices", "io", "errors", "version", "__init__"},
     "runs": {"tasks", "train", "config", "devices", "errors"},
-    "pretrained": {"runs", "tasks", "train", "config", "devices", "io", "errors", "version"},
+    "pretrained": {"runs", "tasks", "train", "data", "config", "devices", "io", "errors", "version"},
     "analysis": {"runs", "train", "tasks", "models", "nn", "ops", "kernels", "gates", "data", "config", "devices",
                  "io", "errors", "__init__"},
     "cli": {"analysis", "runs", "pretrained", "train", "tasks", "data", "config", "errors", "__init__"},

@@ -10,8 +10,10 @@ files (``pytorch_model.bin``, ``*.pt``...) are refused rather than read. Every d
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import os
 import re
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
@@ -23,12 +25,22 @@ from safetensors import SafetensorError
 from torch import nn
 
 from gatedformer.config import RunConfig, config_from_dict, task_of
+from gatedformer.data.verify import FILES_KEY, check_files, files_checksums
 from gatedformer.devices import resolve_device
-from gatedformer.errors import CheckpointError, ConfigError, DataError, OutputError
-from gatedformer.io import atomic_write_text, input_lines, json_safe, make_folder, output_path, read_limited
+from gatedformer.errors import CheckpointError, ConfigError, DataError, InUseError, OutputError
+from gatedformer.io import (
+    FolderLock,
+    atomic_write_text,
+    input_lines,
+    json_safe,
+    make_folder,
+    output_path,
+    read_limited,
+)
 from gatedformer.runs import load_trained
 from gatedformer.tasks import Task, get_task
 from gatedformer.train.checkpoint import (
+    EXPORT_FORMAT,
     check_architecture,
     load_model_weights,
     read_tensors,
@@ -39,12 +51,14 @@ from gatedformer.version import __version__
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "Pretrained", "export_run", "from_pretrained", "load"]
 
-FORMAT = "gatedformer-pretrained"
+FORMAT = EXPORT_FORMAT
 """``config.json``'s ``format``: what marks a folder as an exported gatedformer model."""
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CARD_FILE = "README.md"
+EXPORT_LOCK = ".gatedformer-export.lock"
+"""The lock an export holds on its folder while it writes it (deleted when it lets go)."""
 _CONFIG_BYTES = 1 << 24
 _PICKLES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
@@ -171,17 +185,35 @@ class Pretrained:
         vocabulary sizes, the format's version), ``model.safetensors`` (with the checksum and config the run's
         weights record), the task's vocabulary or tokenizer files and a ``README.md`` model card. A folder that
         holds anything but an earlier export is refused, never overwritten; an earlier export is replaced whole (its
-        own files go, anything else in the folder stays), so the folder never mixes two models."""
+        own files go, anything else in the folder stays), so the folder never mixes two models. One export at a time
+        writes a folder: a second one, while the first holds its lock, is refused."""
         folder = Path(folder)
-        earlier = _check_export_target(folder)
+        _check_export_target(folder)
         files = self.task.inference_files(self.data)  # before anything is written: a task may not export
+        created = not folder.exists()
         make_folder(folder, "export folder")
+        lock = FolderLock(folder / EXPORT_LOCK, "export", remove=True)
+        if not lock.acquire():
+            raise InUseError(f"{folder} is being written by {lock.holder()}; one export writes a folder at a time: "
+                             "wait for that one to end, or choose another folder")
+        try:
+            self._write_export(folder, files)
+        finally:
+            lock.release()
+            if created:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only if empty: an export that failed before writing leaves no folder
+        return folder
+
+    def _write_export(self, folder: Path, files: dict[str, str]) -> None:
+        earlier = _check_export_target(folder, locked=True)  # again: the folder is this export's alone now
         if earlier is not None:
             _retire_export(folder, earlier, keep={*files, WEIGHTS_FILE, CARD_FILE})
         config = self.config.to_dict()
         for name, text in files.items():
             atomic_write_text(folder / name, text)
-        save_model_weights(self.model, folder / WEIGHTS_FILE, weights_metadata(config))
+        # The vocabulary's checksums go into the weights' metadata, which the weights' own checksum covers.
+        save_model_weights(self.model, folder / WEIGHTS_FILE, weights_metadata(config, files_checksums(folder, files)))
         record = {"format": FORMAT, "format_version": FORMAT_VERSION, "gatedformer": __version__,
                   "task": self.task.name, "backbone": self.config.model.backbone,
                   "vocab_sizes": _vocab_sizes(self.data),
@@ -192,7 +224,6 @@ class Pretrained:
         atomic_write_text(folder / CARD_FILE, model_card(self, record))
         # Last: a folder with config.json is a whole export (an interrupted one is refused by from_pretrained).
         atomic_write_text(folder / CONFIG_FILE, json.dumps(record, indent=2, ensure_ascii=False) + "\n")
-        return folder
 
     def push_to_hub(self, repo_id: str, private: bool = False, token: str | None = None,
                     commit_message: str = "Upload gatedformer model") -> str:
@@ -227,15 +258,18 @@ def _vocab_sizes(data: Any) -> dict[str, int]:
         return {}
 
 
-def _check_export_target(folder: Path) -> dict[str, Any] | None:
+def _check_export_target(folder: Path, locked: bool = False) -> dict[str, Any] | None:
     """Refuse an export folder that holds anything but an earlier export; return that export's record (``None``:
-    a new or empty folder)."""
+    a new or empty folder). Unless ``locked`` (this process holds the folder's export lock), a folder another export
+    may be writing passes: the check is made again under the lock."""
     if not folder.exists():
         return None
     if not folder.is_dir():
         raise OutputError(f"{folder} is a file, not a folder; choose another export folder")
     record = _export_record(folder)
-    if record is None and any(folder.iterdir()):
+    if record is None and not locked and (folder / EXPORT_LOCK).exists():
+        return None
+    if record is None and any(entry.name != EXPORT_LOCK for entry in folder.iterdir()):
         raise OutputError(f"{folder} is not empty and not a gatedformer export; choose an empty or new folder (an "
                           "earlier export is replaced)")
     return record
@@ -412,15 +446,58 @@ def _hub() -> Any:
     return huggingface_hub
 
 
+def _hub_timeout(hub: Any) -> float:
+    """Seconds to wait for each answer of the Hub: ``HF_HUB_ETAG_TIMEOUT`` as the environment says it now, else
+    ``huggingface_hub``'s default. Without one, an endpoint that takes the connection and never answers would keep
+    ``from_pretrained`` waiting for good."""
+    text = os.environ.get("HF_HUB_ETAG_TIMEOUT", "").strip()
+    try:
+        seconds = float(text) if text else float(hub.constants.HF_HUB_ETAG_TIMEOUT)
+    except ValueError:
+        raise ConfigError(f"HF_HUB_ETAG_TIMEOUT={text[:40]!r} is not a number of seconds; set it to e.g. 10"
+                          ) from None
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(f"HF_HUB_ETAG_TIMEOUT={text[:40]!r} must be a positive number of seconds; set it to e.g. 10")
+    return seconds
+
+
+def _exported_file(name: str) -> bool:
+    """Whether a file of a Hub repository is one an export has (never a pickle, never code): only these are
+    downloaded."""
+    return "/" not in name and (name in (CONFIG_FILE, WEIGHTS_FILE, CARD_FILE) or name.endswith((".json", ".txt")))
+
+
+def _timed_out(err: BaseException) -> bool:
+    chain: BaseException | None = err
+    while chain is not None:
+        if isinstance(chain, TimeoutError) or "Timeout" in type(chain).__name__:
+            return True
+        chain = chain.__cause__ or chain.__context__
+    return False
+
+
 def _download(repo_id: str, revision: str | None, token: str | None) -> Path:
     hub = _hub()
-    try:  # only the files an export has: never a pickle, never code
-        path = hub.snapshot_download(repo_id, revision=revision, token=token,
-                                     allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, CARD_FILE, "*.json", "*.txt"])
+    timeout = _hub_timeout(hub)
+    endpoint = os.environ.get("HF_ENDPOINT") or None  # as it is now, not as it was when huggingface_hub was imported
+    try:
+        # Every request with the timeout: snapshot_download lists a repository without one.
+        info = hub.HfApi(endpoint=endpoint, token=token).repo_info(repo_id, revision=revision, timeout=timeout)
+        names = sorted(sibling.rfilename for sibling in info.siblings or [] if _exported_file(sibling.rfilename))
+        paths = [hub.hf_hub_download(repo_id, name, revision=info.sha or revision, token=token, endpoint=endpoint,
+                                     etag_timeout=timeout) for name in names]
     except Exception as err:  # noqa: BLE001 - not found, no network, no access: one line for the user
+        if _timed_out(err):
+            where = endpoint or hub.constants.ENDPOINT
+            raise ConfigError(f"the Hugging Face Hub at {where} did not answer within {timeout:g} s while "
+                              f"downloading {repo_id!r}; check the network and HF_ENDPOINT, or wait longer with "
+                              "HF_HUB_ETAG_TIMEOUT=SECONDS") from None
         raise ConfigError(f"{repo_id!r} is neither a local folder nor a Hub repository that could be downloaded "
                           f"({_first_line(err)})") from None
-    return Path(path)
+    if CONFIG_FILE not in names:
+        raise ConfigError(f"the Hub repository {repo_id!r} holds no {CONFIG_FILE}, so it is no gatedformer export; "
+                          "export a model with `gatedformer export` or save_pretrained and upload that")
+    return Path(paths[names.index(CONFIG_FILE)]).parent
 
 
 def from_pretrained(name_or_path: str | Path, device: str = "auto", revision: str | None = None,
@@ -479,13 +556,16 @@ def _read_export(folder: Path, device: str) -> Pretrained:
         raise CheckpointError(f"{folder} lacks {', '.join(missing)}, which its config lists; copy the whole export")
     if not weights.is_file():
         raise CheckpointError(f"{folder} has no {WEIGHTS_FILE}; copy the whole export")
-    data = task.inference_data(config, folder, None)
-    model = task.build_model(config, data)
     try:
         tensors, metadata = read_tensors(weights)
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise CheckpointError(f"{weights} is truncated, corrupt or changed ({_first_line(err)}); export the model "
                               "again") from None
+    # Before the vocabulary is read: a changed one would silently turn the model's ids into other text.
+    check_files(folder, metadata.get(FILES_KEY), str(weights), "export the model again (or copy the whole export "
+                "again)", listed=files)
+    data = task.inference_data(config, folder, None)
+    model = task.build_model(config, data)
     try:
         recorded = json.loads(metadata["config"]) if "config" in metadata else None
     except ValueError:

@@ -115,10 +115,22 @@ def resolve_data_dir(explicit: str | Path | None = None, corpus: str | None = No
 
 
 def fetch_target_dir(explicit: str | Path | None = None) -> Path:
-    """Where ``fetch`` writes: ``--data-dir``, else ``$GATEDFORMER_DATA``, else the user cache."""
+    """Where ``fetch`` writes: ``--data-dir``, else ``$GATEDFORMER_DATA``, else the user cache. A file where that
+    folder (or one above it) would be is one :class:`DataError` naming it, not the "File exists" of a ``mkdir``."""
     if explicit is not None and str(explicit) != "":
-        return Path(explicit).expanduser().absolute()
+        return _folder_or_error(Path(explicit).expanduser().absolute(), f"--data-dir {explicit}")
     env = os.environ.get(ENV_DATA)
     if env:
-        return Path(env).expanduser().absolute()
-    return user_data_dir().absolute()
+        return _folder_or_error(Path(env).expanduser().absolute(), f"{ENV_DATA}={env}")
+    return _folder_or_error(user_data_dir().absolute(), "the user data folder")
+
+
+def _folder_or_error(path: Path, named: str) -> Path:
+    for at in (path, *path.parents):
+        if at.exists() or at.is_symlink():
+            if at.is_dir():
+                return path
+            where = "is a file" if at == path else f"lies under {at}, which is a file"
+            raise DataError(f"{named}: {path} {where}, not a folder; pass a folder for the corpora (it is made if "
+                            "missing)")
+    return path

@@ -29,6 +29,19 @@ def decode_utf8(data: bytes, path: Path | str, fix: str) -> str:
         raise DataError(f"{path} is not valid UTF-8 (byte offset {err.start}: {bad!r}); {fix}") from None
 
 
+def require_utf8(text: str, what: str, fix: str) -> str:
+    """``text`` if it is text UTF-8 can write, else one :class:`DataError` naming ``what`` and the byte: bytes that
+    are not UTF-8 on the command line reach Python as lone surrogates (``\\udcff`` for the byte ``0xff``), which no
+    vocabulary holds and no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        shown = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"code point U+{code:04X}"
+        raise DataError(f"{what} is not valid UTF-8 text ({shown} at character {err.start}); {fix}") from None
+    return text
+
+
 def _lines(text: str) -> list[str]:
     # One <eos> per newline-terminated line; a whitespace-only tail after the last newline (Mikolov's char
     # files end in "\n ") is not a line, but an unterminated line with content is.
@@ -116,19 +129,38 @@ def _stem(name: str, key: str) -> str:
     return f"{safe}-{key}"
 
 
+def ids_checksum(arr: np.ndarray) -> str:
+    """SHA-256 of an id array's type and values: what a cache entry records of each split, and is checked against
+    when read."""
+    digest = hashlib.sha256(f"{arr.dtype.str}:{len(arr)}:".encode())
+    digest.update(np.ascontiguousarray(arr).tobytes())
+    return digest.hexdigest()
+
+
+def damaged_cache(path: Path) -> None:
+    """Say once that a cache entry was damaged and is built again (it is only a cache; never used as it is)."""
+    warnings.warn(f"gatedformer: the cache file {path} does not match the checksum recorded when it was written; "
+                  "building it again from the corpus", stacklevel=3)
+
+
 def load_cached(name: str, key: str) -> tuple[Vocab, dict[str, np.ndarray]] | None:
-    """The cached vocab and ids, or None when absent or unreadable (then the caller re-tokenizes)."""
+    """The cached vocab and ids, or None when absent, unreadable or changed since written (then the caller
+    re-tokenizes and writes the entry again)."""
     stem = _stem(name, key)
     meta_path = tokens_dir() / f"{stem}.vocab.json"
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        if meta.get("version") != TOKENIZER_VERSION:
-            return None
+        if meta.get("version") != TOKENIZER_VERSION or not isinstance(meta.get("sha256"), dict):
+            return None  # an entry from before checksums were recorded is built again, silently
         vocab = Vocab.from_json(meta["vocab"])
         ids = {}
         for split, n in meta["lengths"].items():
-            arr = np.load(tokens_dir() / f"{stem}.{split}.npy", allow_pickle=False)
+            path = tokens_dir() / f"{stem}.{split}.npy"
+            arr = np.load(path, allow_pickle=False)
             if arr.ndim != 1 or len(arr) != n or arr.dtype.kind not in "iu":
+                return None
+            if ids_checksum(arr) != meta["sha256"].get(split):
+                damaged_cache(path)
                 return None
             # A damaged cache may hold ids the vocabulary does not have: tokenize again rather than index past it.
             if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= len(vocab)):
@@ -150,6 +182,7 @@ def save_cached(name: str, key: str, vocab: Vocab, ids: dict[str, np.ndarray]) -
             "version": TOKENIZER_VERSION,
             "name": name,
             "lengths": {s: len(a) for s, a in ids.items()},
+            "sha256": {s: ids_checksum(a) for s, a in ids.items()},
             "vocab": vocab.to_json(),
         }
         with atomic_open(tokens_dir() / f"{stem}.vocab.json", "w") as fh:

@@ -1,4 +1,5 @@
-"""Checksums of corpus files, remembered in a stamp so that each file is hashed once."""
+"""Checksums of corpus files, remembered in a stamp so that each file is hashed once; and of the vocabulary and
+tokenizer files a run or an exported model keeps beside its weights (:func:`files_checksums`, :func:`check_files`)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,19 @@ import json
 import os
 import zipfile
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from gatedformer.io import atomic_open
 
-from ..errors import DataError
+from ..errors import CheckpointError, DataError
 from .paths import cache_root
 from .registry import FileSpec
 
+FILES_KEY = "files_sha256"
+"""Weights metadata (and a checkpoint's ``meta.json``): the SHA-256 of each vocabulary or tokenizer file kept beside
+the weights, as JSON ``{name: sha256}``. The weights' own checksum covers their metadata, so it covers these too."""
 STAMP_FILE = "verified.json"
 MANIFEST = "MANIFEST.sha256"
 _CHUNK = 1 << 20
@@ -31,6 +36,42 @@ def sha256_file(path: Path) -> str:
         while chunk := fh.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def files_checksums(folder: Path, names: Iterable[str]) -> dict[str, str]:
+    """``{name: sha256}`` of the files ``names`` in ``folder``, as written: what :data:`FILES_KEY` records."""
+    return {name: sha256_file(folder / name) for name in sorted(names)}
+
+
+def check_files(folder: Path, recorded: Any, where: str, fix: str, listed: Iterable[str] = ()) -> None:
+    """Check the files of ``folder`` against the checksums ``where`` (a weights file, a ``meta.json``) recorded
+    when they were written (``recorded``: :data:`FILES_KEY`'s JSON text or dictionary), so that a changed
+    vocabulary is one :class:`CheckpointError` naming the file, never a model reading ids that mean other tokens.
+    ``None`` (weights written before the checksums existed) checks nothing; a file that is missing is left to the
+    reader (a run may read its vocabulary from the corpus instead). Each of ``listed`` must have a checksum."""
+    if recorded is None:
+        return
+    try:
+        table = json.loads(recorded) if isinstance(recorded, str) else recorded
+    except ValueError:
+        table = None
+    if not isinstance(table, dict) or not all(isinstance(name, str) and isinstance(digest, str)
+                                              and Path(name).name == name for name, digest in table.items()):
+        raise CheckpointError(f"{where} records no readable checksums of its vocabulary files; {fix}")
+    unrecorded = sorted(set(listed) - set(table))
+    if unrecorded:
+        raise CheckpointError(f"{where} records no checksum of {', '.join(unrecorded[:3])}; {fix}")
+    for name, digest in sorted(table.items()):
+        path = folder / name
+        if not path.exists():
+            continue
+        try:
+            actual = sha256_file(path) if path.is_file() else None
+        except OSError as err:
+            raise CheckpointError(f"cannot read {path} ({err.strerror or err}); {fix}") from None
+        if actual != digest:
+            raise CheckpointError(f"{path} does not match the checksum {where} recorded when it was written: it was "
+                                  f"changed since, and would map the model's ids to other text; {fix}")
 
 
 def read_manifest(root: Path) -> dict[str, str]:

@@ -30,7 +30,7 @@ from ..errors import DataError, GatedformerError
 from .corpora import _find_text_file
 from .paths import cache_root, data_dir_candidates, find_file, holds, missing_error
 from .registry import SPLITS, TEXT_PREFIX, get_spec, is_text_corpus
-from .tokenize import decode_utf8
+from .tokenize import damaged_cache, decode_utf8, ids_checksum
 from .verify import read_decoded, verify_file
 
 __all__ = ["SPECIALS", "WordPiece", "corpus_text", "encode_corpus", "require_tokenizers"]
@@ -236,10 +236,16 @@ def _load_cached(stem: str) -> tuple[str, dict[str, np.ndarray]] | None:
     folder = _cache_dir()
     try:
         meta = json.loads((folder / f"{stem}.json").read_text(encoding="utf-8"))
+        if not isinstance(meta.get("sha256"), dict):
+            return None  # an entry from before checksums were recorded is built again, silently
         ids = {}
         for split, n in meta["lengths"].items():
-            array = np.load(folder / f"{stem}.{split}.npy", allow_pickle=False)
+            path = folder / f"{stem}.{split}.npy"
+            array = np.load(path, allow_pickle=False)
             if array.ndim != 1 or len(array) != n:
+                return None
+            if ids_checksum(array) != meta["sha256"].get(split):
+                damaged_cache(path)
                 return None
             ids[split] = array
         return meta["tokenizer"], ids
@@ -253,8 +259,10 @@ def _save_cached(stem: str, tokenizer: WordPiece, ids: dict[str, np.ndarray]) ->
         for split, array in ids.items():
             with atomic_open(folder / f"{stem}.{split}.npy") as handle:
                 np.save(handle, array, allow_pickle=False)
+        record = {"lengths": {s: len(a) for s, a in ids.items()},
+                  "sha256": {s: ids_checksum(a) for s, a in ids.items()}, "tokenizer": tokenizer.to_json()}
         with atomic_open(folder / f"{stem}.json", "w") as handle:  # last: its presence marks a complete entry
-            json.dump({"lengths": {s: len(a) for s, a in ids.items()}, "tokenizer": tokenizer.to_json()}, handle)
+            json.dump(record, handle)
     except OSError as err:
         # A read-only or full cache must not stop training; it only makes the next start slower.
         warnings.warn(f"could not write the WordPiece cache in {folder}: {err}", stacklevel=3)

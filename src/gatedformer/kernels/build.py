@@ -269,6 +269,28 @@ def _first_error(output: str) -> str:
     return lines[0] if lines else "no output"
 
 
+def _checksum_path(library: Path) -> Path:
+    """Where the SHA-256 of a built library is recorded: beside it, ``<name>.so.sha256``."""
+    return library.with_name(library.name + ".sha256")
+
+
+def _library_checksum(library: Path) -> str:
+    digest = hashlib.sha256()
+    with open(library, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _recorded_checksum(library: Path) -> str | None:
+    """The SHA-256 recorded when ``library`` was built; ``None`` where none was (a build of an earlier version)."""
+    try:
+        with open(_checksum_path(library), "rb") as handle:
+            return handle.read(100).decode("ascii").strip()
+    except (OSError, ValueError):
+        return None
+
+
 class _BuildFailed(RuntimeError):
     """A compiler or linker run that failed: ``str()`` is its first error line, ``log`` the whole output."""
 
@@ -469,9 +491,12 @@ class NativeKernel:
         out = cache_dir() / f"{self.name}_kernel_{hashlib.sha256(key.encode()).hexdigest()[:20]}.so"
         if out.exists():
             try:
+                # Loading runs the library's code: a file changed since it was built is never loaded.
+                if _library_checksum(out) != _recorded_checksum(out):
+                    raise RuntimeError("the library does not match the checksum recorded when it was built")
                 return self._load(out)
             except (OSError, RuntimeError):
-                out.unlink(missing_ok=True)  # damaged or stale: build it again
+                out.unlink(missing_ok=True)  # damaged, changed or stale: build it again
         self._compile(cxx, out, cflags, ldflags)
         return self._load(out)
 
@@ -503,4 +528,9 @@ class NativeKernel:
                 if proc.returncode != 0:
                     log = f"{' '.join(cmd)}\n{proc.stderr}{proc.stdout}"
                     raise _BuildFailed(_first_error(proc.stderr or proc.stdout), log)
+            # The checksum lands before the library: whenever the library is there, so is the record of what was
+            # built (a concurrent build's record over this library only costs a rebuild, never a load unchecked).
+            record = Path(tmp) / _checksum_path(out).name
+            record.write_text(_library_checksum(lib) + "\n", encoding="ascii")
+            os.replace(record, _checksum_path(out))
             os.replace(lib, out)

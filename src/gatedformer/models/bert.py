@@ -26,6 +26,7 @@ positions for masked language modelling, ``[CLS]`` for classification.
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -266,7 +267,18 @@ def _hf_weights(folder: Path) -> dict[str, Tensor]:
             return load_file(str(safetensors))
         if pickled.is_file():
             # weights_only: a pickle that holds anything but tensors is refused, never run.
-            return torch.load(pickled, map_location="cpu", weights_only=True)
+            state = torch.load(pickled, map_location="cpu", weights_only=True)
+            if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, Tensor)
+                                                      for k, v in state.items()):
+                raise CheckpointError(f"model.init_from_hf: {pickled} holds no state dict of named tensors; give a "
+                                      "Hugging Face BERT checkpoint (model.safetensors or pytorch_model.bin)")
+            return state
+    except pickle.UnpicklingError as err:
+        if "weights only" not in str(err).lower():  # not a pickle at all: truncated or another file
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+            raise CheckpointError(f"model.init_from_hf: cannot read the weights in {folder} ({reason})") from None
+        raise CheckpointError(f"model.init_from_hf: refused to load {pickled}: it holds objects other than tensors, "
+                              "which could run code; give the checkpoint's model.safetensors instead") from None
     except (SafetensorError, OSError, RuntimeError, ValueError, EOFError) as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
         raise CheckpointError(f"model.init_from_hf: cannot read the weights in {folder} ({reason})") from None

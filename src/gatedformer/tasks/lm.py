@@ -24,6 +24,7 @@ from torch import nn
 
 from gatedformer.config import RunConfig
 from gatedformer.data import Corpus, LMStream, Vocab, load_corpus
+from gatedformer.data.tokenize import require_utf8
 from gatedformer.devices import autocast
 from gatedformer.errors import CheckpointError, ConfigError
 from gatedformer.io import read_limited
@@ -201,6 +202,7 @@ def generate_stream(model: nn.Module, vocab: Vocab, prompt: str, max_tokens: int
         raise ConfigError(f"--seed must be a whole number from 0 to 2**64 - 1, got {str(seed)[:40]}")
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise ConfigError(f"the context must be a whole number of at least 1 token, got {context}")
+    require_utf8(prompt, "the prompt", "give it in UTF-8 (a UTF-8 locale in the shell, e.g. LANG=C.UTF-8)")
     ids = vocab.encode(prompt) if prompt else []  # a prompt the vocabulary cannot spell fails before any output
     return _sample(model, vocab, prompt, ids or [0], max_tokens, temperature, top_k, seed, context, cache)
 

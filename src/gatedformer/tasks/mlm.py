@@ -32,12 +32,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from gatedformer.config import RunConfig, get_backbone
+from gatedformer.data.tokenize import require_utf8
+from gatedformer.data.verify import FILES_KEY, check_files
 from gatedformer.data.wordpiece import WordPiece, encode_corpus
 from gatedformer.devices import autocast
 from gatedformer.errors import ConfigError, DataError
 from gatedformer.models.bert import load_hf_checkpoint
 from gatedformer.tasks.base import Task, TrainBatch, evaluating, rng
-from gatedformer.tasks.weights import start_weights_file
+from gatedformer.tasks.weights import recorded_metadata, start_weights_file
 
 __all__ = ["MASK", "MLMData", "MaskedLMTask", "fill_mask", "mask_tokens", "resolve_tokenizer", "windows"]
 
@@ -56,11 +58,14 @@ def resolve_tokenizer(config: RunConfig) -> tuple[WordPiece | None, str]:
     if tk.vocab_file:
         return WordPiece.from_vocab_file(tk.vocab_file, tk.lowercase), f"vocab:{Path(tk.vocab_file).resolve()}"
     if config.train.init_from:
-        folder = start_weights_file(config.train.init_from).parent
+        weights = start_weights_file(config.train.init_from)
+        folder = weights.parent
         saved = folder / "tokenizer.json"
         if not saved.is_file():
             raise DataError(f"train.init_from={config.train.init_from}: no tokenizer.json beside its weights in "
                             f"{folder}; start from a masked-LM or GLUE run, or give tokenizer.vocab_file")
+        check_files(folder, recorded_metadata(weights).get(FILES_KEY), str(weights),
+                    f"restore it from a copy of the run train.init_from={config.train.init_from} names")
         try:
             text = saved.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
@@ -195,6 +200,7 @@ def fill_mask(model: nn.Module, tokenizer: WordPiece, text: str, top_k: int = 5,
     never proposed. At most ``max_len`` pieces (the model's positions)."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ConfigError(f"top_k must be a whole number of at least 1, got {top_k!r}")
+    require_utf8(text, "the text", "give it in UTF-8 (a UTF-8 locale in the shell, e.g. LANG=C.UTF-8)")
     parts = text.split(MASK)
     if len(parts) < 2:
         raise DataError(f"the text has no {MASK}; write {MASK} where a piece is to be predicted, e.g. "
@@ -224,6 +230,7 @@ class MaskedLMTask(Task):
 
     name = "mlm"
     title = "masked-language-model"
+    optional_modules = (("tokenizers", "bert"),)  # WordPiece
 
     def shared_data(self, config: RunConfig, data_dir: str | Path | None,
                     progress: bool = False) -> tuple[WordPiece, dict[str, np.ndarray]]:

@@ -16,7 +16,7 @@ from gatedformer.config import RunConfig
 from gatedformer.errors import CheckpointError, ConfigError
 
 __all__ = ["architecture_differences", "load_exactly", "load_matching", "read_start_weights", "recorded_config",
-           "start_weights_file"]
+           "recorded_metadata", "start_weights_file"]
 
 # Fields that change how a model trains, not the shape of its weights.
 _NOT_ARCHITECTURE = {"dropout", "emb_dropout", "attn_dropout", "init_from_hf"}
@@ -40,13 +40,21 @@ def start_weights_file(source: str) -> Path:
                       ".safetensors file")
 
 
-def recorded_config(path: Path) -> dict[str, Any] | None:
-    """The config a weights file was saved with (``None`` if it records none or cannot be read)."""
+def recorded_metadata(path: Path) -> dict[str, str]:
+    """The metadata of a weights file, read without its tensors or their check (empty if it cannot be read)."""
     try:
         with safe_open(str(path), framework="pt") as handle:
-            text = (handle.metadata() or {}).get("config")
-        config = json.loads(text) if text else None
+            return dict(handle.metadata() or {})
     except (SafetensorError, OSError, ValueError, RuntimeError):
+        return {}
+
+
+def recorded_config(path: Path) -> dict[str, Any] | None:
+    """The config a weights file was saved with (``None`` if it records none or cannot be read)."""
+    text = recorded_metadata(path).get("config")
+    try:
+        config = json.loads(text) if text else None
+    except ValueError:
         return None
     return config if isinstance(config, dict) else None
 

@@ -44,15 +44,18 @@ from safetensors.torch import safe_open, save_file
 from torch import nn
 
 from gatedformer.config import RunConfig, config_from_dict
+from gatedformer.data.verify import FILES_KEY, check_files
 from gatedformer.errors import CheckpointError, ConfigError
 from gatedformer.io import _fsync_dir, atomic_write, atomic_write_text, cannot_write, make_folder, read_limited
-from gatedformer.tasks.weights import recorded_config
+from gatedformer.tasks.weights import recorded_config, recorded_metadata
 from gatedformer.version import __version__
 
 CHECKPOINT_DIR = "ckpt"
 FORMAT_VERSION = 1
 # Config fields that change what is computed while training but not the shape of the weights.
 NOT_ARCHITECTURE = {"model.dropout", "model.emb_dropout", "model.attn_dropout"}
+EXPORT_FORMAT = "gatedformer-pretrained"
+"""An exported model's ``config.json`` ``format`` (see :mod:`gatedformer.pretrained`): a folder that is not a run."""
 CHECKSUM_KEY = "weights_sha256"
 """Safetensors metadata: the SHA-256 of the file's tensors and other metadata (:func:`tensors_checksum`)."""
 CHECKPOINT_NAME = re.compile(r"step-\d{8,}")
@@ -178,11 +181,15 @@ def save_model_weights(model: nn.Module, path: Path, metadata: dict[str, str] | 
     save_tensors_atomically(model_state_for_saving(model), path, metadata)
 
 
-def weights_metadata(config: dict[str, Any] | None) -> dict[str, str]:
-    """Safetensors metadata for a weights file: the package version and the run's config."""
+def weights_metadata(config: dict[str, Any] | None, files: dict[str, str] | None = None) -> dict[str, str]:
+    """Safetensors metadata for a weights file: the package version, the run's config and the checksums of the
+    vocabulary files kept beside it (``files``, from :func:`~gatedformer.data.verify.files_checksums`; checked
+    when the weights are loaded)."""
     metadata = {"gatedformer": __version__}
     if config is not None:
         metadata["config"] = json.dumps(config, sort_keys=True)
+    if files:
+        metadata[FILES_KEY] = json.dumps(files, sort_keys=True)
     return metadata
 
 
@@ -426,8 +433,12 @@ def read_run_config(run_dir: Path) -> RunConfig:
     if not config_file.is_file():
         raise ConfigError(f"{run_dir} is not a gatedformer run (no config.json); pass the --out of a train run")
     try:
-        return config_from_dict(json.loads(read_limited(config_file, JSON_BYTES)), where=str(config_file),
-                                check=True)
+        saved = json.loads(read_limited(config_file, JSON_BYTES))
+        if isinstance(saved, dict) and saved.get("format") == EXPORT_FORMAT:
+            raise ConfigError(f"{run_dir} is an exported model (written by gatedformer export or save_pretrained), "
+                              "not a run folder; pass --run the run folder it was exported from, or load the export "
+                              f"in Python with gatedformer.from_pretrained({str(run_dir)!r})")
+        return config_from_dict(saved, where=str(config_file), check=True)
     except (OSError, ValueError) as err:
         reason = _first_line(err)
     recorded = recorded_run_config(run_dir)
@@ -447,13 +458,16 @@ def load_run_weights(model: nn.Module, run_dir: Path, config: dict[str, Any]) ->
         fix = (f"delete it to use the run's latest checkpoint ({run_dir / CHECKPOINT_DIR}) instead"
                if latest_checkpoint(run_dir) is not None else "train the run again")
         state, where, recorded = _safe_load_tensors(final, fix), str(final), recorded_config(final)
+        files = recorded_metadata(final).get(FILES_KEY)
     else:
         checkpoint = latest_checkpoint(run_dir)
         if checkpoint is None:
             raise CheckpointError(f"{run_dir} has no weights yet (no model.safetensors, no checkpoint)")
         loaded = load_checkpoint(checkpoint, with_trainer=False)
         state, where, recorded = loaded.model_state, str(checkpoint), loaded.meta.get("config")
+        files = loaded.meta.get(FILES_KEY)
     check_architecture(recorded, config, where)
+    check_files(run_dir, files, where, "restore it from a copy of the run")
     load_model_weights(model, state, where)
 
 

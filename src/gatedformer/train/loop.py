@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from gatedformer.config import RunConfig, validate
+from gatedformer.data.verify import FILES_KEY, files_checksums
 from gatedformer.devices import check_precision, resolve_device
 from gatedformer.errors import CheckpointError, ConfigError, GatedformerError
 from gatedformer.io import atomic_write_json, atomic_write_text, make_folder, number, read_limited
@@ -357,10 +358,13 @@ def _train(config: RunConfig, task: Task, out_dir: Path, data_dir: str | Path | 
     scheduler = build_scheduler(optimizer, config.optim, tcfg.steps, config.model.d_model)
 
     make_folder(out_dir, "run folder")
+    files_sha256: dict[str, str] = {}
     if ddp.is_main:
         atomic_write_json(out_dir / "config.json", config.to_dict())
-        for name, content in task.run_files(data).items():
+        run_files = task.run_files(data)
+        for name, content in run_files.items():
             (atomic_write_text if isinstance(content, str) else atomic_write_json)(out_dir / name, content)
+        files_sha256 = files_checksums(out_dir, run_files)  # recorded with the weights, checked when they load
         task.open_run(data, out_dir, checkpoint_path is not None)
     log_path = out_dir / "log.jsonl"
     step, tokens_seen, carry, meta = 0, 0, None, None
@@ -411,7 +415,7 @@ def _train(config: RunConfig, task: Task, out_dir: Path, data_dir: str | Path | 
             if scaler.is_enabled():
                 trainer_state["scaler"] = scaler.state_dict()
             meta = {**position, "tokens_seen": tokens_seen, **clock.state(), "loss_sum": loss_sum,
-                    "loss_count": loss_count, "skipped": skipped, "config": config.to_dict()}
+                    "loss_count": loss_count, "skipped": skipped, "config": config.to_dict(), FILES_KEY: files_sha256}
             if evaluation_pending:  # a stop signal cut the evaluation of this step short: --resume redoes it
                 meta["evaluation_pending"] = True
             trainer_state, saved_carry, extra = distributed.checkpoint_parts(ddp, trainer_state, carry, ranks)
@@ -534,7 +538,7 @@ def _train(config: RunConfig, task: Task, out_dir: Path, data_dir: str | Path | 
     with _StopSignal(interrupt=(step, out_dir)):
         if ddp.is_main:
             scores = task.score(model, data, config, device, out_dir, final_eval)
-            save_model_weights(model, out_dir / "model.safetensors", weights_metadata(config.to_dict()))
+            save_model_weights(model, out_dir / "model.safetensors", weights_metadata(config.to_dict(), files_sha256))
             biases = gate_biases(model)
             if biases:
                 save_tensors_atomically(biases, out_dir / "gate_biases.safetensors")
