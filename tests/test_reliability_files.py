@@ -93,6 +93,11 @@ def test_a_changed_tokenizer_of_a_run_is_one_line_naming_the_file(workspace: Pat
     capsys.readouterr()
     assert main(["fill-mask", "--run", str(run), "--text", "the [MASK] sat", "--device", "cpu"]) == 2
     _one_line_error(capsys.readouterr().err, f"{run / 'tokenizer.json'} does not match the checksum")
+    # nor does a run that starts from it take that tokenizer
+    overrides = (workspace / "mlm.overrides").read_text(encoding="utf-8").split("\n")
+    assert main(["train", "--recipe", "bert-mlm-tiny", *_sets([*overrides, f"train.init_from={run}"]),
+                 "--out", str(tmp_path / "again")]) == 2
+    _one_line_error(capsys.readouterr().err, f"{run / 'tokenizer.json'} does not match the checksum")
 
 
 # ---- the token-id caches ----------------------------------------------------------------------------------------
