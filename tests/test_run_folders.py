@@ -1,7 +1,6 @@
 """Run folders no one can corrupt or clobber, bounded inputs, and stops that come when asked: one owner per run
 folder, no training into a folder that is not a run, a stop signal that ends a long evaluation, bounded readers,
-one error line with the right advice for damaged run files, weights that carry a checksum, and run folders of the
-previous version (no lock file, no checksums) that still load, evaluate and resume."""
+one error line with the right advice for damaged run files, and weights that carry a checksum."""
 
 from __future__ import annotations
 
@@ -143,15 +142,16 @@ def test_train_refuses_a_folder_that_is_not_a_run_an_empty_out_and_a_name_too_lo
     assert {p.name for p in mine.iterdir()} == set(files)
 
     empty = tmp_path / "empty"
-    empty.mkdir()  # an empty folder is fine, and a run from before the lock file is one of ours
+    empty.mkdir()  # an empty folder is fine; once trained into, it is a run by the marker train wrote
     assert train(build_config(load_recipe(RECIPE), runs["overrides"]), empty, progress=False, stop_after=4) is None
     (empty / "run.lock").unlink()
-    assert is_run_folder(empty)  # by its checkpoints
     shutil.rmtree(empty / "ckpt")
-    assert is_run_folder(empty) and not is_run_folder(mine)  # by a config.json that reads as a run's
+    assert is_run_folder(empty) and not is_run_folder(mine)  # not by its checkpoints, its lock or its config.json
+    (empty / "gatedformer.json").unlink()
+    assert not is_run_folder(empty)
 
     # A train refused on its corpus after the claim leaves the disk as it found it: a folder it made is gone, a
-    # user's empty folder stays, and neither holds a stray run.lock that would mark it as a run.
+    # user's empty folder stays, and neither holds a stray run.lock or marker that would mark it as a run.
     bad = build_config(load_recipe(RECIPE), [*runs["overrides"], "data.corpus=text:" + str(tmp_path / "absent.txt")])
     for out, existed in ((tmp_path / "new" / "run", False), (tmp_path / "users-empty", True)):
         if existed:
@@ -309,7 +309,7 @@ def test_text_corpora_that_are_no_files_or_too_big_and_a_damaged_token_cache(tmp
 
 
 # ---------------------------------------------------------------------------------------------
-# 8. Integrity: checksums, LATEST inside its run, byte-reproducible weights; 1-8 on a run of the previous version
+# 8. Integrity: checksums, LATEST inside its run, byte-reproducible weights
 
 
 def flip_a_byte(path: Path, offset: int = -100) -> None:

@@ -32,7 +32,7 @@ from gatedformer.config import (
     check_overrides_spare_variants,
 )
 from gatedformer.errors import ConfigError, GatedformerError
-from gatedformer.io import atomic_write_text, make_folder, output_path
+from gatedformer.io import atomic_write_text
 from gatedformer.tasks import task_for
 from gatedformer.train.checkpoint import latest_checkpoint
 from gatedformer.train.loop import (
@@ -42,6 +42,7 @@ from gatedformer.train.loop import (
     saved_config_differences,
     train,
 )
+from gatedformer.train.rundir import check_comparison_folder, claim_comparison_folder
 
 __all__ = ["ComparisonReport", "VariantSummary", "format_table", "run_comparison", "slug"]
 
@@ -197,7 +198,8 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
     if len({slug(v.name) for v in variants}) != len(variants):
         raise ConfigError(f"recipe {recipe.name} has two variants with the same folder name; rename one")
     overrides = list(overrides or []) + (["train.tensorboard=true"] if tensorboard else [])
-    out_dir = output_path(out_dir, "--out")  # "" would mean the current folder
+    # "" would mean the current folder; a folder of the user's files (their report.md) is refused before any work
+    out_dir = check_comparison_folder(out_dir)
     # Build every config before training anything, so a bad variant fails at once.
     plans = []
     for variant in variants:
@@ -218,7 +220,7 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
 
     # Runs on one corpus share what their task lets them (a language model's corpus is read once for all).
     shared = task_for(plans[0][2]).shared_data(plans[0][2], data_dir)
-    make_folder(out_dir, "comparison folder")
+    claim_comparison_folder(out_dir)
     tracker = _Progress(progress, plans)
     trained = 0
     for index, (_, _, config, run_dir) in enumerate(plans):

@@ -23,11 +23,12 @@ from gatedformer.analysis.report import ComparisonReport, markdown_table
 from gatedformer.config import Recipe, RunConfig, Variant, build_config, check_overrides_spare_variants
 from gatedformer.data.glue import glue_task, locate_glue
 from gatedformer.errors import ConfigError, DataError, GatedformerError
-from gatedformer.io import atomic_write, atomic_write_text, make_folder, read_limited
+from gatedformer.io import atomic_write, atomic_write_text, read_limited
 from gatedformer.tasks import task_for
 from gatedformer.tasks.glue import finetune_config
 from gatedformer.train.checkpoint import JSON_BYTES, latest_checkpoint
 from gatedformer.train.loop import FINISHED_RUN_CHANGES, RunResult, TrainingInterrupted, saved_config_differences, train
+from gatedformer.train.rundir import check_comparison_folder, claim_comparison_folder
 from gatedformer.train.runlog import eval_series, read_log, series
 
 __all__ = ["PUBLISHED_TABLE_2", "run_glue_comparison", "train_or_keep"]
@@ -220,7 +221,7 @@ def run_glue_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides
     overrides = list(overrides or [])
     check_overrides_spare_variants(recipe, overrides)
     variants = select_variants(recipe, only)
-    out_dir = Path(out_dir)
+    out_dir = check_comparison_folder(out_dir)  # never over the user's report.md
     configs = {v.name: build_config(recipe, overrides, v) for v in variants}
     base = next(iter(configs.values()))
     notes: list[str] = []
@@ -233,7 +234,7 @@ def run_glue_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides
             notes.append(f"{task.corpus}: no data (run `gatedformer data fetch {task.corpus}`); not fine-tuned")
             continue
         tasks.append(task.name)
-    make_folder(out_dir, "comparison folder")
+    claim_comparison_folder(out_dir)
     ignore = _finetune_fields()  # they change the fine-tuning only
     shared = task_for(base).shared_data(base, data_dir)
     pretrained: dict[str, list[RunResult]] = {}

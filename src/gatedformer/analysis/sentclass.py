@@ -18,8 +18,9 @@ from gatedformer.analysis.report import ComparisonReport, markdown_table
 from gatedformer.config import Recipe, build_config, check_overrides_spare_variants
 from gatedformer.data.sentclass import sentence_set
 from gatedformer.errors import ConfigError
-from gatedformer.io import atomic_write_text, make_folder
+from gatedformer.io import atomic_write_text
 from gatedformer.train.loop import RunResult
+from gatedformer.train.rundir import claim_comparison_folder
 
 __all__ = ["PUBLISHED_SRU", "PUBLISHED_SRU_SOURCE", "run_sentclass_comparison"]
 
@@ -57,8 +58,7 @@ def run_sentclass_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, over
     sets = [sentence_set(name).name for name in base.sentclass.sets.split()]
     if not sets:
         raise ConfigError("sentclass.sets names no set; list some of mr cr subj mpqa trec sst")
-    out_dir = Path(out_dir)
-    make_folder(out_dir, "comparison folder")
+    out_dir = claim_comparison_folder(out_dir)  # never over the user's report.md
     results: dict[tuple[str, str], list[RunResult]] = {}
     for variant in variants:
         for name in sets:

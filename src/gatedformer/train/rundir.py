@@ -3,7 +3,9 @@
 ``train`` claims its ``--out`` (:func:`claim_run_folder`) before it reads or writes anything there. The claim
 
 * refuses a folder that holds files but no gatedformer run (a user's folder is never written into), and an empty
-  ``--out`` (which would be the current folder);
+  ``--out`` (which would be the current folder). A run folder is one that holds the marker ``gatedformer.json``
+  (``{"folder": "run"}``), written as the folder is claimed: never one recognised by its names (another tool's
+  ``ckpt/step-1000`` or ``config.json`` look the same, and a resume would delete or overwrite them);
 * takes the run's lock, ``run.lock``: an ``flock`` the kernel drops when its holder exits, however it exits, so a
   crashed run never leaves its folder locked, while a second ``train`` (a resubmitted job, a concurrent
   ``--resume``, a second ``compare``) stops at once with the holder's pid and host instead of mixing two runs in
@@ -11,8 +13,9 @@
 * refuses run files that are not files (a ``log.jsonl`` that is a folder, a FIFO, a link) before anything is
   written, and deletes the temp files of writes a killed holder left behind.
 
-A run folder written before the lock existed (no ``run.lock``) is recognised by its checkpoints or its config, and
-is claimed like any other.
+``compare`` claims its ``--out`` the same way (:func:`claim_comparison_folder`), with the marker
+``{"folder": "comparison"}``: re-running a comparison into its own folder picks it up, a folder of the user's files
+(their ``report.md``) is refused.
 """
 
 from __future__ import annotations
@@ -24,19 +27,28 @@ import socket
 import stat
 from pathlib import Path
 
-from gatedformer.config import config_from_dict
-from gatedformer.errors import GatedformerError, InUseError, OutputError
-from gatedformer.io import FolderLock, make_folder, output_path, read_limited, remove_stale_temp_files
+from gatedformer.errors import InUseError, OutputError
+from gatedformer.io import (
+    FolderLock,
+    atomic_write_json,
+    make_folder,
+    output_path,
+    read_limited,
+    remove_stale_temp_files,
+)
+from gatedformer.version import __version__
 
 LOCK_FILE = "run.lock"
 """The run's lock file: who trains it now (or last did); locked while a ``train`` holds the folder."""
+MARKER_FILE = "gatedformer.json"
+"""What makes a folder gatedformer's: ``{"folder": "run"}`` or ``{"folder": "comparison"}`` (see the module)."""
 RUN_FILES = ("config.json", "log.jsonl", "results.json", "model.safetensors", "gate_biases.safetensors",
-             "vocab.json", "test.hyp.txt", "loss.png", LOCK_FILE)
+             "vocab.json", "test.hyp.txt", "loss.png", LOCK_FILE, MARKER_FILE)
 """Files a run writes at its top level."""
 RUN_FOLDERS = ("ckpt", "tensorboard")
 """Folders a run writes at its top level."""
-CONFIG_BYTES = 1 << 22
-"""The largest ``config.json`` read (a config is a few kilobytes)."""
+MARKER_BYTES = 4096
+"""The largest marker or lock record read (they are a line)."""
 
 
 def _kind(mode: int) -> str:
@@ -47,27 +59,62 @@ def _kind(mode: int) -> str:
     return "a regular file"
 
 
-def _looks_like_run_config(path: Path) -> bool:
+def folder_kind(path: str | Path) -> str | None:
+    """What the marker of the folder ``path`` says it is (``"run"``, ``"comparison"``), or ``None`` where it holds
+    no marker gatedformer wrote."""
+    marker = Path(path) / MARKER_FILE
     try:
-        data = json.loads(read_limited(path, CONFIG_BYTES))
-        if not isinstance(data, dict) or not {"data", "model"} <= data.keys():
-            return False
-        config_from_dict(data, where=str(path))
-    except (OSError, ValueError, GatedformerError):
-        return False
-    return True
+        if not stat.S_ISREG(os.lstat(marker).st_mode):
+            return None
+        record = json.loads(read_limited(marker, MARKER_BYTES))
+    except (OSError, ValueError):
+        return None
+    kind = record.get("folder") if isinstance(record, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def is_run_folder(path: str | Path) -> bool:
-    """Whether ``path`` holds a gatedformer run: its lock file, checkpoints, or a ``config.json`` that reads as a run
-    config (a run from before the lock file, stopped before its first checkpoint)."""
-    path = Path(path)
-    if (path / LOCK_FILE).is_file():
+    """Whether ``path`` holds a gatedformer run: the marker ``train`` writes as it claims the folder."""
+    return folder_kind(path) == "run"
+
+
+def _claim_leftover(folder: Path, name: str) -> bool:
+    """Whether ``name`` in ``folder`` is what a claim killed before it wrote the marker leaves: the lock file (empty,
+    or holding a lock record) or the temp file of the marker's write."""
+    if name.startswith(f".{MARKER_FILE}.") and name.endswith(".part"):
         return True
-    ckpt = path / "ckpt"
-    if ckpt.is_dir() and ((ckpt / "LATEST").exists() or any(ckpt.glob("step-*"))):
+    if name != LOCK_FILE:
+        return False
+    try:
+        text = read_limited(folder / name, MARKER_BYTES)
+        record = json.loads(text) if text.strip() else {"pid": 0}
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "pid" in record
+
+
+def _shown(entries: list[str]) -> str:
+    return ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
+
+
+def _check_claimable(out_dir: Path, kind: str, what: str) -> bool:
+    """Refuse ``out_dir`` unless it is missing, empty, or marked as ``kind``; whether it holds that marker."""
+    if not out_dir.is_dir():
+        return False
+    found = folder_kind(out_dir)
+    if found == kind:
         return True
-    return _looks_like_run_config(path / "config.json")
+    entries = sorted(name for name in os.listdir(out_dir) if not _claim_leftover(out_dir, name))
+    if not entries:
+        return False
+    if found is not None:
+        raise OutputError(f"{out_dir} is a gatedformer {found} folder, not a {kind} folder; choose another --out")
+    raise OutputError(f"{out_dir} already holds files that are not a gatedformer {what} ({_shown(entries)}); a "
+                      f"{what} needs a new or empty folder: choose another --out")
+
+
+def _mark(out_dir: Path, kind: str) -> None:
+    atomic_write_json(out_dir / MARKER_FILE, {"folder": kind, "gatedformer": __version__})
 
 
 def check_run_files(run_dir: str | Path) -> None:
@@ -96,12 +143,7 @@ def claim_run_folder(out: str | Path, purpose: str = "train") -> FolderLock:
     are not a run or run files of the wrong kind, and :class:`InUseError` naming the holder when another process
     holds it."""
     out_dir = output_path(out, "--out")
-    if out_dir.is_dir():
-        entries = sorted(os.listdir(out_dir))
-        if entries and not is_run_folder(out_dir):
-            shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
-            raise OutputError(f"{out_dir} already holds files that are not a gatedformer run ({shown}); a run needs a "
-                              "new or empty folder: choose another --out")
+    if _check_claimable(out_dir, "run", "run"):
         check_run_files(out_dir)
     make_folder(out_dir, "run folder")
     lock = FolderLock(out_dir / LOCK_FILE, purpose)
@@ -112,6 +154,12 @@ def claim_run_folder(out: str | Path, purpose: str = "train") -> FolderLock:
     remove_stale_temp_files(out_dir)
     if (out_dir / "ckpt").is_dir():
         remove_stale_temp_files(out_dir / "ckpt")
+    if folder_kind(out_dir) != "run":
+        try:
+            _mark(out_dir, "run")
+        except BaseException:
+            release_run_folder(lock, created=False)
+            raise
     return lock
 
 
@@ -121,11 +169,12 @@ def release_run_folder(lock: FolderLock, created: bool) -> None:
     so a mistyped command neither litters the disk nor turns a fresh name into a "run"."""
     out_dir = lock.path.parent
     try:
-        untouched = os.listdir(out_dir) == [LOCK_FILE]
+        untouched = set(os.listdir(out_dir)) <= {LOCK_FILE, MARKER_FILE}
     except OSError:
         untouched = False
     if untouched:
         with contextlib.suppress(OSError):
+            (out_dir / MARKER_FILE).unlink(missing_ok=True)
             lock.path.unlink()  # while still locked: a process waiting on it sees the file gone and retries
     lock.release()
     if untouched and created:
@@ -137,7 +186,7 @@ def held_here(run_dir: str | Path) -> bool:
     """Whether the run's lock file names a live process on this host other than this one: a cheap guess, without
     touching the lock, that a ``train`` there will be refused (e.g. to leave out a note that would not apply)."""
     try:
-        record = json.loads(read_limited(Path(run_dir) / LOCK_FILE, 4096))
+        record = json.loads(read_limited(Path(run_dir) / LOCK_FILE, MARKER_BYTES))
         pid, host = int(record["pid"]), record["host"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
@@ -150,3 +199,22 @@ def held_here(run_dir: str | Path) -> bool:
     except OSError:
         return True  # alive, another user's
     return True
+
+
+def check_comparison_folder(out: str | Path) -> Path:
+    """``compare``'s ``--out`` as a path, refused (one :class:`OutputError`) unless it is new, empty or a comparison
+    folder already (its marker): a comparison writes ``report.md`` and figures at its top level, which must never
+    replace the user's own."""
+    out_dir = output_path(out, "--out")
+    _check_claimable(out_dir, "comparison", "comparison")
+    return out_dir
+
+
+def claim_comparison_folder(out: str | Path) -> Path:
+    """Create ``compare``'s ``--out`` where missing and mark it as a comparison folder, after
+    :func:`check_comparison_folder`'s check."""
+    out_dir = check_comparison_folder(out)
+    make_folder(out_dir, "comparison folder")
+    if folder_kind(out_dir) != "comparison":
+        _mark(out_dir, "comparison")
+    return out_dir
