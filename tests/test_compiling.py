@@ -14,6 +14,7 @@ from conftest import for_backbone, tiny_overrides
 from torch import nn
 
 from gatedformer.config import ModelConfig, RunConfig, apply_overrides, validate
+from gatedformer.kernels.build import prepare_compile
 from gatedformer.models import build_model
 from gatedformer.ops import sru as sru_ops
 from gatedformer.ops.sru import sru_recurrence
@@ -37,6 +38,7 @@ class _Stack(nn.Module):
 
 @pytest.fixture
 def fresh_dynamo() -> Iterator[None]:
+    prepare_compile()  # what compile_model does first: the tests also call torch.compile itself
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     yield
@@ -166,8 +168,8 @@ def test_a_compiled_step_equals_the_eager_one(backbone: str, fresh_dynamo: None)
 
 
 def test_eager_use_never_loads_dynamo_and_compiled_code_still_sees_the_constant_checks() -> None:
-    # torch._dynamo costs every command about 1.5 s to import; the kernels' checks are marked constant without it,
-    # and a model built before dynamo is loaded still compiles into one graph (the marks are read).
+    # torch._dynamo costs every command about as long as torch to import; the kernels' checks are marked constant
+    # when compiling starts, and a model built and run before then still compiles into one graph.
     import subprocess
     import sys
 
@@ -181,6 +183,8 @@ model = build_model(ModelConfig(backbone="transformer-xl", d_model=16, n_layers=
 tokens = torch.randint(0, 20, (2, 8))
 model(tokens, None, targets=tokens)[0].backward()
 assert "torch._dynamo" not in sys.modules, "eager use imported torch._dynamo"
+from gatedformer.kernels.build import prepare_compile
+prepare_compile()
 import torch._dynamo
 explained = torch._dynamo.explain(model)(tokens, None, targets=tokens)
 assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"data", "gates", "errors"},
     "models": {"nn", "ops", "kernels", "gates", "config", "errors"},
     "tasks": {"models", "data", "config", "devices", "io", "errors"},
-    "train": {"tasks", "config", "data", "gates", "devices", "io", "errors", "version", "__init__"},
+    "train": {"tasks", "kernels", "config", "data", "gates", "devices", "io", "errors", "version", "__init__"},
     "runs": {"tasks", "train", "config", "devices", "errors"},
     "pretrained": {"runs", "tasks", "train", "data", "config", "devices", "io", "errors", "version"},
     "analysis": {"runs", "train", "tasks", "models", "nn", "ops", "kernels", "gates", "data", "config", "devices",

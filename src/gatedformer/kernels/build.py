@@ -35,7 +35,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import warnings
@@ -48,7 +47,7 @@ import torch
 
 __all__ = ["BACKENDS", "BACKEND_SWITCHES", "CSRC", "ISAS", "Declaration", "DeclarationError", "KernelUnavailable",
            "NativeKernel", "constant_under_compile", "kernel_threads", "native_required", "parse_declarations",
-           "pytorch_operations"]
+           "prepare_compile", "pytorch_operations"]
 
 BACKENDS = ("auto", "native", "torch")
 ISAS = ("baseline", "avx2", "avx512")
@@ -96,16 +95,28 @@ def isa_cap() -> str:
     return cap
 
 
+_CONSTANT_FUNCTIONS: list[Callable[..., Any]] = []
+_MARKED = False
+
+
 def constant_under_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` marked as :func:`torch.compiler.assume_constant_result` does: under ``torch.compile`` its result is
-    taken once while dynamo traces, as a constant of the graph. That function imports ``torch._dynamo`` to set the
-    mark, which costs every ``import gatedformer`` (and every command) about 1.5 s that eager code never needs, so
-    the mark is set here directly while dynamo is not loaded; ``tests/test_compiling.py`` fails (with graph breaks)
-    if a torch release reads it differently."""
-    if "torch._dynamo" in sys.modules:
+    """``fn``, to be marked with :func:`torch.compiler.assume_constant_result` (under ``torch.compile`` its result
+    is taken once while dynamo traces, as a constant of the graph) by :func:`prepare_compile`. Marking imports the
+    compiler, which costs every ``import gatedformer`` (and every command) about as long as importing torch itself
+    and which eager code never needs, so it waits for the first compile."""
+    if _MARKED:
         return torch.compiler.assume_constant_result(fn)
-    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    _CONSTANT_FUNCTIONS.append(fn)
     return fn
+
+
+def prepare_compile() -> None:
+    """Marks every :func:`constant_under_compile` function, as ``torch.compile`` of a model that runs the kernels
+    needs first (``gatedformer.train.compiling.compile_model`` calls it); later ones are marked as they come."""
+    global _MARKED
+    for fn in _CONSTANT_FUNCTIONS:
+        torch.compiler.assume_constant_result(fn)  # marks fn itself, as documented
+    _MARKED = True
 
 
 @contextlib.contextmanager

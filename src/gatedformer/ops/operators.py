@@ -9,13 +9,16 @@ only add to every step, and the eager numbers stay those of the functions.
 :class:`FunctionOperator` makes the two operators of one autograd function. The forward operator runs the
 function's ``forward`` with a stand-in context; what that context keeps for the backward pass (saved tensors, the
 function's own attributes) stays with it in Python, out of the graph, and the operator returns the function's outputs
-and a *handle*: a one-element tensor whose storage holds the context, so that the context lives exactly as long as
-some view of the handle does (autograd, or the compiled graph, keeps it for the backward pass and drops it after).
+and a *handle*: a one-element tensor whose storage carries the context as an attribute, so that the context travels
+with the forward operator's output and lives exactly as long as some view of the handle does (autograd, or the
+compiled graph, keeps it for the backward pass and drops it after); nothing outside the handle refers to it.
 The backward operator takes the handle, the outputs' gradients, and the forward pass's tensor inputs and outputs,
 runs the function's ``backward`` on the kept context and returns the gradients of the inputs that want one. Passing
 it every input and output is what keeps them alive and unchanged until then: Inductor reuses a buffer once no node
 reads it, and the context may still point at it. Each operator's fake (shape) function says what it returns, so the
 graph's shapes are known without running a kernel; :func:`torch.library.opcheck` checks them against the real ones.
+Everything is defined through torch's public ``torch.library`` API (``Library.define``/``impl``, ``register_fake``,
+``register_autograd``), so that every torch release the package declares runs it alike.
 
 Operator arguments are tensors, ints, floats, bools, strings and lists of them: the tuples the functions take (the
 dropout masks' ``(seed, keep_below)``) are flattened, and each function's :class:`FunctionOperator` puts them back
@@ -33,6 +36,7 @@ in the same order as the eager one.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -50,12 +54,34 @@ _CPU = torch.device("cpu")
 
 # ---- what the fused paths ask of the kernels, asked once while dynamo traces ----------------------------------
 
-@constant_under_compile
 def native(kernel: Any) -> bool:
     """Whether ``kernel`` (a :class:`~gatedformer.kernels.build.NativeKernel`) runs natively on the CPU. Under
     ``torch.compile`` the answer is taken once, while dynamo traces, as a constant of the graph (building the kernel
     if need be): the check itself is Python that dynamo should not trace into."""
+    if torch.compiler.is_compiling():
+        # A constant function's arguments must be constants on every declared torch (before 2.5 a kernel object
+        # is not one): the kernel goes by its name.
+        return _native_named(kernel.name)
     return kernel.pick_backend(_CPU) == "native"
+
+
+@constant_under_compile
+def _native_named(name: str) -> bool:
+    return _kernel_named(name).pick_backend(_CPU) == "native"
+
+
+def _kernel_named(name: str) -> Any:
+    """The package's kernel called ``name``: the ``KERNEL``-like module attributes of the loaded
+    ``gatedformer.kernels`` modules (each kernel is one, made when its module is imported)."""
+    from gatedformer.kernels.build import NativeKernel
+
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("gatedformer.kernels."):
+            continue
+        for value in vars(module).values():
+            if isinstance(value, NativeKernel) and value.name == name:
+                return value
+    raise LookupError(f"no gatedformer kernel is called {name!r}")
 
 
 def runs_native(kernel: Any, device: torch.device) -> bool:
@@ -70,11 +96,11 @@ def runs_native(kernel: Any, device: torch.device) -> bool:
 _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
 """Where the operators are defined. Through :class:`torch.library.Library` rather than ``torch.library.custom_op``:
 the same schema, kernel, fake function and autograd formula, without the checks and wrappers ``custom_op`` adds to
-every call (about 7 µs of the ~60 an operator call costs, which a compiled step pays a dozen to two dozen times)."""
+every call, which a compiled step pays a dozen to two dozen times (benchmarks/README.md)."""
 
 
 def define(name: str, schema: str, kernel: Callable[..., Any], fake: Callable[..., Any],
-           tags: Sequence[torch.Tag] = ()) -> torch._ops.OpOverload:
+           tags: Sequence[torch.Tag] = ()) -> Callable[..., Any]:
     """The operator ``gatedformer::name`` of ``schema`` (``"(Tensor x, int k) -> Tensor[]"``), computed by
     ``kernel`` on every device and described by ``fake`` (its outputs' shapes, for tracing)."""
     _LIBRARY.define(f"{name}{schema}", tags=tuple(tags))
@@ -117,33 +143,21 @@ class _Context:
         self.materialize_grads = value
 
 
-_CONTEXTS: dict[int, _Context] = {}
-"""The context of every live handle, by the address of its storage (a plain dictionary: a weak one's references cost
-more than the rest of the handle)."""
-
-
-class _Holder(bytearray):
-    """The storage of a handle: eight zero bytes, whose address is the key of the context it keeps alive (the
-    handle's value is the same for every call, so that a forward operator's outputs depend on its inputs alone, as
-    :func:`torch.library.opcheck` checks). The context leaves :data:`_CONTEXTS` when the handle's storage lets go of
-    the buffer: no other holder can have the address before then."""
-
-    address = 0
-
-    def __del__(self, contexts: dict[int, _Context] = _CONTEXTS) -> None:  # bound now: still there at exit
-        contexts.pop(self.address, None)
+_CONTEXT_ATTRIBUTE = "gatedformer_context"
 
 
 def _handle(context: _Context) -> Tensor:
-    holder = _Holder(8)
-    handle = torch.frombuffer(holder, dtype=torch.int64)  # the tensor's storage holds the buffer
-    holder.address = handle.data_ptr()
-    _CONTEXTS[holder.address] = context
+    """A one-element tensor whose storage carries ``context``: every view of the handle (the one autograd saves,
+    the one a compiled graph passes on) shares that storage, and the context goes with the storage's last view. Its
+    value is the same for every call, so that a forward operator's outputs depend on its inputs alone, as
+    :func:`torch.library.opcheck` checks."""
+    handle = torch.zeros(1, dtype=torch.int64)
+    setattr(handle.untyped_storage(), _CONTEXT_ATTRIBUTE, context)
     return handle
 
 
 def _kept_context(handle: Tensor) -> _Context:
-    context = _CONTEXTS.get(handle.data_ptr())
+    context = getattr(handle.untyped_storage(), _CONTEXT_ATTRIBUTE, None)
     if context is None:
         raise RuntimeError("a gatedformer operator's backward pass found no forward pass to go with it (its handle "
                            "was copied, or its forward pass ran in another process)")
@@ -189,21 +203,23 @@ def _fresh(tensors: Sequence[Tensor], taken: Sequence[Tensor | None],
     return out
 
 
-_SINGLE = ("Tensor", "Optional[Tensor]")
-_LIST = ("List[Tensor]", "List[Optional[Tensor]]")
+_SINGLE = ("Tensor", "Tensor?")
+_LIST = ("Tensor[]", "Tensor?[]")
 
 
 def _tensor_kinds(schema: str) -> list[str | None]:
     """For each argument of an operator's schema (``"(Tensor x, int k, Tensor?[] w) -> ..."``): ``"one"`` for a
     tensor (optional or not), ``"list"`` for a list of them, ``None`` for anything else."""
-    arguments = torch._C.parse_schema(f"{NAMESPACE}::_{schema}").arguments
-    return ["one" if str(a.type) in _SINGLE else "list" if str(a.type) in _LIST else None for a in arguments]
+    # The schemas are the ones this module writes: "(type name, type name, ...) -> returns", no defaults
+    types = [argument.split()[0] for argument in schema[1:schema.index(")")].split(",")]
+    return ["one" if kind in _SINGLE else "list" if kind in _LIST else None for kind in types]
 
 
 def _leaves(kinds: Sequence[str | None], values: Sequence[object]) -> list[Tensor | None]:
     """The tensor arguments of an operator call, lists flattened (``None`` kept in place), in schema order."""
     leaves: list[Tensor | None] = []
-    for kind, value in zip(kinds, values, strict=False):
+    count = min(len(kinds), len(values))  # dynamo before 2.5 cannot trace a zip of unequal lengths
+    for kind, value in zip(kinds[:count], values[:count], strict=True):
         if kind == "one":
             leaves.append(value)  # type: ignore[arg-type]
         elif kind == "list":
@@ -302,39 +318,6 @@ def _schema_arguments(kind: str, name: str) -> str:
     return f"{_SCHEMA_TYPES.get(kind, kind)} {name}"
 
 
-def _register_autograd(name: str, kernel: Callable[..., Any], backward: Callable[..., Any],
-                       setup_context: Callable[..., Any]) -> None:
-    """``torch.library.register_autograd`` for ``gatedformer::name`` (whose kernel is ``kernel``), with a shorter
-    way through where no gradient is wanted and the tensors are plain CPU or CUDA ones: what a compiled graph's
-    forward pass asks (its autograd function runs it with gradients off), a dozen to two dozen times a step.
-
-    ``register_autograd``'s kernel takes the same way through Python every call: its autograd function's
-    ``apply`` or, without gradients, a redispatch below autograd that comes back to Python for the operator's own
-    kernel. The shorter way calls ``kernel`` at once, below autograd as the redispatch would (measured on a small
-    dropout call: 12 of the ~35 µs the dispatch added to its Python kernel). Anything else below autograd (a fake
-    tensor, functionalisation, a dispatch mode) takes ``register_autograd``'s way. Where this torch lacks the pieces,
-    ``register_autograd`` it is."""
-    try:
-        from torch._library.autograd import Info, make_autograd_impl
-
-        below_autograd = torch._C._after_autograd_keyset
-        dispatch_below_autograd = torch._C._AutoDispatchBelowAutograd
-        plain = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
-        op = getattr(getattr(torch.ops, NAMESPACE), name).default
-        general = make_autograd_impl(op, Info(backward, setup_context))
-    except (ImportError, AttributeError, TypeError):
-        torch.library.register_autograd(f"{NAMESPACE}::{name}", backward, setup_context=setup_context, lib=_LIBRARY)
-        return
-
-    def autograd_kernel(keyset: torch._C.DispatchKeySet, *args: object) -> Any:
-        if not torch.is_grad_enabled() and (keyset & below_autograd).highestPriorityTypeId() in plain:
-            with dispatch_below_autograd():
-                return kernel(*args)
-        return general(keyset, *args)
-
-    _LIBRARY.impl(name, autograd_kernel, "Autograd", with_keyset=True)
-
-
 REGISTERED: list[FunctionOperator] = []
 """Every :class:`FunctionOperator` made so far (the tests check each with :func:`torch.library.opcheck`)."""
 
@@ -381,7 +364,8 @@ class FunctionOperator:
             f"{name}_backward",
             "(Tensor handle, Tensor?[] grads, Tensor?[] inputs, Tensor[] outputs, bool[] wanted) -> Tensor[]",
             self._backward, self._fake_backward)
-        _register_autograd(name, self._forward, self._autograd_backward, self._setup_context)
+        torch.library.register_autograd(f"{NAMESPACE}::{name}", self._autograd_backward,
+                                        setup_context=self._setup_context, lib=_LIBRARY)
         REGISTERED.append(self)
 
     def operator_arguments(self, *args: object) -> list[object]:

@@ -12,36 +12,28 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
+from gatedformer.kernels.build import prepare_compile
+
 # Entries one compiled model may add to its forward code's cache: training and no-grad, each with a second shape.
 ENTRIES_PER_MODEL = 4
 
-# torch renamed the settings in 2.7; older releases have only the first names, newer ones both.
-_PER_CODE = ("recompile_limit", "cache_size_limit")
-_PER_PROCESS = ("accumulated_recompile_limit", "accumulated_cache_size_limit")
-_FAIL = ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit")
 
 
-def _setting(names: tuple[str, ...]) -> str | None:
-    from torch._dynamo import config
-
-    known = getattr(config, "_config", None)
-    for name in names:
-        if (name in known) if known is not None else hasattr(config, name):
-            return name
-    return None
+def _config() -> Any:
+    """``torch.compiler.config``, the public face of dynamo's limits (its names: ``recompile_limit``,
+    ``accumulated_recompile_limit``, ``fail_on_recompile_limit_hit``)."""
+    return torch.compiler.config
 
 
 def _raise_limits(entries: int) -> None:
-    from torch._dynamo import config
-
-    for names in (_PER_CODE, _PER_PROCESS):
-        name = _setting(names)
-        if name is not None:
-            setattr(config, name, getattr(config, name) + entries)
+    config = _config()
+    for name in ("recompile_limit", "accumulated_recompile_limit"):
+        setattr(config, name, getattr(config, name) + entries)
 
 
 def compile_model(module: nn.Module) -> nn.Module:
@@ -50,18 +42,17 @@ def compile_model(module: nn.Module) -> nn.Module:
     The limits only grow, by :data:`ENTRIES_PER_MODEL` a model, so code compiled elsewhere in the process keeps at
     least the room it had."""
     _raise_limits(ENTRIES_PER_MODEL)
+    prepare_compile()
     return torch.compile(module)
 
 
 @contextlib.contextmanager
 def compile_limits_fail() -> Iterator[None]:
-    """Inside, code that reaches dynamo's recompile limit raises instead of running eagerly (where this torch has the
-    setting)."""
-    name = _setting(_FAIL)
-    if name is None:
+    """Inside, code that reaches dynamo's recompile limit raises instead of running eagerly."""
+    config = _config()
+    saved = config.fail_on_recompile_limit_hit
+    config.fail_on_recompile_limit_hit = True
+    try:
         yield
-        return
-    from torch._dynamo import config
-
-    with config.patch(**{name: True}):
-        yield
+    finally:
+        config.fail_on_recompile_limit_hit = saved
