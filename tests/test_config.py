@@ -129,6 +129,19 @@ def test_a_model_field_the_backbone_never_reads_is_refused_naming_the_fields_it_
     assert validate(apply_overrides(RunConfig(), ["model.mem_len=0"])).model.mem_len == 0
 
 
+@pytest.mark.parametrize(("override", "named"), [("model.mem_len=512", "model.backbone=transformer reads only"),
+                                                ("translation.beam_size=5", "this lm run")])
+def test_train_refuses_a_field_nothing_reads_in_one_line_before_any_work(override: str, named: str, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    from gatedformer.cli import main
+
+    out = tmp_path / "x"
+    assert main(["train", "--recipe", "ptb-char-tiny", "--set", override, "--out", str(out)]) != 0
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and f"{override} does nothing" in error and named in error
+    assert not out.exists()
+
+
 def test_a_task_section_the_task_never_reads_is_refused_naming_the_sections_it_reads() -> None:
     with pytest.raises(ConfigError) as refused:
         build_config(load_recipe("ptb-char-tiny"), ["translation.beam_size=5"])
