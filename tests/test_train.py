@@ -16,7 +16,7 @@ from gatedformer.config import RunConfig, apply_overrides, validate
 from gatedformer.errors import CheckpointError, ConfigError
 from gatedformer.runs import load_trained
 from gatedformer.tasks import lm as lm_task
-from gatedformer.train.checkpoint import latest_checkpoint, load_checkpoint
+from gatedformer.train.checkpoint import META_CHECKSUM_KEY, latest_checkpoint, load_checkpoint, meta_checksum
 from gatedformer.train.loop import NonFiniteLoss, train
 from gatedformer.train.optim import lr_factor
 from gatedformer.train.runlog import read_log, series
@@ -84,6 +84,9 @@ def _damage_meta(key: str, value: object):
             del meta[key]
         else:
             meta[key] = value
+        # Checksummed anew: each field's own check must hold where the meta's checksum does not tell (a meta written
+        # with a wrong value; the checksum's own test is in test_reliability_runs.py).
+        meta[META_CHECKSUM_KEY] = meta_checksum(meta)
         (checkpoint / "meta.json").write_text(json.dumps(meta))
     return damage
 

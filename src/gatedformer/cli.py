@@ -82,7 +82,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from gatedformer.runs import evaluate_run
 
     scores = evaluate_run(args.run, args.split, args.data_dir, args.device)
-    print(json.dumps({"run": str(args.run), "split": args.split, **scores}))
+    # Strict JSON, as results.json: a non-finite score is null (jq and most languages refuse a NaN).
+    scores = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in scores.items()}
+    print(json.dumps({"run": str(args.run), "split": args.split, **scores}, allow_nan=False))
     return 0
 
 

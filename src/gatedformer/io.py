@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import math
 import os
@@ -94,11 +95,18 @@ def atomic_open(path: str | Path, mode: str = "wb", durable: bool = False) -> It
 
 
 def cannot_write(path: Path, err: OSError) -> OutputError:
-    """The one-line error of a write that failed (disk full, no permission), naming the file and the fix."""
+    """The one-line error of a write that failed, naming the file, the cause and the fix for that cause: space to
+    free on a full disk, another folder on a read-only file system or without permission."""
     if isinstance(err, OutputError):
         return err
-    return OutputError(f"cannot write {path} ({err.strerror or err}); free space there or choose a folder you "
-                       "can write to; what was written before is intact")
+    # The reason in brackets is the system's own (``Read-only file system``); the fix follows from it.
+    if err.errno == errno.EROFS:
+        fix = "choose a folder on a writable file system (or remount this one read-write)"
+    elif err.errno in (errno.ENOSPC, errno.EDQUOT) or "no space left" in str(err).lower():  # (a library's words)
+        fix = "free space there or choose a folder on another disk"
+    else:  # no permission, and what else a folder may refuse
+        fix = "choose a folder you can write to"
+    return OutputError(f"cannot write {path} ({err.strerror or err}); {fix}; what was written before is intact")
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:

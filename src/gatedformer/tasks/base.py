@@ -21,6 +21,7 @@ does not change.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from gatedformer.config import RunConfig
-from gatedformer.errors import ConfigError
+from gatedformer.errors import ConfigError, GatedformerError
 
 __all__ = ["Task", "TrainBatch", "by_length", "evaluating"]
 
@@ -62,6 +63,24 @@ class Task(ABC):
     """How messages name its runs (``a language-model run``)."""
     supports_ddp: ClassVar[bool] = False
     """Whether it shards its batches over the ranks of a data-parallel run."""
+    optional_modules: ClassVar[tuple[tuple[str, str], ...]] = ()
+    """The optional modules its training and evaluation import where they use them, each with the extra that
+    installs it (``("sacrebleu", "translate")``): :meth:`check_modules` looks for them before the first step."""
+
+    def modules_for(self, config: RunConfig) -> tuple[tuple[str, str], ...]:
+        """:attr:`optional_modules` that a run of ``config`` imports (a task whose corpora differ in what they need
+        names them per corpus)."""
+        return self.optional_modules
+
+    def check_modules(self, config: RunConfig) -> None:
+        """One line naming the optional modules a run of ``config`` needs that are not installed, and the extra to
+        install: checked before the first step, not found missing at the first evaluation hours later."""
+        missing = [(module, extra) for module, extra in self.modules_for(config) if not _importable(module)]
+        if missing:
+            names = " and ".join(dict.fromkeys(module for module, _ in missing))
+            extras = ",".join(dict.fromkeys(extra for _, extra in missing))
+            raise GatedformerError(f"{self.title} runs need {names}, which {'is' if len(missing) == 1 else 'are'} not "
+                                   f"installed here; install it with pip install 'gatedformer[{extras}]'")
 
     def shared_data(self, config: RunConfig, data_dir: str | Path | None) -> Any:
         """What runs on the same corpus may share instead of each reading it (``compare`` reads it once for all its
@@ -187,6 +206,15 @@ class Task(ABC):
     def evaluate_split(self, model: nn.Module, config: RunConfig, split: str, data_dir: str | Path | None,
                        device: torch.device, data: Any) -> dict[str, float]:
         """The loss and metric of a trained model on a whole split (``valid`` or ``test``)."""
+
+
+def _importable(module: str) -> bool:
+    # Imported, not only looked up: an installed module that fails to import fails the evaluation all the same.
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
 
 
 @contextlib.contextmanager

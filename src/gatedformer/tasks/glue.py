@@ -201,6 +201,7 @@ class GlueFinetuneTask(Task):
 
     name = "glue"
     title = "GLUE fine-tuning"
+    optional_modules = (("tokenizers", "bert"), ("sklearn", "bert"), ("scipy", "bert"))  # WordPiece; the metrics
 
     def load_data(self, config: RunConfig, data_dir: str | Path | None, shard: tuple[int, int] = (0, 1),
                   progress: bool = False, shared: Any = None) -> GlueData:

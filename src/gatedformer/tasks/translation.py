@@ -313,6 +313,11 @@ class TranslationTask(Task):
 
     name = "translation"
     title = "translation"
+    optional_modules = (("sacrebleu", "translate"),)  # BLEU, at every evaluation
+
+    def modules_for(self, config: RunConfig) -> tuple[tuple[str, str], ...]:
+        # WMT'14's hypotheses are Moses-detokenised before BLEU.
+        return self.optional_modules + ((("sacremoses", "translate"),) if config.data.corpus == "wmt14" else ())
 
     def load_data(self, config: RunConfig, data_dir: str | Path | None, shard: tuple[int, int] = (0, 1),
                   progress: bool = False, shared: Any = None) -> TranslationData:

@@ -16,10 +16,11 @@ weights are never loaded into a model built from another architecture: :func:`ch
 names the fields that differ.
 
 Every safetensors file gatedformer writes records a SHA-256 of its tensors and metadata (metadata
-``weights_sha256``), checked whenever it is loaded, and ``meta.json`` records the one of ``trainer.pt``: flipped
-bytes are a clear error, never weights that silently compute NaN. Files written before the checksums existed load
-as they are (a checksum not recorded is not damage). The metadata is written in a fixed order, so the same
-weights and config give the same bytes, and a file's hash identifies a run's weights.
+``weights_sha256``), checked whenever it is loaded, and ``meta.json`` records the one of ``trainer.pt`` and of its
+own contents (``meta_sha256``), and must name its folder's step: flipped bytes or an edited step are a clear error,
+never weights that silently compute NaN or a resume that skips steps; a file that records no checksum was not
+written by gatedformer (or rewritten since) and is refused too. The metadata is written in a fixed order, so the
+same weights and config give the same bytes, and a file's hash identifies a run's weights.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,7 +47,7 @@ from torch import nn
 
 from gatedformer.config import RunConfig, config_from_dict
 from gatedformer.data.verify import FILES_KEY, check_files
-from gatedformer.errors import CheckpointError, ConfigError
+from gatedformer.errors import CheckpointError, ConfigError, OutputError
 from gatedformer.io import _fsync_dir, atomic_write, atomic_write_text, cannot_write, make_folder, read_limited
 from gatedformer.tasks.weights import recorded_config, recorded_metadata
 from gatedformer.version import __version__
@@ -58,6 +60,8 @@ EXPORT_FORMAT = "gatedformer-pretrained"
 """An exported model's ``config.json`` ``format`` (see :mod:`gatedformer.pretrained`): a folder that is not a run."""
 CHECKSUM_KEY = "weights_sha256"
 """Safetensors metadata: the SHA-256 of the file's tensors and other metadata (:func:`tensors_checksum`)."""
+META_CHECKSUM_KEY = "meta_sha256"
+"""``meta.json``: the SHA-256 of its other fields (:func:`meta_checksum`)."""
 CHECKPOINT_NAME = re.compile(r"step-\d{8,}")
 """The name of a complete checkpoint folder; ``LATEST`` names nothing else."""
 JSON_BYTES = 1 << 26
@@ -138,6 +142,13 @@ def tensors_checksum(tensors: dict[str, torch.Tensor], metadata: dict[str, str] 
         digest.update(json.dumps(["tensor", name, str(tensor.dtype), list(tensor.shape)]).encode())
         digest.update(_tensor_bytes(tensor))
     return digest.hexdigest()
+
+
+def meta_checksum(meta: dict[str, Any]) -> str:
+    """SHA-256 of a checkpoint's meta (but its own key), as ``meta.json`` records it under ``meta_sha256``: the step,
+    the counters and the config are what a resume trusts."""
+    fields = {key: value for key, value in meta.items() if key != META_CHECKSUM_KEY}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def _fix_header_order(path: Path) -> None:
@@ -263,6 +274,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: d
     root = make_folder(Path(run_dir) / CHECKPOINT_DIR, "checkpoint folder")
     name = f"step-{step:08d}"
     final = root / name
+    check_slot(final)
     if final.is_dir() and _pointer_name(root) == name:
         # Already the latest checkpoint (same step, same state). Rewriting it in place would leave LATEST
         # naming a deleted folder for a moment, and a crash then would lose the run.
@@ -279,6 +291,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: d
         torch.save(trainer_state, staging / "trainer.pt")
         full_meta = {**meta, "step": step, "format": FORMAT_VERSION, "version": __version__, "carry": layout,
                      "trainer_sha256": _file_sha256(staging / "trainer.pt")}
+        full_meta[META_CHECKSUM_KEY] = meta_checksum(full_meta)
         (staging / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True), encoding="utf-8")
         for file in staging.iterdir():
             with open(file, "rb") as handle:
@@ -295,8 +308,35 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: d
     return final
 
 
+def check_slot(path: Path) -> None:
+    """One :class:`OutputError` where the checkpoint folder ``path`` is something the run did not write there (a
+    symbolic link, a file): replacing it would fail halfway, or write or delete through the link."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise OutputError(f"cannot read {path} ({err.strerror or err}); make it readable or move it out") from None
+    if stat.S_ISDIR(mode):
+        return
+    kind = "a symbolic link" if stat.S_ISLNK(mode) else "a file" if stat.S_ISREG(mode) else "not a folder"
+    raise OutputError(f"{path} is {kind}, not a checkpoint folder the run wrote; move it out of {path.parent} "
+                      "and run the command again")
+
+
+def check_slots(run_dir: Path) -> None:
+    """:func:`check_slot` for every checkpoint name in ``run_dir``'s checkpoint folder: before a run trains on, not
+    at the checkpoint its steps would be lost at."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return
+    for path in sorted(root.iterdir()):
+        if CHECKPOINT_NAME.fullmatch(path.name):
+            check_slot(path)
+
+
 def _prune(root: Path, keep_names: set[str], keep: int) -> None:
-    complete = sorted(p for p in root.glob("step-*") if p.is_dir())
+    complete = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.is_symlink())
     for old in complete[:-keep] if keep > 0 else complete:
         if old.name not in keep_names:
             shutil.rmtree(old, ignore_errors=True)
@@ -365,14 +405,17 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def damaged_advice(checkpoint: Path) -> str:
-    """What to do about the damaged checkpoint folder ``checkpoint``: resume from an earlier one where the run
-    keeps one, else start the run over in its folder."""
+    """What to do about the damaged checkpoint folder ``checkpoint``, in steps that work when followed as written:
+    resume from an earlier one where the run keeps one (``LATEST`` goes too, as it names the damaged one), else
+    start the run over in its folder."""
     root = checkpoint.parent
     earlier = sorted(p.name for p in root.glob("step-*") if CHECKPOINT_NAME.fullmatch(p.name) and p.name <
-                     checkpoint.name and (p / "meta.json").is_file()) if root.is_dir() else []
+                     checkpoint.name and _inside(root, p) and (p / "meta.json").is_file()) if root.is_dir() else []
     if earlier:
-        return f"delete {checkpoint} to resume from the run's previous checkpoint ({earlier[-1]})"
-    return f"the run keeps no earlier checkpoint: delete {checkpoint} and train again (the run starts over)"
+        return (f"delete {checkpoint} and {root / 'LATEST'}, then run the command again (--resume to train on): the "
+                f"run's previous checkpoint ({earlier[-1]}) is then used")
+    return (f"the run keeps no earlier checkpoint: delete {root} and run the same train command again (the run "
+            "starts over in its folder)")
 
 
 def _safe_torch_load(path: Path) -> dict[str, Any]:
@@ -460,15 +503,37 @@ def load_run_weights(model: nn.Module, run_dir: Path, config: dict[str, Any]) ->
         state, where, recorded = _safe_load_tensors(final, fix), str(final), recorded_config(final)
         files = recorded_metadata(final).get(FILES_KEY)
     else:
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
+        loaded = load_latest_checkpoint(run_dir)
+        if loaded is None:
             raise CheckpointError(f"{run_dir} has no weights yet (no model.safetensors, no checkpoint)")
-        loaded = load_checkpoint(checkpoint, with_trainer=False)
+        checkpoint = loaded.path
         state, where, recorded = loaded.model_state, str(checkpoint), loaded.meta.get("config")
         files = loaded.meta.get(FILES_KEY)
     check_architecture(recorded, config, where)
     check_files(run_dir, files, where, "restore it from a copy of the run")
     load_model_weights(model, state, where)
+
+
+SNAPSHOT_TRIES = 5
+"""How often a checkpoint that a newer one replaced while it was read is read again (the newer one): a run that
+trains checkpoints at most every few seconds, so one retry nearly always does."""
+
+
+def load_latest_checkpoint(run_dir: Path, with_trainer: bool = False) -> Checkpoint | None:
+    """The newest checkpoint of ``run_dir``, read whole even while the run trains on: a checkpoint the trainer
+    replaced between two reads (its files deleted after ``LATEST`` moved on) is not damage; the newer one is read
+    instead. ``None`` where the run has no checkpoint."""
+    for _ in range(SNAPSHOT_TRIES):
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
+            return None
+        try:
+            return load_checkpoint(checkpoint, with_trainer)
+        except CheckpointError:
+            if latest_checkpoint(run_dir) == checkpoint:
+                raise  # still the newest: the damage is real
+    raise CheckpointError(f"{run_dir} wrote {SNAPSHOT_TRIES} checkpoints while one was being read; the run is "
+                          "healthy: read it again (or once it has finished)")
 
 
 def load_checkpoint(path: Path, with_trainer: bool = True) -> Checkpoint:
@@ -491,12 +556,22 @@ def load_checkpoint(path: Path, with_trainer: bool = True) -> Checkpoint:
                                           or meta[key] < 0):
             raise CheckpointError(f"{meta_file} is damaged: {key!r} is {repr(meta.get(key))[:40]}, not a "
                                   f"count{damaged}")
+    folder_step = int(path.name.removeprefix("step-")) if CHECKPOINT_NAME.fullmatch(path.name) else None
+    if folder_step is not None and meta["step"] != folder_step:
+        raise CheckpointError(f"{meta_file} is damaged: its step ({meta['step']}) is not its folder's "
+                              f"({folder_step}){damaged}")
     numbers = ("loss_sum", "train_seconds", "setup_seconds", "wall_seconds") if with_trainer else ()
     for key in numbers:
         value = meta.get(key)
         if key in meta and (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)):
             raise CheckpointError(f"{meta_file} is damaged: {key!r} is {repr(value)[:40]}, not a finite "
                                   f"number{damaged}")
+    recorded = meta.get(META_CHECKSUM_KEY)
+    if recorded != meta_checksum(meta):
+        problem = (f"it records no checksum ({META_CHECKSUM_KEY}), so gatedformer did not write it or it was rewritten "
+                   "since" if recorded is None else "it does not match the checksum it recorded when it was written "
+                   "(its step, counters or config were changed since)")
+        raise CheckpointError(f"{meta_file} is damaged: {problem}{damaged}")
     model_state = _safe_load_tensors(path / "model.safetensors")
     try:
         carry = _unflatten(meta.get("carry"), _safe_load_tensors(path / "carry.safetensors"))

@@ -35,6 +35,7 @@ from gatedformer.train import distributed
 from gatedformer.train.checkpoint import (
     JSON_BYTES,
     check_architecture,
+    check_slots,
     config_mismatch,
     latest_checkpoint,
     load_checkpoint,
@@ -200,6 +201,27 @@ class NonFiniteLoss(GatedformerError):
     exit_code = 3
 
 
+class EvaluationFailed(GatedformerError):
+    """An evaluation during training failed on a user error (a missing file, module or setting): the error's own
+    line, with where the steps trained before it are kept. Its exit status is the error's."""
+
+    def __init__(self, error: GatedformerError, step: int, out_dir: Path) -> None:
+        super().__init__(f"{error} (the evaluation at step {step} failed; the {step} steps before it are kept in a "
+                         f"checkpoint: once that is fixed, continue with --resume --out {out_dir})")
+        self.exit_code = error.exit_code
+
+
+def _diverged(step: int, out_dir: Path, valid_loss: float) -> NonFiniteLoss:
+    """The run stopped at the evaluation of ``step``, whose validation loss was not finite."""
+    kept = latest_checkpoint(out_dir) if out_dir.exists() else None
+    fixes = "a lower optim.lr or optim.clip set"
+    return NonFiniteLoss(
+        f"the validation loss at step {step} is {valid_loss} (the model diverged, even where the training loss "
+        "stayed finite); " + (f"the last checkpoint of a finite validation loss ({kept.name}) is kept: continue from "
+                              f"it with --resume and {fixes}" if kept is not None
+                              else f"no checkpoint was written before it: train again with {fixes}"))
+
+
 def stop_here(step: int, final: bool, signal: int | str | None, stop_after: int | None, out_dir: Path,
               checkpoint_now: Callable[[], None], bar: Any) -> bool:
     """After optimisation step ``step``: on a stop ``signal``, checkpoint and raise :class:`TrainingInterrupted`;
@@ -273,11 +295,13 @@ def prepare_run_dir(out_dir: Path, config: RunConfig, resume: bool) -> Path | No
     out_dir = Path(out_dir)
     if (out_dir / "results.json").is_file():
         raise ConfigError(f"{out_dir} already holds a finished run; choose another --out or delete it")
+    check_slots(out_dir)  # a link or file where a later checkpoint goes: refused now, not at that checkpoint
     checkpoint = latest_checkpoint(out_dir) if out_dir.exists() else None
-    saved_config = out_dir / "config.json"
     if checkpoint is not None and not resume:
         raise ConfigError(f"{out_dir} holds an unfinished run; pass --resume to continue it or choose another --out")
-    if checkpoint is not None and saved_config.is_file():
+    if checkpoint is not None:
+        # Without config.json (deleted, say) the checkpoint's recorded config stands in, so a changed field is
+        # refused all the same rather than recorded as if the run had been trained with it.
         differences = saved_config_differences(out_dir, config, RESUMABLE_CHANGES)
         if differences:
             raise CheckpointError(
@@ -289,20 +313,22 @@ def prepare_run_dir(out_dir: Path, config: RunConfig, resume: bool) -> Path | No
 
 def saved_config_differences(run_dir: Path, config: RunConfig, ignore: set[str]) -> list[str]:
     """The fields (outside ``ignore``) in which ``config`` differs from the one ``run_dir`` was started with,
-    each as ``section.field (saved, now)``. Where ``config.json`` is damaged, the config the run's weights record
-    (final or checkpoint) stands in for it; a damaged one with no such record is a :class:`CheckpointError`."""
+    each as ``section.field (saved, now)``. Where ``config.json`` is damaged or missing, the config the run's weights
+    record (final or checkpoint) stands in for it; without such a record it is a :class:`CheckpointError`."""
     path = Path(run_dir) / "config.json"
     try:
         saved = json.loads(read_limited(path, JSON_BYTES))
     except (OSError, ValueError) as err:
-        saved, reason = None, str(err)[:80] or type(err).__name__
+        saved, reason = None, (err.strerror if isinstance(err, OSError) and err.strerror else str(err)[:80]
+                               or type(err).__name__)
     else:
         reason = "not a config"
     if not isinstance(saved, dict) or not all(isinstance(section, dict) for section in saved.values()):
         recorded = recorded_run_config(Path(run_dir))
         if recorded is None or not all(isinstance(section, dict) for section in recorded[0].values()):
-            raise CheckpointError(f"{path} is damaged ({reason}) and no weights of the run record its config; "
-                                  f"delete {Path(run_dir)} to train that run again")
+            raise CheckpointError(f"{path} is missing or damaged ({reason}) and no weights of the run record its "
+                                  f"config; restore it from a copy of the run, or delete {Path(run_dir)} to train "
+                                  "that run again")
         saved = recorded[0]
     return config_mismatch(saved, config.to_dict(), ignore)
 
@@ -316,6 +342,7 @@ def train(config: RunConfig, out_dir: str | Path, data_dir: str | Path | None = 
     validate(config)
     task = task_for(config)
     check_loggers(config)  # fail before any work, not after it
+    task.check_modules(config)  # an optional module its evaluation needs: missing now, not after hours of steps
     # One process trains a run folder: rank 0 (or the only process) holds its lock until the run returns or dies.
     created = not Path(out_dir).exists()
     lock = claim_run_folder(out_dir) if distributed.is_main_process() else None
@@ -520,10 +547,25 @@ def _train(config: RunConfig, task: Task, out_dir: Path, data_dir: str | Path | 
                     except _Abandoned:
                         abandoned = True
                         model.train()
+                    except Exception as err:
+                        # The steps before it are sound: keep them, as a stop signal would, and --resume evaluates
+                        # this step again first once the cause is fixed.
+                        observe(None, abandoned=True)
+                        checkpoint_now(evaluation_pending=True)
+                        bar.close()
+                        if isinstance(err, GatedformerError):
+                            raise EvaluationFailed(err, step, out_dir) from None
+                        raise
                     else:
                         log_evaluation(fields)
                         bar.set_postfix(valid=f"{fields[f'valid_{metric}']:.3f} {metric}")
                         final_eval = fields if final else None
+                # train.nonfinite=skip rides through non-finite values, in validation as in training.
+                diverged = distributed.any_rank(ddp, ddp.is_main and not abandoned and tcfg.nonfinite == "stop"
+                                                and not math.isfinite(fields["valid_loss"]))
+                if diverged:  # no checkpoint of these weights: the last one, of finite validation loss, stays
+                    bar.close()
+                    raise _diverged(step, out_dir, fields["valid_loss"] if ddp.is_main else math.nan)
                 observe(fields if ddp.is_main and not abandoned else None, abandoned)
                 checkpoint_now(evaluation_pending=abandoned)
             signal = (stop_signal.received or "on another rank") if distributed.any_rank(
