@@ -52,6 +52,7 @@ def test_gate_names_parse_into_layers_and_sublayers() -> None:
     assert [s.layer for s in panels["FFN (SDU)"]] == [0, 1]
 
 
+@pytest.mark.slow
 def test_gated_run_draws_heatmap_tsne_and_activations(runs: dict[str, Path], tmp_path: Path,
                                                       capsys: pytest.CaptureFixture) -> None:
     biases = load_gate_biases(runs["gated"])

@@ -44,6 +44,7 @@ MODEL_FIELDS = {"section", "backbone", "variant", "gates", "status", "params", "
                 "peak_gflops", "train_mfu", "eval_mfu", "peak_mem_mb", "mem_method"}
 
 
+@pytest.mark.slow
 def test_every_backbone_and_variant_gets_a_row_with_the_documented_fields() -> None:
     threads = torch.get_num_threads()
     report = run_bench(TINY, QUICK, sections=["models"], variants=["baseline", "+σ SDU", "+EAU+GRC"])
@@ -192,6 +193,7 @@ def test_peers_that_are_not_installed_are_skipped(monkeypatch: pytest.MonkeyPatc
     assert any("x-transformers skipped" in note for note in report.notes)
 
 
+@pytest.mark.slow
 def test_memory_sweeps() -> None:
     report = run_bench(TINY, QUICK, sections=["memory"], mem_lens=(0, 8, 32), windows=(1, 4))
     xl = [r for r in report.section("memory") if r["backbone"] == "transformer-xl"]
@@ -321,6 +323,7 @@ def test_every_gate_variant_runs_under_bf16_autocast(norm: str) -> None:
         assert logits.shape == (2, 8, 11)
 
 
+@pytest.mark.slow
 def test_bf16_option_reports_mfu_against_both_peaks() -> None:
     options = BenchOptions(repeats=1, warmup=1, memory="none", threads=1, bf16=True)
     report = run_bench(TINY, options, sections=["models"], backbones=["transformer"],

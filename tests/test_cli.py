@@ -208,6 +208,7 @@ def test_truncated_checkpoint_and_mismatched_config(text_corpus: str, tmp_path: 
     assert_one_line_error(result, "model.n_layers (2 saved, 3 now)")
 
 
+@pytest.mark.slow
 @needs_shared("ptb/ptb.char.train.txt", "ptb/ptb.char.valid.txt", "ptb/ptb.char.test.txt")
 def test_main_job_on_real_data_in_miniature(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """The README's main command (compare on char PTB), cut to a few steps: the table and plot appear."""

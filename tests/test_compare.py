@@ -55,6 +55,7 @@ def snapshot(run_dir: Path) -> dict[str, tuple[bytes, int]]:
             for name in ("results.json", "log.jsonl", "model.safetensors")}
 
 
+@pytest.mark.slow
 def test_two_variants_two_seeds_report_and_resume(text_corpus: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture) -> None:
     recipe_file = tmp_path / "two.toml"

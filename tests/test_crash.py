@@ -122,6 +122,7 @@ def assert_same_as_reference(run_dir: Path, reference: dict) -> None:
     assert {k: v for k, v in results.items() if k not in TIMING} == {k: v for k, v in wanted.items() if k not in TIMING}
 
 
+@pytest.mark.slow
 def test_sigkill_at_a_random_moment_then_resume(reference: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
     moment = random.randint(1, 30)  # kill once the log has this many lines: before, in, between checkpoints
@@ -136,6 +137,7 @@ def test_sigkill_at_a_random_moment_then_resume(reference: dict, tmp_path: Path)
     assert_same_as_reference(out, reference)
 
 
+@pytest.mark.slow
 def test_sigkill_inside_a_checkpoint_write_keeps_the_previous_checkpoint(reference: dict, tmp_path: Path) -> None:
     out, ready = tmp_path / "run", tmp_path / "ready"
     process = launch([str(ready), *train_args(reference, out)], tmp_path, script=STALL_IN_CHECKPOINT)
@@ -154,6 +156,7 @@ def test_sigkill_inside_a_checkpoint_write_keeps_the_previous_checkpoint(referen
     assert_same_as_reference(out, reference)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_with_one_line(reference: dict, tmp_path: Path) -> None:
     out = tmp_path / "run"
     moment = random.randint(1, 30)
@@ -207,6 +210,7 @@ def test_nonfinite_loss_keeps_the_last_good_checkpoint(reference: dict, tmp_path
     assert_same_as_reference(tmp_path / "run", reference)
 
 
+@pytest.mark.slow
 def test_interrupted_compare_keeps_finished_runs(reference: dict, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "cmp"

@@ -64,6 +64,7 @@ def train_losses(run_dir: Path) -> list[float]:
     return series(read_log(run_dir), "train", "train_loss")[1]
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_and_resume_exactly(text_corpus: str, tmp_path: Path) -> None:
     # On the CPU (gloo) even where a GPU is present: one GPU could not hold two ranks.
     equal = tiny_overrides(text_corpus, steps=8) + ["model.dropout=0", "train.device=cpu"]

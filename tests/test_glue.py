@@ -305,6 +305,7 @@ def test_a_finetuned_model_classifies_as_its_evaluation_does_and_exports(
         assert "input line 1 holds 1 sentence(s)" in err and "\n" not in err
 
 
+@pytest.mark.slow
 def test_glue_comparison_of_two_variants_end_to_end(pretrained: Path, glue_root: Path, tmp_path: Path) -> None:
     from gatedformer.analysis.glue import run_glue_comparison
 

@@ -165,6 +165,7 @@ def test_train_refuses_a_folder_that_is_not_a_run_an_empty_out_and_a_name_too_lo
 # 3. A stop signal ends a long evaluation; the resumed run redoes it
 
 
+@pytest.mark.slow
 def test_a_stop_signal_ends_a_whole_split_evaluation_and_resume_redoes_it(
         tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     # Every valid token its own window: the whole-split evaluation at step 4 takes seconds.

@@ -552,6 +552,7 @@ def test_params_report_shows_the_paper_sizes_side_by_side() -> None:
     assert "+EAU+GRC" in report["text"] and "1,000" in report["text"]
 
 
+@pytest.mark.slow
 def test_compare_runs_translation_variants(corpus_dir: Path, tmp_path: Path) -> None:
     from gatedformer.analysis.compare import run_comparison
 

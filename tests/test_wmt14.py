@@ -149,6 +149,7 @@ def test_a_corrupt_archive_is_refused_and_nothing_is_kept(stand_ins: tuple, tmp_
         mt.load_translation_data(corpus="wmt14", data_dir=tmp_path / "data")
 
 
+@pytest.mark.slow
 def test_fetch_from_a_mirror_then_train_translate_and_score(stand_ins: tuple, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
