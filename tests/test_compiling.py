@@ -92,6 +92,7 @@ def dynamo_warnings() -> Iterator[list[str]]:
         logger.removeHandler(handler)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backbone", ["transformer", "transformer-xl"])
 def test_compiled_variants_in_one_process_train_without_dynamo_warnings(
         backbone: str, text_corpus: str, tmp_path: Path, fresh_dynamo: None, dynamo_warnings: list[str],
@@ -124,6 +125,7 @@ def test_every_backbone_compiles_into_one_graph(backbone: str, extra: dict, fres
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("streams, directions", [(3, 1), (4, 2)])
 def test_the_sru_recurrence_is_one_operator_under_compile(streams: int, directions: int, fresh_dynamo: None) -> None:
     length, batch, hidden = 5, 3, 8
@@ -151,6 +153,7 @@ def test_the_sru_recurrence_is_one_operator_under_compile(streams: int, directio
         torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backbone", ["rtransformer", "sru-transformer"])
 def test_a_compiled_step_equals_the_eager_one(backbone: str, fresh_dynamo: None) -> None:
     # the backbones whose recurrences compile as operators or as PyTorch steps rather than their eager kernels
@@ -167,6 +170,7 @@ def test_a_compiled_step_equals_the_eager_one(backbone: str, fresh_dynamo: None)
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_eager_use_never_loads_dynamo_and_compiled_code_still_sees_the_constant_checks() -> None:
     # torch._dynamo costs every command about as long as torch to import; the kernels' checks are marked constant
     # when compiling starts, and a model built and run before then still compiles into one graph.

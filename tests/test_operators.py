@@ -145,6 +145,7 @@ def test_traced_seeds_are_drawn_in_the_eager_order() -> None:
 @pytest.mark.parametrize("backbone, extra", [
     ("transformer", {}), ("transformer-xl", {}), ("transformer-xl", {"d_ffn": 35}), ("gcnn", {}),
 ], ids=["transformer", "xl-streamed-stack", "xl-python-stack", "gcnn"])
+@pytest.mark.slow
 def test_a_compiled_step_with_dropout_equals_the_eager_one(backbone: str, extra: dict,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     # Inductor compiles the glue; the fused paths stay operators (Transformer-XL's whole stack one of them, with its
