@@ -82,6 +82,19 @@ def test_a_changed_vocabulary_of_an_export_is_refused_naming_the_file(workspace:
     assert gatedformer.from_pretrained(export, device="cpu").generate("the ", max_tokens=20, seed=3) == before
 
 
+def test_an_export_whose_weights_record_no_vocabulary_checksums_is_refused(workspace: Path, tmp_path: Path) -> None:
+    from gatedformer.data.verify import FILES_KEY
+    from gatedformer.train.checkpoint import read_tensors, write_tensors
+
+    export = shutil.copytree(workspace / "export", tmp_path / "export")
+    weights = export / "model.safetensors"
+    tensors, metadata = read_tensors(weights)
+    assert "vocab.json" in json.loads(metadata.pop(FILES_KEY))
+    write_tensors(tensors, weights, {k: v for k, v in metadata.items() if k != "weights_sha256"})  # still checks
+    with pytest.raises(CheckpointError, match=r"records no checksum of vocab\.json"):
+        gatedformer.from_pretrained(export, device="cpu")
+
+
 def test_a_changed_tokenizer_of_a_run_is_one_line_naming_the_file(workspace: Path, tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     run = shutil.copytree(workspace / "mlm", tmp_path / "mlm")

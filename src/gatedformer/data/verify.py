@@ -47,10 +47,11 @@ def check_files(folder: Path, recorded: Any, where: str, fix: str, listed: Itera
     """Check the files of ``folder`` against the checksums ``where`` (a weights file, a ``meta.json``) recorded
     when they were written (``recorded``: :data:`FILES_KEY`'s JSON text or dictionary), so that a changed
     vocabulary is one :class:`CheckpointError` naming the file, never a model reading ids that mean other tokens.
-    ``None`` (weights written before the checksums existed) checks nothing; a file that is missing is left to the
-    reader (a run may read its vocabulary from the corpus instead). Each of ``listed`` must have a checksum."""
+    A file that is missing is left to the
+    reader (a run may read its vocabulary from the corpus instead). Each of ``listed`` must have a checksum, so a
+    file that records none (``None``) passes only where nothing is listed."""
     if recorded is None:
-        return
+        recorded = {}
     try:
         table = json.loads(recorded) if isinstance(recorded, str) else recorded
     except ValueError:
