@@ -321,6 +321,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Long on purpose: the one declaration of every command and its options, in the order --help lists them.
     from gatedformer import __version__
 
     parser = argparse.ArgumentParser(prog="gatedformer", description="Gated sequence models: train, compare, "

@@ -545,6 +545,8 @@ def relative_stack_streamed(blas: PackedGemm, attend: int, x: Tensor, memories: 
 
     Returns every layer's output rows and what :func:`relative_stack_streamed_backward` needs (``"table"`` holds the
     addresses of all of it)."""
+    # Long on purpose: it lays out every buffer and address of the kernel's flat per-layer table in the order the C
+    # side reads them (csrc/epilogue.cpp, relative_stack_forward_f32), so the two layouts can be read side by side.
     n, (rows, width) = len(weights), x.shape
     length, hidden_width = rows // batch, weights[0][7].shape[0]
     gated = any(w is not None for layer in weights for w in layer[13:])

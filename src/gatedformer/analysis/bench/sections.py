@@ -219,13 +219,10 @@ def _bench_transformer_peers(report: BenchReport, size: BenchSize, options: Benc
         report.rows.append(row)
 
 
-def _bench_rnn_peers(report: BenchReport, rnn: RNNSize, options: BenchOptions, device: torch.device,
-                     progress: Callable[[str], None]) -> None:
-    progress(f"rnn-peers: SRU vs sru / LSTM / GRU (hidden {rnn.hidden}, length {rnn.length}, batch {rnn.batch})")
-    method = memory_method(options.memory, device)
-    if method == "rss":
-        method = "tensors"
-
+def _rnn_peer_models(rnn: RNNSize, options: BenchOptions, device: torch.device
+                     ) -> tuple[list[str], dict[str, nn.Module], dict[str, str]]:
+    """Our SRU and its peers (the official ``sru``, ``nn.LSTM``, ``nn.GRU``) at one size, each built from the same
+    seed: every contender's name, the models built, and why each of the others is not there."""
     def ours() -> nn.Module:
         from gatedformer.nn.sru import SRU
 
@@ -241,9 +238,6 @@ def _bench_rnn_peers(report: BenchReport, rnn: RNNSize, options: BenchOptions, d
         "torch.nn.LSTM": lambda: nn.LSTM(rnn.hidden, rnn.hidden, num_layers=rnn.layers),
         "torch.nn.GRU": lambda: nn.GRU(rnn.hidden, rnn.hidden, num_layers=rnn.layers),
     }
-    generator = torch.Generator().manual_seed(options.seed)
-    x = torch.randn(rnn.length, rnn.batch, rnn.hidden, generator=generator).to(device).requires_grad_(True)
-    grad = torch.randn(rnn.length, rnn.batch, rnn.hidden, generator=generator).to(device)
     models: dict[str, nn.Module] = {}
     skipped: dict[str, str] = {}
     for name, make in builders.items():
@@ -254,6 +248,21 @@ def _bench_rnn_peers(report: BenchReport, rnn: RNNSize, options: BenchOptions, d
             skipped[name] = f"skipped: not installed ({err.name or err}); pip install 'gatedformer[bench]'"
         except Exception as err:  # noqa: BLE001 - an optional peer that fails to build is reported
             skipped[name] = f"skipped: {type(err).__name__}: {err}"[:200]
+
+    return list(builders), models, skipped
+
+
+def _bench_rnn_peers(report: BenchReport, rnn: RNNSize, options: BenchOptions, device: torch.device,
+                     progress: Callable[[str], None]) -> None:
+    progress(f"rnn-peers: SRU vs sru / LSTM / GRU (hidden {rnn.hidden}, length {rnn.length}, batch {rnn.batch})")
+    method = memory_method(options.memory, device)
+    if method == "rss":
+        method = "tensors"
+
+    generator = torch.Generator().manual_seed(options.seed)
+    x = torch.randn(rnn.length, rnn.batch, rnn.hidden, generator=generator).to(device).requires_grad_(True)
+    grad = torch.randn(rnn.length, rnn.batch, rnn.hidden, generator=generator).to(device)
+    names, models, skipped = _rnn_peer_models(rnn, options, device)
 
     def autocast() -> contextlib.AbstractContextManager:
         if options.bf16:
@@ -290,7 +299,7 @@ def _bench_rnn_peers(report: BenchReport, rnn: RNNSize, options: BenchOptions, d
     times = time_round_robin(contenders, options.repeats, options.warmup, device, failed=failed)
     ours_fwd, ours_fb = times.get("fwd:gatedformer SRU"), times.get("fwdbwd:gatedformer SRU")
     tokens = rnn.length * rnn.batch
-    for name in builders:
+    for name in names:
         if name in skipped or f"fwd:{name}" not in times or f"fwdbwd:{name}" not in times:
             why = skipped.get(name) or f"failed: {failed.get(f'fwd:{name}') or failed.get(f'fwdbwd:{name}')}"
             report.rows.append({"section": "rnn-peers", "name": name, "status": why})
