@@ -11,10 +11,11 @@ import torch
 from conftest import tiny_overrides
 
 from gatedformer.cli import main
-from gatedformer.config import build_config, load_recipe
+from gatedformer.config import RunConfig, build_config, load_recipe
 from gatedformer.errors import ConfigError
 from gatedformer.train.checkpoint import load_checkpoint, save_checkpoint
-from gatedformer.train.loop import optimise, train
+from gatedformer.train.distributed import DistContext
+from gatedformer.train.loop import RunState, backward, optimise, train
 
 
 def test_fp16_on_the_cpu_is_refused_with_one_line(text_corpus: str, tmp_path: Path,
@@ -45,14 +46,24 @@ def _setup(scale: float) -> tuple[torch.nn.Linear, torch.optim.Optimizer, torch.
     return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", init_scale=scale)
 
 
+def _step(loss: torch.Tensor, model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: _Schedule,
+          config: RunConfig, out_dir: Path, scaler: torch.amp.GradScaler | None) -> tuple[float, bool]:
+    """The loop's backward pass and update of one step, on a model outside a run."""
+    scaler = scaler if scaler is not None else torch.amp.GradScaler("cpu", enabled=False)
+    run = RunState(config=config, task=None, out_dir=out_dir, ddp=DistContext(), data=None, metric="", model=model,
+                   optimizer=optimizer, scheduler=schedule, scaler=scaler, params=0, files_sha256={})
+    backward(loss, scaler)
+    return optimise(run, loss.detach())
+
+
 def test_the_scaled_step_equals_the_unscaled_one(tmp_path: Path) -> None:
     config = build_config(load_recipe("ptb-char-tiny"), ["optim.clip=0.5"])
     x = torch.randn(4, 3)
     plain, plain_opt, _ = _setup(1.0)
     scaled, scaled_opt, scaler = _setup(2.0**12)
     for model, optimizer, grad_scaler in ((plain, plain_opt, None), (scaled, scaled_opt, scaler)):
-        value, stepped = optimise(model(x).square().mean(), model, optimizer, _Schedule(), config, 0, tmp_path,
-                                  scaler=grad_scaler)
+        value, stepped = _step(model(x).square().mean(), model, optimizer, _Schedule(), config, tmp_path,
+                               grad_scaler)
         assert stepped and value > 0
     # the gradients were unscaled before clipping: the same update
     for a, b in zip(plain.parameters(), scaled.parameters(), strict=True):
@@ -66,7 +77,7 @@ def test_an_overflow_skips_the_update_and_lowers_the_scale(tmp_path: Path) -> No
     before = [p.detach().clone() for p in model.parameters()]
     schedule = _Schedule()
     loss = model.weight.sum() * 1e36  # finite, but its gradients times the scale overflow float32
-    value, stepped = optimise(loss, model, optimizer, schedule, config, 0, tmp_path, scaler=scaler)
+    value, stepped = _step(loss, model, optimizer, schedule, config, tmp_path, scaler)
     assert not stepped and schedule.steps == 1  # not an error: the scaler's business
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert scaler.get_scale() == 2.0**11
