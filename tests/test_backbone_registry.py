@@ -36,9 +36,24 @@ def test_each_model_module_registers_its_backbones() -> None:
 
 def test_a_backbone_is_registered_once_per_task() -> None:
     with pytest.raises(ValueError, match="registered twice"):
-        register_backbone(Backbone("transformer", "lm", lambda cfg, vocab_size: None, "another", fields=("d_model",)))
+        register_backbone("transformer", task="lm", fields=("d_model",), description="another")(
+            lambda cfg, vocab_size: None)
     with pytest.raises(ValueError, match="must declare the ModelConfig fields it reads"):
-        register_backbone(Backbone("mine", "lm", lambda cfg, vocab_size: None, "mine", fields=("width",)))
+        register_backbone("mine", task="lm", fields=("width",), description="mine")(lambda cfg, vocab_size: None)
+    assert "mine" not in backbone_names("lm")
+
+
+def test_each_backbone_is_the_build_function_its_decorator_stands_beside() -> None:
+    from gatedformer.models import bert, seq2seq, transformer
+
+    assert get_backbone("transformer").build is transformer._build
+    assert get_backbone("sru-transformer", "translation").build is seq2seq._build_sru
+    assert get_backbone("bert", "glue").build is bert.build_classifier
+    assert isinstance(get_backbone("bert", "mlm"), Backbone)
+    assert get_backbone("bert", "mlm").fields == bert._FIELDS and get_backbone("bert", "mlm").check is bert._check
+    assert get_backbone("sru-transformer", "translation").cross_attention
+    # A module's own names are its functions: the decorator hands back what it was given.
+    assert all(b.build.__name__ != "<lambda>" for b in map(get_backbone, backbone_names()))
 
 
 @pytest.mark.parametrize("backbone", sorted(backbone_names()))

@@ -13,15 +13,15 @@ import difflib
 import math
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import tomllib
 
-from gatedformer.data.registry import corpus_task
+from gatedformer.data.registry import corpus_task, text_tasks
 from gatedformer.errors import ConfigError
 from gatedformer.gates.spec import resolve_placement
 
@@ -286,13 +286,13 @@ class RunConfig:
 
 
 # --------------------------------------------------------------------------------------------
-# The backbones: each model module registers itself here (gatedformer.models), so this table is the one list of
-# what ``model.backbone`` may name, per task.
+# The backbones: each model module's build functions register themselves here (``@register_backbone``, at the import
+# of gatedformer.models), so this table is the one list of what ``model.backbone`` may name, per task.
 
 
 @dataclass(frozen=True)
 class Backbone:
-    """A network a task trains, as its module registers it with :func:`register_backbone`."""
+    """A network a task trains, as its module's build function registers it (``@register_backbone``)."""
 
     name: str
     """What ``model.backbone`` says."""
@@ -317,9 +317,24 @@ class Backbone:
 
 _BACKBONES: dict[tuple[str, str], Backbone] = {}
 
+_Build = TypeVar("_Build", bound=Callable[..., Any])
 
-def register_backbone(backbone: Backbone) -> Backbone:
-    """Add ``backbone`` to the table (a model module calls this once, at import)."""
+
+def register_backbone(name: str, *, task: str, fields: Sequence[str], description: str, gated: bool = True,
+                      cross_attention: bool = False,
+                      check: Callable[[ModelConfig], None] | None = None) -> Callable[[_Build], _Build]:
+    """A decorator that puts the build function beside it in the table as backbone ``name`` of ``task`` (the
+    arguments are :class:`Backbone`'s), at its module's import; it returns the function unchanged."""
+
+    def register(build: _Build) -> _Build:
+        _add_backbone(Backbone(name, task, build, description, gated=gated, cross_attention=cross_attention,
+                               check=check, fields=tuple(fields)))
+        return build
+
+    return register
+
+
+def _add_backbone(backbone: Backbone) -> None:
     unknown = sorted(set(backbone.fields) - set(_field_types(ModelConfig)))
     if unknown or not backbone.fields:
         raise ValueError(f"backbone {backbone.name!r} must declare the ModelConfig fields it reads (unknown: "
@@ -328,7 +343,6 @@ def register_backbone(backbone: Backbone) -> Backbone:
     if key in _BACKBONES and _BACKBONES[key] != backbone:
         raise ValueError(f"backbone {backbone.name!r} is registered twice for task {backbone.task!r}")
     _BACKBONES[key] = backbone
-    return backbone
 
 
 def backbone_names(task: str = "lm") -> tuple[str, ...]:
@@ -351,16 +365,19 @@ def task_of(config: RunConfig) -> str:
     return config.data.task.strip().lower() or corpus_task(config.data.corpus)
 
 
-TASK_SECTIONS: dict[str, tuple[str, ...]] = {
-    "lm": (),
-    "translation": ("translation",),
-    # A pretraining run keeps the settings of its fine-tuning (``gatedformer finetune --run``, the GLUE comparison).
-    "mlm": ("tokenizer", "mlm", "finetune"),
-    "glue": ("tokenizer", "finetune"),
-    "sentclass": ("sentclass",),
-}
+TASK_SECTIONS: dict[str, tuple[str, ...]] = {}
 """The task sections each task reads, beside ``[data]``, ``[model]``, ``[optim]``, ``[init]`` and ``[train]``, which
-every run reads: :func:`validate` refuses a field of any other task section set away from its default."""
+every run reads: :func:`validate` refuses a field of any other task section set away from its default. Each task
+declares its own as it registers (``@register_task(name, sections=...)`` in :mod:`gatedformer.tasks`), which calls
+:func:`register_task_sections`."""
+
+
+def register_task_sections(task: str, sections: Sequence[str]) -> None:
+    """Record the sections of :class:`RunConfig` that ``task`` reads (:data:`TASK_SECTIONS`)."""
+    wrong = sorted(set(sections) - set(_sections()) | set(sections) & {"data", "model", "optim", "init", "train"})
+    if wrong:
+        raise ValueError(f"task {task!r} declares sections {wrong}, which are not task sections of RunConfig")
+    TASK_SECTIONS[task] = tuple(sections)
 
 
 @dataclass
@@ -645,16 +662,12 @@ def _refuse_unread(config: RunConfig, backbone: Backbone) -> None:
                               f"drop {section}.{name}")
 
 
-TEXT_TASKS = ("mlm",)
-"""Tasks ``data.task`` may name on a language-model corpus in place of causal language modelling."""
-
-
 def _check_task(config: RunConfig) -> None:
     """``data.task`` must be empty, the corpus's own task, or a task that reads a language-model corpus's text."""
     task, own = config.data.task.strip().lower(), corpus_task(config.data.corpus)
     if not task or task == own:
         return
-    _check(task in TEXT_TASKS and own == "lm",
+    _check(task in text_tasks() and own == "lm",
            f"data.task={config.data.task!r} does not apply to corpus {config.data.corpus} (a {own} corpus); leave "
            f"data.task empty, or set data.task=mlm on a language-model corpus such as wikitext2")
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from gatedformer.analysis.compare import slug
 from gatedformer.analysis.report import ComparisonReport, markdown_table
+from gatedformer.analysis.text_tasks import register_comparison
 from gatedformer.config import Recipe, RunConfig, Variant, build_config, check_overrides_spare_variants
 from gatedformer.data.glue import glue_task, locate_glue
 from gatedformer.errors import ConfigError, DataError, GatedformerError
@@ -211,6 +212,7 @@ def figure_2(pretrained: dict[str, list[RunResult]], path: Path) -> Path:
     return path
 
 
+@register_comparison("mlm")
 def run_glue_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: list[str] | None = None,
                         data_dir: str | Path | None = None, progress: bool = True,
                         only: list[str] | None = None) -> ComparisonReport:

@@ -15,6 +15,7 @@ from pathlib import Path
 from gatedformer.analysis.compare import slug
 from gatedformer.analysis.glue import select_variants, train_or_keep
 from gatedformer.analysis.report import ComparisonReport, markdown_table
+from gatedformer.analysis.text_tasks import register_comparison
 from gatedformer.config import Recipe, build_config, check_overrides_spare_variants
 from gatedformer.data.sentclass import sentence_set
 from gatedformer.errors import ConfigError
@@ -41,6 +42,7 @@ def _mean_std(values: list[float]) -> str:
     return f"{values[0]:.2f}" if values else "—"
 
 
+@register_comparison("sentclass")
 def run_sentclass_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: list[str] | None = None,
                              data_dir: str | Path | None = None, progress: bool = True,
                              only: list[str] | None = None) -> ComparisonReport:

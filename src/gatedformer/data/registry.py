@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,22 +193,36 @@ def is_text_corpus(name: str) -> bool:
     return name.startswith(TEXT_PREFIX)
 
 
-PARALLEL_CORPORA = ("multi30k", "wmt14")
-"""Corpora of sentence pairs, for translation (their files are described in :mod:`gatedformer.data.translation`)."""
+_TASK_CORPORA: dict[str, tuple[str, ...]] = {}
+"""The corpora each task reads, as names or ``fnmatch`` patterns (``glue-*``), by task: filled by the tasks
+themselves (``@register_task(name, corpora=...)`` in :mod:`gatedformer.tasks`), so a corpus's task is said once,
+beside the task."""
+
+UNCLAIMED_TASK = "lm"
+"""The task of a corpus that no task claims: causal language modelling (``text:`` files included)."""
 
 
-SENTCLASS_CORPORA = ("mr", "cr", "subj", "mpqa", "trec", "sst")
-"""The sentence-classification sets of Kim (2014) and the SRU paper (:mod:`gatedformer.data.sentclass`)."""
-GLUE_PREFIX = "glue-"
-"""GLUE tasks are the corpora ``glue-<task>`` (:mod:`gatedformer.data.glue`)."""
+def claim_corpora(task: str, corpora: Sequence[str]) -> None:
+    """Make the corpora that ``corpora`` names (or matches) ``task``'s; a corpus claimed by two tasks is an error."""
+    taken = {name: other for other, names in _TASK_CORPORA.items() if other != task for name in names}
+    clash = sorted(name for name in corpora if name in taken)
+    if clash:
+        raise ValueError(f"corpora {clash} are claimed by task {taken[clash[0]]!r} and by {task!r}")
+    _TASK_CORPORA[task] = _TASK_CORPORA.get(task, ()) + tuple(name.lower() for name in corpora)
+
+
+def text_tasks() -> tuple[str, ...]:
+    """The tasks that claim no corpus of their own, besides :data:`UNCLAIMED_TASK`: they read a language-model
+    corpus's text where ``data.task`` names them (``mlm``)."""
+    return tuple(task for task, corpora in _TASK_CORPORA.items() if not corpora and task != UNCLAIMED_TASK)
 
 
 def corpus_task(name: str) -> str:
-    """The task a corpus is for: ``translation`` for a parallel corpus, ``glue`` for a GLUE task, ``sentclass`` for a
-    sentence-classification set, ``lm`` for every other (``text:`` files included)."""
+    """The task a corpus is for: the task that declares it among its corpora (``translation`` for a parallel corpus,
+    ``glue`` for a GLUE task, ``sentclass`` for a sentence-classification set), :data:`UNCLAIMED_TASK` for every
+    other (``text:`` files included)."""
     key = name.strip().lower()
-    if key in PARALLEL_CORPORA:
-        return "translation"
-    if key.startswith(GLUE_PREFIX):
-        return "glue"
-    return "sentclass" if key in SENTCLASS_CORPORA else "lm"
+    for task, corpora in _TASK_CORPORA.items():
+        if any(fnmatch.fnmatchcase(key, pattern) for pattern in corpora):
+            return task
+    return UNCLAIMED_TASK

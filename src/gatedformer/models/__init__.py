@@ -1,6 +1,6 @@
-"""The models. Each module defines one backbone and registers it (:func:`gatedformer.config.register_backbone`) with
-the task it serves; the table in :mod:`gatedformer.config` is the one list of backbones, and importing this package
-fills it.
+"""The models. Each module defines one backbone and registers its build function with the task it serves, by the
+decorator beside it (``@register_backbone(name, task=..., fields=...)``, :func:`gatedformer.config.register_backbone`);
+the table in :mod:`gatedformer.config` is the one list of backbones, and importing this package fills it.
 
 Every language model here has the same interface, ``forward(tokens (B, L), state) -> (logits, state)``,
 where ``state`` is whatever the model carries from one window to the next (``None`` for most; the

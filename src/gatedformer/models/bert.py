@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from gatedformer.config import Backbone, ModelConfig, register_backbone
+from gatedformer.config import ModelConfig, register_backbone
 from gatedformer.errors import CheckpointError, ConfigError
 from gatedformer.gates.spec import SublayerGates, resolve_placement
 from gatedformer.nn.attention import BidirectionalSelfAttention
@@ -323,14 +323,6 @@ def _encoder_args(cfg: ModelConfig) -> dict[str, object]:
             "gates": cfg.gates, "ffn": cfg.ffn}
 
 
-def build_mlm(cfg: ModelConfig, vocab_size: int) -> BertForMaskedLM:
-    return BertForMaskedLM(vocab_size, dropout=cfg.dropout, **_encoder_args(cfg))
-
-
-def build_classifier(cfg: ModelConfig, vocab_size: int, num_labels: int) -> BertForSequenceClassification:
-    return BertForSequenceClassification(vocab_size, num_labels, dropout=cfg.dropout, **_encoder_args(cfg))
-
-
 def _check(cfg: ModelConfig) -> None:
     if cfg.norm != "post":
         raise ConfigError(f"model.norm={cfg.norm!r}: BERT's layers are post-LN; leave model.norm at post")
@@ -347,7 +339,15 @@ _DESCRIPTION = ("BERT in bert-base-uncased's layout: learned positions and token
 # init_from_hf: read by the masked-LM and GLUE tasks, which load the checkpoint into the model
 _FIELDS = ("d_model", "n_layers", "n_heads", "d_ffn", "dropout", "attn_dropout", "ffn", "gates", "max_positions",
            "type_vocab", "init_from_hf")
-register_backbone(Backbone("bert", "mlm", build_mlm, _DESCRIPTION + " (with the MLM head, its decoder tied)",
-                           check=_check, fields=_FIELDS))
-register_backbone(Backbone("bert", "glue", build_classifier, _DESCRIPTION + " (with a classification or regression "
-                           "head on the pooled output)", check=_check, fields=_FIELDS))
+
+
+@register_backbone("bert", task="mlm", fields=_FIELDS, check=_check,
+                   description=_DESCRIPTION + " (with the MLM head, its decoder tied)")
+def build_mlm(cfg: ModelConfig, vocab_size: int) -> BertForMaskedLM:
+    return BertForMaskedLM(vocab_size, dropout=cfg.dropout, **_encoder_args(cfg))
+
+
+@register_backbone("bert", task="glue", fields=_FIELDS, check=_check,
+                   description=_DESCRIPTION + " (with a classification or regression head on the pooled output)")
+def build_classifier(cfg: ModelConfig, vocab_size: int, num_labels: int) -> BertForSequenceClassification:
+    return BertForSequenceClassification(vocab_size, num_labels, dropout=cfg.dropout, **_encoder_args(cfg))

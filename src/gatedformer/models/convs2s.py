@@ -48,7 +48,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from gatedformer.config import Backbone, ModelConfig, register_backbone
+from gatedformer.config import ModelConfig, register_backbone
 from gatedformer.errors import ConfigError
 from gatedformer.gates import GLU
 from gatedformer.gates._checks import check_size
@@ -375,19 +375,17 @@ def _check(cfg: ModelConfig) -> None:
                           f"layer, which reads model.out_dim={cfg.out_dim}; set model.out_dim=0 or untie them")
 
 
+@register_backbone(
+    "convs2s", task="translation", gated=False, check=_check,
+    description="ConvS2S (Gehring et al. 2017): convolutional encoder and causal decoder of GLU blocks with √0.5 "
+    "residuals, learned positions, multi-step attention in every decoder layer, the appendix's initialisation; "
+    "model.d_model is the embedding width, model.conv_layers the convolutions",
+    # n_layers and kernel_size give the convolutions where conv_layers is empty
+    fields=("d_model", "conv_layers", "decoder_conv_layers", "n_layers", "kernel_size", "out_dim", "dropout",
+            "weight_norm", "tie_embeddings", "share_embeddings"))
 def _build(cfg: ModelConfig, src_vocab: int, tgt_vocab: int, max_len: int, pad_id: int) -> ConvS2S:
     encoder, decoder = conv_layer_lists(cfg)
     return ConvS2S(src_vocab, tgt_vocab, embed_dim=cfg.d_model, encoder_layers=encoder, decoder_layers=decoder,
                    out_dim=cfg.out_dim, max_len=max_len, dropout=cfg.dropout, pad_id=pad_id,
                    weight_norm=cfg.weight_norm, tie_embeddings=cfg.tie_embeddings,
                    share_embeddings=cfg.share_embeddings)
-
-
-register_backbone(Backbone(
-    "convs2s", "translation", _build,
-    "ConvS2S (Gehring et al. 2017): convolutional encoder and causal decoder of GLU blocks with √0.5 residuals, "
-    "learned positions, multi-step attention in every decoder layer, the appendix's initialisation; "
-    "model.d_model is the embedding width, model.conv_layers the convolutions", gated=False, check=_check,
-    # n_layers and kernel_size give the convolutions where conv_layers is empty
-    fields=("d_model", "conv_layers", "decoder_conv_layers", "n_layers", "kernel_size", "out_dim", "dropout",
-            "weight_norm", "tie_embeddings", "share_embeddings")))

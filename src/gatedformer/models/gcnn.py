@@ -56,7 +56,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from gatedformer.config import Backbone, ModelConfig, register_backbone
+from gatedformer.config import ModelConfig, register_backbone
 from gatedformer.gates import GLU
 from gatedformer.gates._checks import check_size
 from gatedformer.nn.dropout import Dropout
@@ -236,15 +236,13 @@ class GatedConvLM(nn.Module):
                 f"weight_norm={self.weight_norm}")
 
 
+@register_backbone(
+    "gcnn", task="lm", gated=False,
+    description="gated convolutional LM: causal convolutions with GLU, residual (optionally bottleneck) blocks, GLU "
+    "init",
+    fields=("d_model", "n_layers", "kernel_size", "dropout", "bottleneck", "weight_norm", "tie_embeddings"))
 def _build(cfg: ModelConfig, vocab_size: int) -> GatedConvLM:
     return GatedConvLM(
         vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, kernel_size=cfg.kernel_size, dropout=cfg.dropout,
         bottleneck=cfg.bottleneck, weight_norm=cfg.weight_norm, tie_embeddings=cfg.tie_embeddings,
     )
-
-
-register_backbone(Backbone(
-    "gcnn", "lm", _build,
-    "gated convolutional LM: causal convolutions with GLU, residual (optionally bottleneck) blocks, GLU init",
-    gated=False, fields=("d_model", "n_layers", "kernel_size", "dropout", "bottleneck", "weight_norm",
-                         "tie_embeddings")))

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from gatedformer.config import Backbone, ModelConfig, register_backbone
+from gatedformer.config import ModelConfig, register_backbone
 from gatedformer.gates.spec import SublayerGates, resolve_placement
 from gatedformer.kernels import local_rnn as _local_rnn_kernel
 from gatedformer.models.transformer import TRANSFORMER_FIELDS
@@ -274,6 +274,11 @@ class RTransformerLM(nn.Module):
         return None
 
 
+@register_backbone(
+    "rtransformer", task="lm",
+    description="R-Transformer: a GRU/LSTM localRNN over the last model.rnn_window positions before each attention "
+    "sublayer",
+    fields=(*TRANSFORMER_FIELDS, "rnn_type", "rnn_window", "rnn_recompute"))
 def _build(cfg: ModelConfig, vocab_size: int) -> RTransformerLM:
     return RTransformerLM(
         vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ffn=cfg.d_ffn,
@@ -281,9 +286,3 @@ def _build(cfg: ModelConfig, vocab_size: int) -> RTransformerLM:
         ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, gates=cfg.gates, rnn_type=cfg.rnn_type,
         rnn_window=cfg.rnn_window, rnn_recompute=cfg.rnn_recompute,
     )
-
-
-register_backbone(Backbone(
-    "rtransformer", "lm", _build,
-    "R-Transformer: a GRU/LSTM localRNN over the last model.rnn_window positions before each attention sublayer",
-    fields=(*TRANSFORMER_FIELDS, "rnn_type", "rnn_window", "rnn_recompute")))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from gatedformer.config import Backbone, ModelConfig, register_backbone
+from gatedformer.config import ModelConfig, register_backbone
 from gatedformer.errors import ConfigError
 from gatedformer.gates._checks import check_size
 from gatedformer.nn.dropout import Dropout
@@ -56,19 +56,17 @@ class SentenceClassifier(nn.Module):
         return self.output(self.dropout(last))
 
 
-def build_classifier(cfg: ModelConfig, vocab_size: int, num_labels: int, embedding_dim: int = 300,
-                     freeze_embeddings: bool = False) -> SentenceClassifier:
-    return SentenceClassifier(vocab_size, num_labels, embedding_dim, cfg.d_model, cfg.n_layers, cfg.dropout,
-                              cfg.highway_bias, cfg.rescale, cfg.sru_layer_norm, freeze_embeddings)
-
-
 def _check(cfg: ModelConfig) -> None:
     if cfg.projection_size:
         raise ConfigError("model.projection_size does not apply to the sentence classifier; leave it at 0")
 
 
-register_backbone(Backbone(
-    "sru", "sentclass", build_classifier,
-    "word vectors, a stack of SRUs (model.d_model units, model.n_layers layers) and a linear layer over the last "
-    "word's state", gated=False, check=_check,
-    fields=("d_model", "n_layers", "dropout", "highway_bias", "rescale", "sru_layer_norm")))
+@register_backbone(
+    "sru", task="sentclass", gated=False, check=_check,
+    description="word vectors, a stack of SRUs (model.d_model units, model.n_layers layers) and a linear layer over "
+    "the last word's state",
+    fields=("d_model", "n_layers", "dropout", "highway_bias", "rescale", "sru_layer_norm"))
+def build_classifier(cfg: ModelConfig, vocab_size: int, num_labels: int, embedding_dim: int = 300,
+                     freeze_embeddings: bool = False) -> SentenceClassifier:
+    return SentenceClassifier(vocab_size, num_labels, embedding_dim, cfg.d_model, cfg.n_layers, cfg.dropout,
+                              cfg.highway_bias, cfg.rescale, cfg.sru_layer_norm, freeze_embeddings)

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from gatedformer.config import Backbone, ModelConfig, register_backbone
+from gatedformer.config import ModelConfig, register_backbone
 from gatedformer.gates.spec import SublayerGates, resolve_placement
 from gatedformer.models.transformer import SRU_FFN_FIELDS, TRANSFORMER_FIELDS, check_sru_ffn
 from gatedformer.nn.attention import sinusoidal_positions
@@ -360,6 +360,11 @@ def seq2seq_parameter_count(src_vocab: int, tgt_vocab: int, layers: int, d_model
     return total
 
 
+@register_backbone(
+    "transformer", task="translation", cross_attention=True,
+    description="an encoder-decoder with the layout of torch.nn.Transformer; '+EAU+GRC' puts an EAU after every "
+    "attention (encoder self, decoder self and cross) and a GRC on every residual connection",
+    fields=(*TRANSFORMER_FIELDS, "share_embeddings"))
 def _build(cfg: ModelConfig, src_vocab: int, tgt_vocab: int, max_len: int, pad_id: int,
            ffn_kind: str | None = None) -> Seq2SeqTransformer:
     return Seq2SeqTransformer(
@@ -370,14 +375,10 @@ def _build(cfg: ModelConfig, src_vocab: int, tgt_vocab: int, max_len: int, pad_i
     )
 
 
-register_backbone(Backbone(
-    "transformer", "translation", _build,
-    "an encoder-decoder with the layout of torch.nn.Transformer; '+EAU+GRC' puts an EAU after every attention "
-    "(encoder self, decoder self and cross) and a GRC on every residual connection", cross_attention=True,
-    fields=(*TRANSFORMER_FIELDS, "share_embeddings")))
-register_backbone(Backbone(
-    "sru-transformer", "translation",
-    lambda cfg, src_vocab, tgt_vocab, max_len, pad_id: _build(cfg, src_vocab, tgt_vocab, max_len, pad_id, "sru"),
-    "the SRU paper's Transformer w/ SRU: the encoder-decoder above with an SRU of model.d_ffn units (no highway term) "
-    "as every feed-forward's hidden layer; gates by the same spec", cross_attention=True, check=check_sru_ffn,
-    fields=(*SRU_FFN_FIELDS, "share_embeddings")))
+@register_backbone(
+    "sru-transformer", task="translation", cross_attention=True, check=check_sru_ffn,
+    description="the SRU paper's Transformer w/ SRU: the encoder-decoder above with an SRU of model.d_ffn units (no "
+    "highway term) as every feed-forward's hidden layer; gates by the same spec",
+    fields=(*SRU_FFN_FIELDS, "share_embeddings"))
+def _build_sru(cfg: ModelConfig, src_vocab: int, tgt_vocab: int, max_len: int, pad_id: int) -> Seq2SeqTransformer:
+    return _build(cfg, src_vocab, tgt_vocab, max_len, pad_id, "sru")

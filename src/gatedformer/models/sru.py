@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from gatedformer.config import Backbone, ModelConfig, register_backbone
+from gatedformer.config import ModelConfig, register_backbone
 from gatedformer.errors import ConfigError
 from gatedformer.gates._checks import check_size
 from gatedformer.nn.dropout import Dropout
@@ -93,14 +93,6 @@ class SRULanguageModel(nn.Module):
         return cache["state"]
 
 
-def _build(cfg: ModelConfig, vocab_size: int) -> SRULanguageModel:
-    return SRULanguageModel(
-        vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, dropout=cfg.dropout, highway_bias=cfg.highway_bias,
-        rescale=cfg.rescale, projection_size=cfg.projection_size, layer_norm=cfg.sru_layer_norm,
-        tie_embeddings=cfg.tie_embeddings,
-    )
-
-
 def _check(cfg: ModelConfig) -> None:
     if not (math.isfinite(cfg.highway_bias) and cfg.highway_bias <= MAX_HIGHWAY_BIAS):
         raise ConfigError(f"model.highway_bias={cfg.highway_bias} must be a finite number of at most "
@@ -108,7 +100,14 @@ def _check(cfg: ModelConfig) -> None:
                           "below")
 
 
-register_backbone(Backbone(
-    "sru", "lm", _build, "stacked SRU layers (model.highway_bias, model.rescale, model.projection_size)",
-    gated=False, check=_check, fields=("d_model", "n_layers", "dropout", "highway_bias", "rescale", "projection_size",
-                                       "sru_layer_norm", "tie_embeddings")))
+@register_backbone(
+    "sru", task="lm", gated=False, check=_check,
+    description="stacked SRU layers (model.highway_bias, model.rescale, model.projection_size)",
+    fields=("d_model", "n_layers", "dropout", "highway_bias", "rescale", "projection_size", "sru_layer_norm",
+            "tie_embeddings"))
+def _build(cfg: ModelConfig, vocab_size: int) -> SRULanguageModel:
+    return SRULanguageModel(
+        vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, dropout=cfg.dropout, highway_bias=cfg.highway_bias,
+        rescale=cfg.rescale, projection_size=cfg.projection_size, layer_norm=cfg.sru_layer_norm,
+        tie_embeddings=cfg.tie_embeddings,
+    )

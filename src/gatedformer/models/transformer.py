@@ -7,7 +7,7 @@ import math
 
 from torch import Tensor, nn
 
-from gatedformer.config import Backbone, ModelConfig, register_backbone
+from gatedformer.config import ModelConfig, register_backbone
 from gatedformer.errors import ConfigError
 from gatedformer.gates.spec import resolve_placement
 from gatedformer.nn.attention import CausalSelfAttention, sinusoidal_positions
@@ -124,6 +124,10 @@ class TransformerLM(nn.Module):
         return None
 
 
+@register_backbone(
+    "transformer", task="lm", fields=TRANSFORMER_FIELDS,
+    description="the Highway Transformer paper's LM: sinusoidal positions, causal MHDPA, ReLU (or GLU) FFN, post- or "
+    "pre-LN")
 def _build(cfg: ModelConfig, vocab_size: int, ffn: str | None = None) -> TransformerLM:
     return TransformerLM(
         vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ffn=cfg.d_ffn,
@@ -140,11 +144,9 @@ def check_sru_ffn(cfg: ModelConfig) -> None:
                           "transformer")
 
 
-register_backbone(Backbone(
-    "transformer", "lm", _build,
-    "the Highway Transformer paper's LM: sinusoidal positions, causal MHDPA, ReLU (or GLU) FFN, post- or pre-LN",
-    fields=TRANSFORMER_FIELDS))
-register_backbone(Backbone(
-    "sru-transformer", "lm", lambda cfg, vocab_size: _build(cfg, vocab_size, ffn="sru"),
-    "the SRU paper's Transformer w/ SRU: every feed-forward's hidden layer is an SRU of model.d_ffn units (no "
-    "highway term) before the output projection", check=check_sru_ffn, fields=SRU_FFN_FIELDS))
+@register_backbone(
+    "sru-transformer", task="lm", check=check_sru_ffn, fields=SRU_FFN_FIELDS,
+    description="the SRU paper's Transformer w/ SRU: every feed-forward's hidden layer is an SRU of model.d_ffn units "
+    "(no highway term) before the output projection")
+def _build_sru(cfg: ModelConfig, vocab_size: int) -> TransformerLM:
+    return _build(cfg, vocab_size, ffn="sru")

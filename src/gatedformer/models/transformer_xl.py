@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from gatedformer.config import Backbone, ModelConfig, register_backbone
+from gatedformer.config import ModelConfig, register_backbone
 from gatedformer.gates.spec import SublayerGates, resolve_placement
 from gatedformer.kernels.relative_attention import kernel_takes
 from gatedformer.models.transformer import TRANSFORMER_FIELDS
@@ -386,15 +386,12 @@ class TransformerXLLM(nn.Module):
         return updated
 
 
+@register_backbone(
+    "transformer-xl", task="lm", fields=(*TRANSFORMER_FIELDS, "mem_len"),
+    description="relative positional attention and segment memory of model.mem_len states, carried across windows")
 def _build(cfg: ModelConfig, vocab_size: int) -> TransformerXLLM:
     return TransformerXLLM(
         vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, d_ffn=cfg.d_ffn,
         dropout=cfg.dropout, emb_dropout=cfg.emb_dropout, attn_dropout=cfg.attn_dropout, norm=cfg.norm,
         ffn=cfg.ffn, tie_embeddings=cfg.tie_embeddings, gates=cfg.gates, mem_len=cfg.mem_len,
     )
-
-
-register_backbone(Backbone(
-    "transformer-xl", "lm", _build,
-    "relative positional attention and segment memory of model.mem_len states, carried across windows",
-    fields=(*TRANSFORMER_FIELDS, "mem_len")))

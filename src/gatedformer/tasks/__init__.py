@@ -1,5 +1,6 @@
 """Tasks: what kind of experiment a run is (:mod:`gatedformer.tasks.base`). The corpus a config names picks its
-task (:func:`gatedformer.config.task_of`); :data:`TASKS` is the one list of them.
+task (:func:`gatedformer.config.task_of`); each task's class registers itself (``@register_task("name")``) in
+:data:`TASKS`, the one list of them, when this package imports its module.
 
 * ``lm`` — causal language modelling (:mod:`gatedformer.tasks.lm`);
 * ``translation`` — translation with an encoder-decoder (:mod:`gatedformer.tasks.translation`);
@@ -12,16 +13,12 @@ from __future__ import annotations
 
 from gatedformer.config import RunConfig, task_of
 from gatedformer.errors import ConfigError
-from gatedformer.tasks.base import Task, TrainBatch
-from gatedformer.tasks.glue import GlueFinetuneTask
-from gatedformer.tasks.lm import LanguageModelTask
-from gatedformer.tasks.mlm import MaskedLMTask
-from gatedformer.tasks.sentclass import SentenceClassificationTask
-from gatedformer.tasks.translation import TranslationTask
+from gatedformer.tasks.base import TASKS, Task, TrainBatch, register_task
 
-TASKS: dict[str, Task] = {task.name: task for task in (LanguageModelTask(), TranslationTask(), MaskedLMTask(),
-                                                       GlueFinetuneTask(), SentenceClassificationTask())}
-"""Every task, by name."""
+# The task modules, imported for their registrations; in this order, which is the order get_task's error lists them.
+# isort: off
+from gatedformer.tasks import lm, translation, mlm, glue, sentclass  # noqa: F401
+# isort: on
 
 
 def get_task(name: str) -> Task:
@@ -36,4 +33,4 @@ def task_for(config: RunConfig) -> Task:
     return get_task(task_of(config))
 
 
-__all__ = ["TASKS", "Task", "TrainBatch", "get_task", "task_for"]
+__all__ = ["TASKS", "Task", "TrainBatch", "get_task", "register_task", "task_for"]

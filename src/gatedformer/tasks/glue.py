@@ -39,7 +39,7 @@ from gatedformer.data.wordpiece import WordPiece
 from gatedformer.devices import autocast
 from gatedformer.errors import ConfigError, DataError, GatedformerError
 from gatedformer.models.bert import load_hf_checkpoint
-from gatedformer.tasks.base import Task, TrainBatch, by_length, evaluating, rng, shuffled_epochs
+from gatedformer.tasks.base import Task, TrainBatch, by_length, evaluating, register_task, rng, shuffled_epochs
 from gatedformer.tasks.best import BestEvaluation
 from gatedformer.tasks.mlm import resolve_tokenizer, saved_tokenizer, tokenizer_files
 from gatedformer.tasks.weights import load_matching, read_start_weights, start_weights_file
@@ -196,10 +196,10 @@ def prediction_files(task: GlueTask, valid: Encoded, valid_predictions: list[flo
     return {"dev_predictions.tsv": "".join(dev), task.submission: "".join(submission)}
 
 
-class GlueFinetuneTask(Task):
+@register_task("glue", corpora=("glue-*",), sections=("tokenizer", "finetune"))  # glue-*: every GlueTask.corpus
+class GlueFinetuneTask(Task[GlueData, tuple[GlueTask, WordPiece]]):
     """Fine-tuning (or training) a BERT on a GLUE task (``data.corpus=glue-<task>``)."""
 
-    name = "glue"
     title = "GLUE fine-tuning"
     optional_modules = (("tokenizers", "bert"), ("sklearn", "bert"), ("scipy", "bert"))  # WordPiece; the metrics
 

@@ -29,7 +29,7 @@ from gatedformer.devices import autocast
 from gatedformer.errors import CheckpointError, ConfigError
 from gatedformer.io import read_limited
 from gatedformer.models import build_model
-from gatedformer.tasks.base import Task, TrainBatch, evaluating
+from gatedformer.tasks.base import Task, TrainBatch, evaluating, register_task
 
 __all__ = ["DecodingWindow", "LMData", "LanguageModelTask", "evaluate", "generate", "generate_stream", "metric_value",
            "sample_ids"]
@@ -74,10 +74,10 @@ class LMData:
     """Ranks sharing each training batch (each holds ``1 / world`` of its columns)."""
 
 
-class LanguageModelTask(Task):
+@register_task("lm")
+class LanguageModelTask(Task[LMData, Corpus]):
     """Causal language modelling on a corpus of ``gatedformer data list`` or a ``text:`` file."""
 
-    name = "lm"
     title = "language-model"
     supports_ddp = True
 

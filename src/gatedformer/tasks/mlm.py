@@ -38,7 +38,7 @@ from gatedformer.data.wordpiece import WordPiece, encode_corpus
 from gatedformer.devices import autocast
 from gatedformer.errors import ConfigError, DataError
 from gatedformer.models.bert import load_hf_checkpoint
-from gatedformer.tasks.base import Task, TrainBatch, evaluating, rng
+from gatedformer.tasks.base import Task, TrainBatch, evaluating, register_task, rng
 from gatedformer.tasks.weights import recorded_metadata, start_weights_file
 
 __all__ = ["MASK", "MLMData", "MaskedLMTask", "fill_mask", "mask_tokens", "resolve_tokenizer", "windows"]
@@ -225,10 +225,11 @@ def fill_mask(model: nn.Module, tokenizer: WordPiece, text: str, top_k: int = 5,
             for row_ids, row_p in zip(best.tolist(), chances.tolist(), strict=True)]
 
 
-class MaskedLMTask(Task):
+# A pretraining run keeps the settings of its fine-tuning (``gatedformer finetune --run``, the GLUE comparison).
+@register_task("mlm", sections=("tokenizer", "mlm", "finetune"))
+class MaskedLMTask(Task[MLMData, WordPiece]):
     """Masked language modelling on a word-level corpus (``data.task=mlm``), with a BERT backbone."""
 
-    name = "mlm"
     title = "masked-language-model"
     optional_modules = (("tokenizers", "bert"),)  # WordPiece
 

@@ -28,11 +28,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from gatedformer.config import RunConfig, get_backbone
-from gatedformer.data.sentclass import SentenceSet, load_sentences, sentence_set, words_of
+from gatedformer.data.sentclass import SENTCLASS_SETS, SentenceSet, load_sentences, sentence_set, words_of
 from gatedformer.devices import autocast
 from gatedformer.errors import CheckpointError, ConfigError, DataError
 from gatedformer.io import read_limited
-from gatedformer.tasks.base import Task, TrainBatch, by_length, evaluating, rng, shuffled_epochs
+from gatedformer.tasks.base import Task, TrainBatch, by_length, evaluating, register_task, rng, shuffled_epochs
 from gatedformer.tasks.best import BestEvaluation
 
 __all__ = ["SentenceClassificationTask", "SentenceData", "read_word_vectors"]
@@ -146,10 +146,10 @@ def _accuracy(predictions: list[int], labels: torch.Tensor) -> float:
     return float((torch.tensor(predictions) == labels).float().mean()) if len(predictions) else 0.0
 
 
-class SentenceClassificationTask(Task):
+@register_task("sentclass", corpora=tuple(SENTCLASS_SETS), sections=("sentclass",))
+class SentenceClassificationTask(Task[SentenceData, SentenceData]):
     """Sentence classification on MR, CR, SUBJ, MPQA, TREC or SST (``data.corpus``)."""
 
-    name = "sentclass"
     title = "sentence-classification"
 
     def load_data(self, config: RunConfig, data_dir: str | Path | None, shard: tuple[int, int] = (0, 1),

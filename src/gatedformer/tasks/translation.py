@@ -49,11 +49,12 @@ from gatedformer.data.translation import (
     text_of,
     text_tokens,
 )
+from gatedformer.data.translation import CORPORA as PARALLEL_CORPORA
 from gatedformer.data.vocab import Vocab
 from gatedformer.devices import autocast
 from gatedformer.errors import CheckpointError, ConfigError, DataError, GatedformerError
 from gatedformer.io import atomic_write_text, input_lines, read_limited
-from gatedformer.tasks.base import Task, TrainBatch, by_length, evaluating
+from gatedformer.tasks.base import Task, TrainBatch, by_length, evaluating, register_task
 
 METRIC = "bleu"
 MAX_DECODE_ROWS = 4096
@@ -308,10 +309,10 @@ class Vocabularies:
     """The subword model new text is split with (WMT'14's joint BPE); ``None`` for Multi30K's words."""
 
 
-class TranslationTask(Task):
+@register_task("translation", corpora=PARALLEL_CORPORA, sections=("translation",))
+class TranslationTask(Task[TranslationData, Vocabularies]):
     """Translation on a parallel corpus (``multi30k``) with an encoder-decoder."""
 
-    name = "translation"
     title = "translation"
     optional_modules = (("sacrebleu", "translate"),)  # BLEU, at every evaluation
 
