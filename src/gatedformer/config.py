@@ -545,14 +545,38 @@ def _dropout(key: str, value: float | None) -> None:
 
 def validate(config: RunConfig) -> RunConfig:
     """Check every value for range and consistency; return ``config`` unchanged if valid."""
-    data, model, optim, init, train = config.data, config.model, config.optim, config.init, config.train
+    _validate_data(config.data)
+    _check_task(config)
+    model = config.model
+    backbone = get_backbone(model.backbone, task_of(config))
+    _validate_model(model, backbone)
+    _validate_optim(config.optim)
+    _validate_init_and_train(config.init, config.train)
+
+    # The gate spec is checked against the model here so a bad one fails before any data loads.
+    placement = resolve_placement(model.gates, model.n_layers, cross_attention=backbone.cross_attention)
+    _check(backbone.gated or placement.is_empty(),
+           f"model.backbone={model.backbone} has no attention/FFN sublayers to gate; use a Transformer backbone or "
+           "clear model.gates")
+    if task_of(config) in ("mlm", "glue", "sentclass"):
+        _validate_text_tasks(config)
+    if task_of(config) == "translation":
+        _validate_translation(config)
+    else:
+        _check(not model.share_embeddings, "model.share_embeddings shares a translation model's source and target "
+               "embeddings; a language model has one embedding (model.tie_embeddings ties it to the output)")
+    _refuse_unread(config, backbone)
+    return config
+
+
+def _validate_data(data: DataConfig) -> None:
     _check(bool(data.corpus.strip()), "data.corpus is empty; name a corpus, e.g. --data ptb-char")
     for key in ("batch_size", "seq_len", "eval_batch_size"):
         _positive(f"data.{key}", getattr(data, key))
     _check(data.eval_seq_len >= 0, "data.eval_seq_len must be 0 (same as seq_len) or positive")
-    _check_task(config)
 
-    backbone = get_backbone(model.backbone, task_of(config))
+
+def _validate_model(model: ModelConfig, backbone: Backbone) -> None:
     # Only the fields the backbone reads are checked for range here; any other set at all is refused below.
     reads = set(backbone.fields)
     for key in ("d_model", "n_layers", "n_heads", "d_ffn"):
@@ -577,6 +601,8 @@ def validate(config: RunConfig) -> RunConfig:
     if backbone.check is not None:
         backbone.check(model)
 
+
+def _validate_optim(optim: OptimConfig) -> None:
     _one_of("optim.name", optim.name, OPTIMIZERS)
     _positive("optim.lr", optim.lr)
     _check(optim.weight_decay >= 0, "optim.weight_decay must be >= 0")
@@ -598,6 +624,8 @@ def validate(config: RunConfig) -> RunConfig:
     _check(0.0 <= optim.min_lr_ratio <= 1.0, "optim.min_lr_ratio must be in [0, 1]")
     _check(optim.clip >= 0, "optim.clip must be >= 0 (0 turns clipping off)")
 
+
+def _validate_init_and_train(init: InitConfig, train: TrainConfig) -> None:
     _one_of("init.scheme", init.scheme, INIT_SCHEMES)
     _positive("init.scale", init.scale)
 
@@ -616,21 +644,6 @@ def validate(config: RunConfig) -> RunConfig:
     )
     _one_of("train.precision", train.precision, ("fp32", "bf16", "fp16"))
     _one_of("train.nonfinite", train.nonfinite, ("stop", "skip"))
-
-    # The gate spec is checked against the model here so a bad one fails before any data loads.
-    placement = resolve_placement(model.gates, model.n_layers, cross_attention=backbone.cross_attention)
-    _check(backbone.gated or placement.is_empty(),
-           f"model.backbone={model.backbone} has no attention/FFN sublayers to gate; use a Transformer backbone or "
-           "clear model.gates")
-    if task_of(config) in ("mlm", "glue", "sentclass"):
-        _validate_text_tasks(config)
-    if task_of(config) == "translation":
-        _validate_translation(config)
-    else:
-        _check(not model.share_embeddings, "model.share_embeddings shares a translation model's source and target "
-               "embeddings; a language model has one embedding (model.tie_embeddings ties it to the output)")
-    _refuse_unread(config, backbone)
-    return config
 
 
 def _refuse_unread(config: RunConfig, backbone: Backbone) -> None:

@@ -182,25 +182,10 @@ class ComparisonInterrupted(GatedformerError):
     exit_code = 130
 
 
-def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: list[str] | None = None,
-                   data_dir: str | Path | None = None, progress: bool = True,
-                   only: list[str] | None = None, tensorboard: bool = False, matched_baseline: str | None = None,
-                   step_timing: bool = True) -> ComparisonReport:
-    """Train (or pick up) every variant × seed, then write ``report.md`` and its figures. ``matched_baseline`` (a
-    variant's name, or ``""`` for the largest) adds a baseline of that variant's size; ``step_timing`` times every
-    variant's training step interleaved in this process for the training-time table."""
-    if seeds < 1:
-        raise ConfigError(f"--seeds must be at least 1, got {seeds}")
-    check_overrides_spare_variants(recipe, list(overrides or []))
-    if matched_baseline is not None:
-        recipe = with_matched_baseline(recipe, list(overrides or []), matched_baseline)
-    variants = _select(recipe, only)
-    if len({slug(v.name) for v in variants}) != len(variants):
-        raise ConfigError(f"recipe {recipe.name} has two variants with the same folder name; rename one")
-    overrides = list(overrides or []) + (["train.tensorboard=true"] if tensorboard else [])
-    # "" would mean the current folder; a folder of the user's files (their report.md) is refused before any work
-    out_dir = check_comparison_folder(out_dir)
-    # Build every config before training anything, so a bad variant fails at once.
+def _plan_runs(recipe: Recipe, variants: list[Variant], seeds: int, overrides: list[str], out_dir: Path
+               ) -> list[tuple[Variant, int, RunConfig, Path]]:
+    """Every variant × seed's config and run folder, all built before anything trains (so a bad variant fails at
+    once); a finished run with other settings is refused, naming the fields."""
     plans = []
     for variant in variants:
         for seed in range(seeds):
@@ -213,14 +198,12 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
             if differences:
                 raise ConfigError(f"{run_dir} finished with other settings: {'; '.join(differences[:3])}; "
                                   "delete it to train it with these, or choose another --out")
-    if any(config.train.tensorboard for _, _, config, _ in plans):
-        from gatedformer.train.tensorboard import require_tensorboard
+    return plans
 
-        require_tensorboard()
 
-    # Runs on one corpus share what their task lets them (a language model's corpus is read once for all).
-    shared = task_for(plans[0][2]).shared_data(plans[0][2], data_dir)
-    claim_comparison_folder(out_dir)
+def _train_plans(plans: list[tuple[Variant, int, RunConfig, Path]], data_dir: str | Path | None, progress: bool,
+                 shared: Any) -> _Progress:
+    """Train every planned run that has not finished (an interrupted one resumes), one after another."""
     tracker = _Progress(progress, plans)
     trained = 0
     for index, (_, _, config, run_dir) in enumerate(plans):
@@ -243,6 +226,37 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
     if trained:
         tracker.say(f"all {len(plans)} runs done; this invocation trained {trained} in "
                     f"{_duration(time.perf_counter() - tracker.started)}")
+    return tracker
+
+
+def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: list[str] | None = None,
+                   data_dir: str | Path | None = None, progress: bool = True,
+                   only: list[str] | None = None, tensorboard: bool = False, matched_baseline: str | None = None,
+                   step_timing: bool = True) -> ComparisonReport:
+    """Train (or pick up) every variant × seed, then write ``report.md`` and its figures. ``matched_baseline`` (a
+    variant's name, or ``""`` for the largest) adds a baseline of that variant's size; ``step_timing`` times every
+    variant's training step interleaved in this process for the training-time table."""
+    if seeds < 1:
+        raise ConfigError(f"--seeds must be at least 1, got {seeds}")
+    check_overrides_spare_variants(recipe, list(overrides or []))
+    if matched_baseline is not None:
+        recipe = with_matched_baseline(recipe, list(overrides or []), matched_baseline)
+    variants = _select(recipe, only)
+    if len({slug(v.name) for v in variants}) != len(variants):
+        raise ConfigError(f"recipe {recipe.name} has two variants with the same folder name; rename one")
+    overrides = list(overrides or []) + (["train.tensorboard=true"] if tensorboard else [])
+    # "" would mean the current folder; a folder of the user's files (their report.md) is refused before any work
+    out_dir = check_comparison_folder(out_dir)
+    plans = _plan_runs(recipe, variants, seeds, overrides, out_dir)
+    if any(config.train.tensorboard for _, _, config, _ in plans):
+        from gatedformer.train.tensorboard import require_tensorboard
+
+        require_tensorboard()
+
+    # Runs on one corpus share what their task lets them (a language model's corpus is read once for all).
+    shared = task_for(plans[0][2]).shared_data(plans[0][2], data_dir)
+    claim_comparison_folder(out_dir)
+    tracker = _train_plans(plans, data_dir, progress, shared)
 
     summaries = []
     for variant in variants:
