@@ -42,6 +42,7 @@ from gatedformer.train.loop import (
     saved_config_differences,
     train,
 )
+from gatedformer.train.progress import duration
 from gatedformer.train.rundir import check_comparison_folder, claim_comparison_folder
 
 __all__ = ["ComparisonReport", "VariantSummary", "format_table", "run_comparison", "slug"]
@@ -62,14 +63,6 @@ def _select(recipe: Recipe, only: list[str] | None) -> list[Variant]:
     if missing:
         raise ConfigError(f"recipe {recipe.name} has no variant {missing[0]!r}; its variants: {', '.join(names)}")
     return [v for v in recipe.variants if v.name in only or slug(v.name) in only]
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def _checkpoint_step(run_dir: Path) -> int:
@@ -133,7 +126,7 @@ class _Progress:
 
     def eta(self) -> str:
         left = self.seconds_left()
-        return "" if left is None else f"; about {_duration(left)} left in all"
+        return "" if left is None else f"; about {duration(left)} left in all"
 
     def _tag(self, index: int) -> str:
         variant, seed, _, _ = self.plans[index]
@@ -173,7 +166,7 @@ class _Progress:
             self.rates[variant.name] = took / (config.train.steps - self.run_first_step)
         self.done[index] = config.train.steps
         score = f", test {result.metric} {result.test_metric:.3f}" if result is not None else ""
-        self.say(f"{self._tag(index)}: done in {_duration(took)}{score}{self.eta()}")
+        self.say(f"{self._tag(index)}: done in {duration(took)}{score}{self.eta()}")
 
 
 class ComparisonInterrupted(GatedformerError):
@@ -225,7 +218,7 @@ def _train_plans(plans: list[tuple[Variant, int, RunConfig, Path]], data_dir: st
         trained += 1
     if trained:
         tracker.say(f"all {len(plans)} runs done; this invocation trained {trained} in "
-                    f"{_duration(time.perf_counter() - tracker.started)}")
+                    f"{duration(time.perf_counter() - tracker.started)}")
     return tracker
 
 

@@ -15,13 +15,14 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-__all__ = ["EVERY_SECONDS", "PlainProgress", "progress_bar"]
+__all__ = ["EVERY_SECONDS", "PlainProgress", "duration", "progress_bar"]
 
 EVERY_SECONDS = 30.0
 """The longest a run off a terminal goes between two progress lines (an evaluation may take longer)."""
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """A time span as people say it: seconds up to a minute and a half, minutes up to an hour and a half, then hours."""
     if seconds < 90:
         return f"{seconds:.0f} s"
     if seconds < 5400:
@@ -60,7 +61,7 @@ class PlainProgress:
             pace = (now - self.started) / done
             parts.append(f"{pace:.3g} s/step")
             if self.step < self.total:
-                parts.append(f"about {_duration(pace * (self.total - self.step))} left")
+                parts.append(f"about {duration(pace * (self.total - self.step))} left")
         self._say(", ".join(parts))
 
     def update(self, n: int = 1) -> None:
