@@ -79,6 +79,19 @@ def text_corpus(tmp_path: Path) -> str:
     return f"text:{path}"
 
 
+def sets(overrides: list[str]) -> list[str]:
+    """``--set`` arguments for the command line, one pair per override."""
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
+def one_error_line(capsys: pytest.CaptureFixture) -> str:
+    """The one line a refused command printed on stderr: ``gatedformer: error: ...``, no traceback."""
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("gatedformer: error: ") and "Traceback" not in lines[0]
+    return lines[0]
+
+
 def tiny_overrides(corpus: str, steps: int = 12) -> list[str]:
     """A model and loop small enough that a run takes a second or two."""
     return [

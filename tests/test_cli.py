@@ -10,16 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import needs_shared, tiny_overrides
+from conftest import needs_shared, sets, tiny_overrides
 
 from gatedformer.analysis.params import count_by_component
 from gatedformer.cli import main
 from gatedformer.config import ModelConfig
 from gatedformer.models import build_model
-
-
-def sets(overrides: list[str]) -> list[str]:
-    return [arg for o in overrides for arg in ("--set", o)]
 
 
 def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:

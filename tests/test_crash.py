@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import one_error_line, sets, tiny_overrides
 
 from gatedformer.cli import main
 from gatedformer.config import build_config, load_recipe
@@ -53,10 +53,6 @@ def save_file(tensors, filename, metadata=None):
 checkpoint.save_file = save_file
 sys.exit(main(sys.argv[2:]))
 """
-
-
-def sets(overrides: list[str]) -> list[str]:
-    return [arg for o in overrides for arg in ("--set", o)]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -249,13 +245,6 @@ class _Payload:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
-
-
-def one_error_line(capsys: pytest.CaptureFixture) -> str:
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1, lines
-    assert lines[0].startswith("gatedformer: error: ")
-    return lines[0]
 
 
 def test_code_carrying_files_are_refused_without_running(reference: dict, tmp_path: Path,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import sets, tiny_overrides
 from safetensors.torch import load_file
 from torch.nn import functional as F
 
@@ -45,10 +45,6 @@ assert train(config, spec["split"], progress=False, stop_after=6) is None
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def sets(overrides: list[str]) -> list[str]:
-    return [arg for o in overrides for arg in ("--set", o)]
 
 
 def torchrun(*args: str) -> subprocess.CompletedProcess:

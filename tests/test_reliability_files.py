@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import sets, tiny_overrides
 
 import gatedformer
 from gatedformer.cli import main
@@ -28,10 +28,6 @@ from gatedformer.io import FolderLock
 from gatedformer.pretrained import EXPORT_LOCK
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "park", "in", "sun"]
-
-
-def _sets(overrides: list[str]) -> list[str]:
-    return [arg for o in overrides for arg in ("--set", o)]
 
 
 def _one_line_error(err: str, fragment: str) -> str:
@@ -54,14 +50,14 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("GATEDFORMER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
         torch.set_num_threads(1)
-        assert main(["train", "--recipe", "ptb-char-tiny", *_sets(tiny_overrides(corpus, steps=4)),
+        assert main(["train", "--recipe", "ptb-char-tiny", *sets(tiny_overrides(corpus, steps=4)),
                      "--out", str(root / "lm")]) == 0
         assert main(["export", "--run", str(root / "lm"), "--out", str(root / "export")]) == 0
         mlm = [f"data.corpus={corpus}", "data.seq_len=24", "data.batch_size=4", "data.eval_batch_size=8",
                "model.d_model=16", "model.n_heads=2", "model.d_ffn=32", "model.max_positions=32",
                "tokenizer.vocab_size=80", "train.steps=2", "train.eval_every=2", "train.eval_windows=2",
                "train.threads=1"]
-        assert main(["train", "--recipe", "bert-mlm-tiny", *_sets(mlm), "--out", str(root / "mlm")]) == 0
+        assert main(["train", "--recipe", "bert-mlm-tiny", *sets(mlm), "--out", str(root / "mlm")]) == 0
         (root / "mlm.overrides").write_text("\n".join(mlm), encoding="utf-8")
         yield root
 
@@ -108,7 +104,7 @@ def test_a_changed_tokenizer_of_a_run_is_one_line_naming_the_file(workspace: Pat
     _one_line_error(capsys.readouterr().err, f"{run / 'tokenizer.json'} does not match the checksum")
     # nor does a run that starts from it take that tokenizer
     overrides = (workspace / "mlm.overrides").read_text(encoding="utf-8").split("\n")
-    assert main(["train", "--recipe", "bert-mlm-tiny", *_sets([*overrides, f"train.init_from={run}"]),
+    assert main(["train", "--recipe", "bert-mlm-tiny", *sets([*overrides, f"train.init_from={run}"]),
                  "--out", str(tmp_path / "again")]) == 2
     _one_line_error(capsys.readouterr().err, f"{run / 'tokenizer.json'} does not match the checksum")
 
@@ -253,7 +249,7 @@ def test_a_hostile_pickle_as_a_hugging_face_checkpoint_is_one_line(workspace: Pa
         "intermediate_size": model.d_ffn, "max_position_embeddings": model.max_positions,
         "type_vocab_size": model.type_vocab, "vocab_size": vocab_size, "hidden_act": "gelu"}), encoding="utf-8")
     torch.save(_Hostile(), folder / "pytorch_model.bin")
-    assert main(["train", "--recipe", "bert-mlm-tiny", *_sets([*overrides, f"model.init_from_hf={folder}"]),
+    assert main(["train", "--recipe", "bert-mlm-tiny", *sets([*overrides, f"model.init_from_hf={folder}"]),
                  "--out", str(tmp_path / "run")]) == 2
     _one_line_error(capsys.readouterr().err, f"refused to load {folder / 'pytorch_model.bin'}")
 

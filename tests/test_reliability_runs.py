@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import one_error_line, sets, tiny_overrides
 
 from gatedformer.cli import main
 from gatedformer.config import build_config, load_recipe
@@ -35,17 +35,6 @@ from gatedformer.train.runlog import read_log
 
 RECIPE = "ptb-char-tiny"
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def sets(overrides: list[str]) -> list[str]:
-    return [arg for o in overrides for arg in ("--set", o)]
-
-
-def one_error_line(capsys: pytest.CaptureFixture) -> str:
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1, lines
-    assert lines[0].startswith("gatedformer: error: ") and "Traceback" not in lines[0]
-    return lines[0]
 
 
 def tree(folder: Path) -> dict[str, bytes | None]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import one_error_line, sets, tiny_overrides
 
 from gatedformer.cli import _one_line_warning, main
 from gatedformer.config import build_config, load_recipe
@@ -42,17 +42,6 @@ def write_corpus(path: Path, lines: int) -> str:
     text = "\n".join(" ".join(WORDS[i] for i in picks[j: j + 8]) + "." for j in range(0, len(picks), 8))
     path.write_text(text + "\n", encoding="utf-8")
     return f"text:{path}"
-
-
-def sets(overrides: list[str]) -> list[str]:
-    return [arg for o in overrides for arg in ("--set", o)]
-
-
-def one_error_line(capsys: pytest.CaptureFixture) -> str:
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1, lines
-    assert lines[0].startswith("gatedformer: error: ") and "Traceback" not in lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
