@@ -46,7 +46,7 @@ from safetensors.torch import safe_open, save_file
 from torch import nn
 
 from gatedformer.config import RunConfig, config_from_dict
-from gatedformer.data.verify import FILES_KEY, check_files
+from gatedformer.data.verify import FILES_KEY, check_files, sha256_file
 from gatedformer.errors import CheckpointError, ConfigError, OutputError
 from gatedformer.io import _fsync_dir, atomic_write, atomic_write_text, cannot_write, make_folder, read_limited
 from gatedformer.tasks.weights import recorded_config, recorded_metadata
@@ -290,7 +290,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, trainer_state: d
         write_tensors(carried, staging / "carry.safetensors")
         torch.save(trainer_state, staging / "trainer.pt")
         full_meta = {**meta, "step": step, "format": FORMAT_VERSION, "version": __version__, "carry": layout,
-                     "trainer_sha256": _file_sha256(staging / "trainer.pt")}
+                     "trainer_sha256": sha256_file(staging / "trainer.pt")}
         full_meta[META_CHECKSUM_KEY] = meta_checksum(full_meta)
         (staging / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True), encoding="utf-8")
         for file in staging.iterdir():
@@ -349,14 +349,6 @@ def _pointer_name(root: Path) -> str | None:
         return read_limited(root / "LATEST", 4096).decode("utf-8").strip()
     except (OSError, ValueError):
         return None
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _inside(root: Path, path: Path) -> bool:
@@ -585,7 +577,7 @@ def load_checkpoint(path: Path, with_trainer: bool = True) -> Checkpoint:
         if missing:
             raise CheckpointError(f"{path / 'trainer.pt'} is damaged: no {' or '.join(missing)} state{damaged}")
         # Bytes changed since it was written may still load (an optimiser moment, say): the checksum tells.
-        if isinstance(meta.get("trainer_sha256"), str) and _file_sha256(path / "trainer.pt") != meta["trainer_sha256"]:
+        if isinstance(meta.get("trainer_sha256"), str) and sha256_file(path / "trainer.pt") != meta["trainer_sha256"]:
             raise CheckpointError(f"{path / 'trainer.pt'} is damaged: it does not match the checksum meta.json "
                                   f"recorded when it was written{damaged}")
     return Checkpoint(path, meta, model_state, trainer_state, carry)
