@@ -49,10 +49,8 @@ from gatedformer.train.checkpoint import (
 )
 from gatedformer.version import __version__
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "Pretrained", "export_run", "from_pretrained", "load"]
+__all__ = ["FORMAT_VERSION", "Pretrained", "export_run", "from_pretrained", "load"]
 
-FORMAT = EXPORT_FORMAT
-"""``config.json``'s ``format``: what marks a folder as an exported gatedformer model."""
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -214,7 +212,7 @@ class Pretrained:
             atomic_write_text(folder / name, text)
         # The vocabulary's checksums go into the weights' metadata, which the weights' own checksum covers.
         save_model_weights(self.model, folder / WEIGHTS_FILE, weights_metadata(config, files_checksums(folder, files)))
-        record = {"format": FORMAT, "format_version": FORMAT_VERSION, "gatedformer": __version__,
+        record = {"format": EXPORT_FORMAT, "format_version": FORMAT_VERSION, "gatedformer": __version__,
                   "task": self.task.name, "backbone": self.config.model.backbone,
                   "vocab_sizes": _vocab_sizes(self.data),
                   "parameters": sum(p.numel() for p in self.model.parameters()),
@@ -297,7 +295,7 @@ def _export_record(folder: Path) -> dict[str, Any] | None:
         record = json.loads(read_limited(folder / CONFIG_FILE, _CONFIG_BYTES))
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) and record.get("format") == FORMAT else None
+    return record if isinstance(record, dict) and record.get("format") == EXPORT_FORMAT else None
 
 
 def model_card(model: Pretrained, record: dict[str, Any]) -> str:
@@ -318,7 +316,7 @@ tags:
 
 # {cfg.model.backbone} {model.task.title} ({cfg.data.corpus})
 
-A gatedformer model exported by `save_pretrained` (format {FORMAT} version {FORMAT_VERSION}).
+A gatedformer model exported by `save_pretrained` (format {EXPORT_FORMAT} version {FORMAT_VERSION}).
 
 | | |
 |---|---|
@@ -535,9 +533,9 @@ def _read_export(folder: Path, device: str) -> Pretrained:
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{config_file} is unreadable or not JSON ({_first_line(err)}); export the model "
                               "again") from None
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise CheckpointError(f"{config_file} is not a gatedformer export's config (no \"format\": \"{FORMAT}\"); "
-                              "export the model with save_pretrained")
+    if not isinstance(record, dict) or record.get("format") != EXPORT_FORMAT:
+        raise CheckpointError(f"{config_file} is not a gatedformer export's config (no \"format\": "
+                              f"\"{EXPORT_FORMAT}\"); export the model with save_pretrained")
     if record.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{config_file} is of format version {str(record.get('format_version'))[:20]}, which "
                               f"this gatedformer does not read (it reads {FORMAT_VERSION}); upgrade gatedformer")
