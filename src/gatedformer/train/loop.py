@@ -302,7 +302,7 @@ def _train(config: RunConfig, task: Task, out_dir: Path, data_dir: str | Path | 
     before_steps(run, on_record, fresh=checkpoint_path is None)
     if run.evaluation_pending:
         evaluate_cut_short(run)
-    run.bar = _progress_bar(progress and run.ddp.is_main, config.train.steps, run.step, out_dir.name)
+    run.bar = progress_bar(progress and run.ddp.is_main, config.train.steps, run.step, out_dir.name)
     run.model.train()
     with _StopSignal() as stop_signal:
         while run.step < config.train.steps:
@@ -748,8 +748,3 @@ def _truncate_log(log_path: Path, step: int, drop_evaluation: bool = False) -> N
             continue
         kept.append(json.dumps(record, sort_keys=True))
     atomic_write_text(log_path, "".join(line + "\n" for line in kept))
-
-
-def _progress_bar(enabled: bool, total: int, initial: int, name: str) -> Any:
-    # a bar on a terminal, plain lines elsewhere (a script's log, a scheduler's job), never silence
-    return progress_bar(enabled, total, initial, name)
