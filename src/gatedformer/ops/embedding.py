@@ -8,7 +8,9 @@ kernel with the same mask (:mod:`gatedformer.ops.dropout`: the seed drawn from t
 split between the threads.
 
 Anything else takes the PyTorch operations: tensors not on the CPU or not float32, an embedding with
-``padding_idx``, ``max_norm``, ``scale_grad_by_freq``, ``sparse`` or hooks, a subclass of either module,
+``padding_idx``, ``max_norm``, ``scale_grad_by_freq``, ``sparse`` or hooks, a subclass of either module (but an
+embedding whose class says its look-up is plain, ``lookup_is_plain``, as
+:class:`~gatedformer.nn.embedding.TokenEmbedding` does),
 positions that require a gradient, a dropout module other than :class:`~gatedformer.ops.dropout.Dropout`
 (or in place, hooked or of ``p`` 1), or no compiled kernel. Under ``torch.compile`` the pass is the custom operator
 ``gatedformer::embed_dropout``.
@@ -25,7 +27,7 @@ from gatedformer.ops.explain import declined, explaining, first_reason
 from gatedformer.ops.fused_linear import unhooked
 from gatedformer.ops.operators import FunctionOperator, call, runs_native
 
-__all__ = ["embed_tokens"]
+__all__ = ["embed_tokens", "fused_embed_tokens"]
 
 _INT32_VALUES = 2 ** 32
 
@@ -58,7 +60,9 @@ EMBED_DROPOUT = FunctionOperator("embed_dropout", _EmbedDropout,
 
 
 def _plain_embedding(embedding: nn.Module) -> bool:
-    return (type(embedding) is nn.Embedding and embedding.padding_idx is None and embedding.max_norm is None
+    # A subclass may look up otherwise, unless its class says its look-up is nn.Embedding's (TokenEmbedding's is).
+    plain_class = type(embedding) is nn.Embedding or getattr(type(embedding), "lookup_is_plain", False)
+    return (plain_class and embedding.padding_idx is None and embedding.max_norm is None
             and not embedding.scale_grad_by_freq and not embedding.sparse and unhooked(embedding))
 
 
@@ -84,23 +88,33 @@ def _fuses(tokens: Tensor, embedding: nn.Module, positions: Tensor | None) -> bo
             and runs_native(KERNEL, table.device))
 
 
-def embed_tokens(tokens: Tensor, embedding: nn.Embedding, scale: float = 1.0, positions: Tensor | None = None,
-                 dropout: nn.Module | None = None) -> Tensor:
-    """``dropout(embedding(tokens) * scale + positions)``: ``positions`` ``(L, d)`` (or ``None``) is added to
-    every sequence of ``tokens`` ``(..., L)``; ``dropout`` a :class:`~gatedformer.nn.dropout.Dropout` (or
-    ``None``). One pass forward and one backward where the kernel applies (see the module's docstring), with the
-    mask the module would draw; the same operations one by one elsewhere."""
+def fused_embed_tokens(tokens: Tensor, embedding: nn.Embedding, scale: float = 1.0, positions: Tensor | None = None,
+                       dropout: nn.Module | None = None) -> Tensor | None:
+    """:func:`embed_tokens` in one pass of the kernel where it applies (see the module's docstring), else ``None``
+    (saying why with ``GATEDFORMER_EXPLAIN_FUSION=1``): the caller then computes it with PyTorch operations."""
     p = _dropout_p(dropout)
     if p is None or not _fuses(tokens, embedding, positions):
         if explaining() and torch.is_grad_enabled():
             declined("ops.embedding.embed_tokens", first_reason((embedding.weight, positions), (embedding, dropout),
                                                                 (KERNEL,))
                      or "an embedding, dropout or token layout it does not take")
-        x = embedding(tokens) * scale
-        if positions is not None:
-            x = x + positions.to(x.dtype)
-        return x if dropout is None else dropout(x)
+        return None
     keep_below = _keep_below(p)
     mask = None if keep_below >= _INT32_VALUES else (_draw_seed(), keep_below, _INT32_VALUES / keep_below)
     return call(EMBED_DROPOUT, embedding.weight, tokens.to(torch.int64).contiguous(),
                                None if positions is None else positions.contiguous(), scale, mask)
+
+
+def embed_tokens(tokens: Tensor, embedding: nn.Embedding, scale: float = 1.0, positions: Tensor | None = None,
+                 dropout: nn.Module | None = None) -> Tensor:
+    """``dropout(embedding(tokens) * scale + positions)``: ``positions`` ``(L, d)`` (or ``None``) is added to
+    every sequence of ``tokens`` ``(..., L)``; ``dropout`` a :class:`~gatedformer.nn.dropout.Dropout` (or
+    ``None``). One pass forward and one backward where the kernel applies (see the module's docstring), with the
+    mask the module would draw; the same operations one by one elsewhere."""
+    fused = fused_embed_tokens(tokens, embedding, scale, positions, dropout)
+    if fused is not None:
+        return fused
+    x = embedding(tokens) * scale
+    if positions is not None:
+        x = x + positions.to(x.dtype)
+    return x if dropout is None else dropout(x)

@@ -26,7 +26,8 @@ from gatedformer.kernels.cross_entropy import KERNEL
 from gatedformer.ops.explain import declined, explaining, first_reason
 from gatedformer.ops.operators import FunctionOperator, call, runs_native
 
-__all__ = ["LOGITS_BUDGET", "fused_loss_applies", "linear_cross_entropy", "logits_or_loss", "row_blocks"]
+__all__ = ["LOGITS_BUDGET", "fused_loss_applies", "linear_cross_entropy", "logits_cross_entropy", "logits_or_loss",
+           "row_blocks"]
 
 LOGITS_BUDGET = 1 << 22
 """Logits (floats) computed at once: rows are taken in blocks of at most about ``LOGITS_BUDGET // V`` (16 MB of
@@ -72,14 +73,15 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, ta
     rows = hidden.reshape(-1, hidden.shape[-1])
     flat_targets = targets.reshape(-1)
     if not fused_loss_applies(hidden, weight, bias):
-        return _cross_entropy(F.linear(rows, weight, bias), flat_targets, ignore_index, reduction, label_smoothing)
+        return logits_cross_entropy(F.linear(rows, weight, bias), flat_targets, ignore_index, reduction,
+                                    label_smoothing)
     # the gradients are made in the forward pass only where autograd records it (inside it, it never does)
     return call(LINEAR_CROSS_ENTROPY, rows, weight, bias, flat_targets, ignore_index, reduction == "mean",
                                      float(label_smoothing), torch.is_grad_enabled())
 
 
-def _cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int, reduction: str,
-                   label_smoothing: float) -> Tensor:
+def logits_cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int, reduction: str,
+                         label_smoothing: float) -> Tensor:
     """``F.cross_entropy`` over the rows of ``logits``, half-precision ones (autocast's) taken in float32."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
@@ -95,7 +97,7 @@ def logits_or_loss(output: nn.Linear, hidden: Tensor, targets: Tensor | None, ig
     if targets is None:
         return output(hidden)
     if output._forward_hooks or output._forward_pre_hooks or output._backward_hooks or output._backward_pre_hooks:
-        return _cross_entropy(output(hidden), targets, ignore_index, reduction, label_smoothing)
+        return logits_cross_entropy(output(hidden), targets, ignore_index, reduction, label_smoothing)
     return linear_cross_entropy(hidden, output.weight, output.bias, targets, ignore_index, reduction, label_smoothing)
 
 
