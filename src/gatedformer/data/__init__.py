@@ -9,12 +9,14 @@ from .glue import GLUE_CORPORA
 from .paths import cache_root, data_dir_candidates, fetch_target_dir, resolve_data_dir, user_data_dir
 from .registry import CORPORA, CorpusSpec, FileSpec, get_spec
 from .sentclass import SENTCLASS_CORPORA
+from .squad import SQUAD_CORPORA
 from .tokenize import TOKENIZER_VERSION
 from .vocab import Vocab
 
 # The classification sets are corpora too (listed, checked and fetched like the others); their own modules read them.
 CORPORA.update(GLUE_CORPORA)
 CORPORA.update(SENTCLASS_CORPORA)
+CORPORA.update(SQUAD_CORPORA)
 
 __all__ = [
     "CORPORA",

@@ -18,6 +18,7 @@ from ..errors import DataError, InUseError, OutputError
 from .archives import fetch_special
 from .paths import ENV_MIRROR, fetch_target_dir, find_file
 from .registry import CORPORA, CorpusSpec, FileSpec, get_spec, is_text_corpus
+from .squad import is_squad_json
 from .verify import MANIFEST, decoded_facts, read_manifest, record_facts, verify_file
 
 _CHUNK = 1 << 16
@@ -184,6 +185,8 @@ def fetch_corpus(
     """
     if is_text_corpus(name):
         raise DataError(f"{name!r} is a local file, so there is nothing to fetch; load it directly")
+    if is_squad_json(name):
+        raise DataError(f"{name!r} is a local folder, so there is nothing to fetch; train on it directly")
     if name.strip().lower() == WMT14:  # archives, then Moses and BPE: prepared, not copied (see .wmt14)
         from .wmt14 import fetch_wmt14
 
