@@ -104,6 +104,10 @@ class ModelConfig:
     rescale: bool = True
     projection_size: int = 0
     sru_layer_norm: bool = False
+    # Question answering's document reader
+    rnn: str = "sru"
+    """The reader's recurrent layers: ``sru`` (a stack whose last layer alone is read, the SRU paper's B.2) or
+    ``lstm`` (DrQA's bi-LSTMs, every layer's output concatenated)."""
 
 
 @dataclass
@@ -267,6 +271,23 @@ class SentClassConfig:
 
 
 @dataclass
+class QAConfig:
+    """Extractive question answering (SQuAD) with a document reader."""
+
+    word_vectors: str = ""
+    """A GloVe or word2vec text file of pretrained vectors; words it lacks start at random."""
+    embedding_dim: int = 300
+    """Word vector size without ``word_vectors`` (with them, theirs)."""
+    tune_top_k: int = 1000
+    """With ``word_vectors``: train the vectors of this many most frequent question words only, the rest fixed
+    (DrQA's); -1 trains them all. Without vectors every word's trains."""
+    max_span: int = 15
+    """An answer is the best span of at most this many words after its first (DrQA's ``i <= i' <= i + 15``)."""
+    max_articles: int = 0
+    """Read only the first N articles of each file (0: all): a small run on a part of SQuAD."""
+
+
+@dataclass
 class RunConfig:
     """Everything that defines one training run."""
 
@@ -280,6 +301,7 @@ class RunConfig:
     mlm: MaskedLMConfig = field(default_factory=MaskedLMConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     sentclass: SentClassConfig = field(default_factory=SentClassConfig)
+    qa: QAConfig = field(default_factory=QAConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -560,6 +582,8 @@ def validate(config: RunConfig) -> RunConfig:
            "clear model.gates")
     if task_of(config) in ("mlm", "glue", "sentclass"):
         _validate_text_tasks(config)
+    if task_of(config) == "qa":
+        _validate_qa(config.qa)
     if task_of(config) == "translation":
         _validate_translation(config)
     else:
@@ -712,6 +736,13 @@ def _validate_text_tasks(config: RunConfig) -> None:
                <= config.model.max_positions,
                f"data.seq_len={config.data.seq_len} is longer than the model's model.max_positions="
                f"{config.model.max_positions}; lower data.seq_len or raise model.max_positions")
+
+
+def _validate_qa(qa: QAConfig) -> None:
+    _positive("qa.embedding_dim", qa.embedding_dim)
+    _check(qa.tune_top_k >= -1, f"qa.tune_top_k={qa.tune_top_k}: give -1 (tune every vector) or how many to tune")
+    _check(qa.max_span >= 0, f"qa.max_span={qa.max_span} must be 0 (one-word answers) or more")
+    _check(qa.max_articles >= 0, "qa.max_articles must be 0 (all) or positive")
 
 
 def _validate_translation(config: RunConfig) -> None:

@@ -27,6 +27,7 @@ from gatedformer.models.seq2seq import Seq2SeqTransformer
 from gatedformer.models.convs2s import ConvS2S
 from gatedformer.models.bert import BertForMaskedLM, BertForSequenceClassification
 from gatedformer.models.sentclass import SentenceClassifier
+from gatedformer.models.reader import DocumentReader
 # isort: on
 
 
@@ -45,6 +46,7 @@ __all__ = [
     "BertForMaskedLM",
     "BertForSequenceClassification",
     "ConvS2S",
+    "DocumentReader",
     "GatedConvLM",
     "RTransformerLM",
     "SRULanguageModel",
