@@ -18,18 +18,19 @@ from gatedformer.tasks import TASKS, get_task, register_task
 from gatedformer.tasks.glue import GlueFinetuneTask
 from gatedformer.tasks.lm import LanguageModelTask
 from gatedformer.tasks.mlm import MaskedLMTask
+from gatedformer.tasks.qa import QuestionAnsweringTask
 from gatedformer.tasks.sentclass import SentenceClassificationTask
 from gatedformer.tasks.translation import TranslationTask
 
 
 def test_each_task_class_registers_itself_under_its_name() -> None:
     classes = {"lm": LanguageModelTask, "translation": TranslationTask, "mlm": MaskedLMTask,
-               "glue": GlueFinetuneTask, "sentclass": SentenceClassificationTask}
+               "glue": GlueFinetuneTask, "sentclass": SentenceClassificationTask, "qa": QuestionAnsweringTask}
     assert list(TASKS) == list(classes)  # the order get_task's error lists them in
     for name, cls in classes.items():
         assert type(TASKS[name]) is cls and cls.name == name and get_task(name) is TASKS[name]
     with pytest.raises(ConfigError, match=r"^unknown task 'nmt'; the tasks are lm, translation, mlm, glue, "
-                                          r"sentclass$"):
+                                          r"sentclass, qa$"):
         get_task("nmt")
 
 
@@ -88,7 +89,8 @@ def test_each_task_declares_the_corpora_it_reads() -> None:
 
     for corpus, task in (("multi30k", "translation"), ("WMT14 ", "translation"), ("glue-sst2", "glue"),
                          ("glue-unknown", "glue"), ("mr", "sentclass"), ("sst", "sentclass"), ("ptb", "lm"),
-                         ("wikitext2", "lm"), ("text:/data/glue-notes.txt", "lm"), ("text:mr", "lm")):
+                         ("wikitext2", "lm"), ("text:/data/glue-notes.txt", "lm"), ("text:mr", "lm"),
+                         ("squad", "qa"), ("squad-json:/data/My SQuAD", "qa")):
         assert corpus_task(corpus) == task, corpus
     with pytest.raises(ValueError, match=r"corpora \['mr'\] are claimed by task 'sentclass' and by 'toy'"):
         claim_corpora("toy", ("mr",))
@@ -113,7 +115,8 @@ def test_each_task_declares_the_config_sections_it_reads() -> None:
     from gatedformer.config import TASK_SECTIONS, register_task_sections
 
     assert TASK_SECTIONS == {"lm": (), "translation": ("translation",), "mlm": ("tokenizer", "mlm", "finetune"),
-                             "glue": ("tokenizer", "finetune"), "sentclass": ("sentclass",)}
+                             "glue": ("tokenizer", "finetune"), "sentclass": ("sentclass",),
+                             "qa": ("qa",)}
     with pytest.raises(ValueError, match=r"task 'toy' declares sections \['model', 'nmt'\], which are not task "
                                          "sections of RunConfig"):
         register_task_sections("toy", ("translation", "nmt", "model"))

@@ -6,7 +6,8 @@ task (:func:`gatedformer.config.task_of`); each task's class registers itself (`
 * ``translation`` — translation with an encoder-decoder (:mod:`gatedformer.tasks.translation`);
 * ``mlm`` — masked language modelling, BERT's pretraining (:mod:`gatedformer.tasks.mlm`; ``data.task=mlm``);
 * ``glue`` — fine-tuning on a GLUE task (:mod:`gatedformer.tasks.glue`);
-* ``sentclass`` — sentence classification (:mod:`gatedformer.tasks.sentclass`).
+* ``sentclass`` — sentence classification (:mod:`gatedformer.tasks.sentclass`);
+* ``qa`` — extractive question answering on SQuAD (:mod:`gatedformer.tasks.qa`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from gatedformer.tasks.base import TASKS, Task, TrainBatch, register_task
 
 # The task modules, imported for their registrations; in this order, which is the order get_task's error lists them.
 # isort: off
-from gatedformer.tasks import lm, translation, mlm, glue, sentclass  # noqa: F401
+from gatedformer.tasks import lm, translation, mlm, glue, sentclass, qa  # noqa: F401
 # isort: on
 
 
