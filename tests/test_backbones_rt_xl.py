@@ -3,6 +3,7 @@ segment-level memory carried across windows and checkpoints, gate placement, and
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -14,6 +15,9 @@ from torch.nn import functional as F
 
 from gatedformer.config import ModelConfig, RunConfig, apply_overrides, validate
 from gatedformer.data import LMStream
+from gatedformer.fused import fuse, is_fused
+from gatedformer.fused import rtransformer as fused_rtransformer
+from gatedformer.fused import transformer_xl as fused_transformer_xl
 from gatedformer.gates import SDU
 from gatedformer.models import RTransformerLM, TransformerXLLM, backbone_names, build_model
 from gatedformer.models.rtransformer import RNN_TYPES, LocalRNN, RecurrentWeights
@@ -58,15 +62,19 @@ MODELS = {
 
 def test_shapes_and_state() -> None:
     torch.manual_seed(0)
-    logits, state = rt()(tokens(2, 7))
-    assert logits.shape == (2, 7, VOCAB) and state is None
+    out = rt()(tokens(2, 7))
+    assert out.logits.shape == (2, 7, VOCAB) and out.state is None and out.loss is None
     model = xl()
-    logits, state = model(tokens(2, 4))
-    assert logits.shape == (2, 4, VOCAB)
+    out = model(tokens(2, 4))
+    assert out.logits.shape == (2, 4, VOCAB)
+    state = out.state
     assert isinstance(state, list) and [m.shape for m in state] == [(2, 4, D)] * LAYERS
-    logits, state = model(tokens(2, 5), state)
-    assert logits.shape == (2, 5, VOCAB) and [m.shape for m in state] == [(2, 6, D)] * LAYERS  # trimmed to 6
-    assert xl(mem_len=0)(tokens(2, 4))[1] is None
+    out = model(tokens(2, 5), state)
+    assert out.logits.shape == (2, 5, VOCAB) and [m.shape for m in out.state] == [(2, 6, D)] * LAYERS  # trimmed
+    assert xl(mem_len=0)(tokens(2, 4)).state is None
+    with_targets = model(tokens(2, 5), state, targets=tokens(2, 5, seed=1))
+    assert with_targets.logits is None and with_targets.loss.shape == ()
+    assert all(torch.equal(a, b) for a, b in zip(with_targets.state, out.state, strict=True))
     with pytest.raises(ValueError, match="batch=3"):
         model(tokens(3, 5), state)
 
@@ -85,7 +93,7 @@ def test_memories_are_the_last_layer_inputs_of_the_windows_so_far(mem_len: int) 
         for length in (4, 5, 4):
             inputs: list[torch.Tensor] = []
             captured = model.layers[0].register_forward_pre_hook(lambda _, args, into=inputs: into.append(args[0]))
-            _, state = model(tokens(2, length), state)
+            state = model(tokens(2, length), state).state
             captured.remove()
             for i, memory in enumerate(state):
                 expected = torch.cat(seen[i], dim=1)[:, -mem_len:]
@@ -115,7 +123,8 @@ def test_bf16_autocast(name: str) -> None:
     state = None
     for seed in range(2):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits, state = model(tokens(2, 5, seed=seed), state)
+            out = model(tokens(2, 5, seed=seed), state)
+        logits, state = out.logits, out.state
         F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens(2, 5, seed=9).reshape(-1)).backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
@@ -129,13 +138,13 @@ def test_bf16_autocast(name: str) -> None:
 def test_causal(name: str, norm: str) -> None:
     torch.manual_seed(0)
     model = MODELS[name](norm=norm, gates="+tanh SDU").eval()
-    state = model(tokens(2, 5, seed=3))[1]  # a memory for the XL model, None otherwise
+    state = model(tokens(2, 5, seed=3)).state  # a memory for the XL model, None otherwise
     x = tokens(2, 9)
     for t in (0, 4, 7):
         changed = x.clone()
         changed[:, t + 1] = (changed[:, t + 1] + 1) % VOCAB
-        a, _ = model(x, state)
-        b, _ = model(changed, state)
+        a = model(x, state).logits
+        b = model(changed, state).logits
         torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], rtol=0, atol=0)
         assert not torch.allclose(a[:, t + 1], b[:, t + 1])
 
@@ -174,14 +183,17 @@ def local_rnn_unfold(module: LocalRNN, x: Tensor) -> Tensor:
     return out[:, -1].reshape(batch, length, d)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
 @pytest.mark.parametrize("rnn_type", ["gru", "lstm", "rnn"])
 @pytest.mark.parametrize("window", [1, 3, 9])
-def test_local_rnn_equals_unfold(rnn_type: str, window: int) -> None:
+def test_local_rnn_equals_unfold(rnn_type: str, window: int, fused: bool) -> None:
     torch.manual_seed(window)
     module = LocalRNN(5, window, rnn_type).double()
     with torch.no_grad():  # random biases too, so a misplaced bias term would show
         for p in module.parameters():
             p.normal_(0.0, 0.5)
+    if fused:
+        module = fuse(module)
     x = torch.randn(2, 6, 5, dtype=torch.double, requires_grad=True)
     weights = torch.randn(2, 6, 5, dtype=torch.double)
     fast, slow = module(x), local_rnn_unfold(module, x)
@@ -194,11 +206,13 @@ def test_local_rnn_equals_unfold(rnn_type: str, window: int) -> None:
         torch.testing.assert_close(torch.zeros_like(p) if a is None else a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_local_rnn_never_holds_a_copy_per_window(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+def test_local_rnn_never_holds_a_copy_per_window(monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
     """The steps one by one (the compiled recurrence's own test is in test_local_rnn_kernel.py)."""
     monkeypatch.setenv("GATEDFORMER_PACKED_GEMM", "0")
     batch, length, d, window = 2, 8, 4, 7
     module = LocalRNN(d, window, "gru")
+    module = fuse(module) if fused else module
     largest = 0
 
     def pack(t: Tensor) -> Tensor:
@@ -213,11 +227,15 @@ def test_local_rnn_never_holds_a_copy_per_window(monkeypatch: pytest.MonkeyPatch
     assert largest <= (length + window - 1) * batch * 3 * d < batch * length * window * 3 * d
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
 @pytest.mark.parametrize("rnn_type", ["gru", "lstm", "rnn"])
-def test_local_rnn_recompute_gives_the_same_values_and_gradients_and_keeps_only_the_input(rnn_type: str) -> None:
+def test_local_rnn_recompute_gives_the_same_values_and_gradients_and_keeps_only_the_input(rnn_type: str,
+                                                                                           fused: bool) -> None:
     torch.manual_seed(1)
     kept, recomputed = LocalRNN(6, 4, rnn_type), LocalRNN(6, 4, rnn_type, recompute=True)
     recomputed.load_state_dict(kept.state_dict())
+    if fused:
+        kept, recomputed = fuse(kept), fuse(recomputed)
     x = torch.randn(2, 9, 6, requires_grad=True)
     saved: list[Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -292,6 +310,101 @@ def test_relative_attention_equals_direct_a_b_c_d() -> None:
         torch.testing.assert_close(attn(h, memory, pos), expected)
 
 
+def test_fused_relative_attention_matches_the_reference_with_and_without_a_cache() -> None:
+    """The kernel's attention (float32, no attention dropout) against the reference's, on the whole window and
+    position by position through the cache."""
+    torch.manual_seed(0)
+    attention = RelativeMultiHeadAttention(16, 2).eval()
+    fused = fuse(copy.deepcopy(attention))
+    h, memory = torch.randn(2, 5, 16, requires_grad=True), torch.randn(2, 3, 16)
+    pos = relative_positions(12, 16)
+    expected, got = attention(h, memory, pos), fused(h, memory, pos)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(expected)
+    for a, b in zip(torch.autograd.grad(got, [h, *fused.parameters()], grad),
+                    torch.autograd.grad(expected, [h, *attention.parameters()], grad), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        cache: dict[str, Tensor] = {}
+        steps = torch.cat([fused(h[:, t : t + 1], memory, pos, cache) for t in range(5)], dim=1)
+    torch.testing.assert_close(steps, expected.detach(), rtol=1e-5, atol=1e-5)
+    assert not hasattr(attention, "add_norm") and hasattr(fused, "add_norm")  # the whole sublayer is fused only
+
+
+# ------------------------------------------------------------------------------------------------
+# The fused models against the reference
+
+FUSED_CASES = {
+    "xl": lambda: xl(),
+    "xl +σ SDU": lambda: xl(gates="+σ SDU"),
+    "xl +highway gate": lambda: xl(gates="+highway gate"),
+    "xl +gated MHDPA": lambda: xl(gates="+gated MHDPA"),
+    "xl +EAU+GRC": lambda: xl(gates="+EAU+GRC"),
+    "xl +tanh L2": lambda: xl(gates="+tanh L2"),
+    "xl pre-LN +σ SDU": lambda: xl(norm="pre", gates="+σ SDU"),
+    "xl no memory": lambda: xl(mem_len=0),
+    "rt-gru +σ SDU": lambda: rt(gates="+σ SDU"),
+    "rt-lstm pre-LN": lambda: rt(rnn_type="lstm", norm="pre"),
+    "rt-rnn": lambda: rt(rnn_type="rnn"),
+    "rt-gru window 1": lambda: rt(rnn_window=1),
+}
+
+
+def _train_windows(model: nn.Module) -> list[Tensor]:
+    """Two training windows (the second after the first's state), their losses and then every parameter's
+    gradient."""
+    state, losses = None, []
+    for seed in range(2):
+        out = model(tokens(3, 7, seed=seed), state, targets=tokens(3, 7, seed=10 + seed))
+        out.loss.backward()
+        state, losses = out.state, [*losses, out.loss.detach()]
+    return [*losses, *(p.grad for p in model.parameters())]
+
+
+@pytest.mark.parametrize("case", sorted(FUSED_CASES))
+def test_the_fused_model_computes_what_the_reference_computes(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training mode without dropout (so no mask is drawn): the same losses and gradients to float rounding, with the
+    fused paths taken where they apply."""
+    torch.manual_seed(0)
+    reference = FUSED_CASES[case]()
+    fused = fuse(copy.deepcopy(reference))
+    assert not any(is_fused(m) for m in reference.modules()) and is_fused(fused.layers[0].attn.body)
+    calls: list[str] = []
+    for module, name in ((fused_transformer_xl, "layer_stack"), (fused_transformer_xl, "relative_attention_add_norm"),
+                         (fused_transformer_xl, "relative_attention"), (fused_rtransformer, "local_recurrence"),
+                         (fused_rtransformer, "gru_step"), (fused_rtransformer, "lstm_step")):
+        function = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=function, _n=name: calls.append(_n) or _f(*a))
+    for a, b in zip(_train_windows(fused), _train_windows(reference), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    expected_paths = ({"local_recurrence", "gru_step", "lstm_step"} if case.startswith("rt") and "rnn" not in case
+                      else {"layer_stack", "relative_attention_add_norm", "relative_attention"} if case.startswith("xl")
+                      else set())
+    assert not expected_paths or set(calls) & expected_paths, calls
+    with torch.no_grad():
+        fused.eval()
+        reference.eval()
+        state = reference(tokens(3, 7, seed=4)).state
+        torch.testing.assert_close(fused(tokens(3, 7, seed=5), state).logits,
+                                   reference(tokens(3, 7, seed=5), state).logits, rtol=1e-4, atol=1e-5)
+        # Incremental decoding on the fused model gives the reference's full recomputation.
+        cache = fused.new_cache(state)
+        x = tokens(3, 7, seed=5)
+        steps = torch.cat([fused.step(x[:, :3], cache)] + [fused.step(x[:, t : t + 1], cache) for t in range(3, 7)],
+                          dim=1)
+        torch.testing.assert_close(steps, reference(x, state).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_fusing_keeps_the_state_dict() -> None:
+    torch.manual_seed(0)
+    for make in (xl, rt):
+        model = make(gates="+σ SDU", tie_embeddings=True)
+        keys = list(model.state_dict())
+        assert list(fuse(model).state_dict()) == keys
+        assert "embedding.weight" in keys and "output.weight" in keys and "output.bias" in keys
+        assert model.output.weight is model.embedding.weight
+
+
 # ------------------------------------------------------------------------------------------------
 # Segment-level memory
 
@@ -300,22 +413,22 @@ def test_memory_extends_the_attention_span() -> None:
     torch.manual_seed(0)
     model = xl().eval()
     first, second = tokens(2, 5, seed=1), tokens(2, 5, seed=2)
-    _, state = model(first)
-    with_memory, _ = model(second, state)
-    without, _ = model(second)
+    state = model(first).state
+    with_memory = model(second, state).logits
+    without = model(second).logits
     assert not torch.allclose(with_memory[:, 0], without[:, 0])
-    _, other_state = model(tokens(2, 5, seed=7))
-    assert not torch.allclose(model(second, other_state)[0][:, 0], with_memory[:, 0])
+    other_state = model(tokens(2, 5, seed=7)).state
+    assert not torch.allclose(model(second, other_state).logits[:, 0], with_memory[:, 0])
 
 
 def test_no_gradient_flows_into_memory_and_every_parameter_learns() -> None:
     torch.manual_seed(0)
     model = xl(gates="+σ SDU")
-    _, state = model(tokens(2, 5, seed=1))  # built with autograd on
+    state = model(tokens(2, 5, seed=1)).state  # built with autograd on
     assert all(not m.requires_grad and m.grad_fn is None for m in state)
-    logits, new_state = model(tokens(2, 5, seed=2), state)
-    assert all(not m.requires_grad for m in new_state)
-    F.cross_entropy(logits.reshape(-1, VOCAB), tokens(2, 5, seed=3).reshape(-1)).backward()
+    out = model(tokens(2, 5, seed=2), state)
+    assert all(not m.requires_grad for m in out.state)
+    F.cross_entropy(out.logits.reshape(-1, VOCAB), tokens(2, 5, seed=3).reshape(-1)).backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
 
@@ -324,7 +437,7 @@ def test_no_gradient_flows_into_memory_and_every_parameter_learns() -> None:
 def test_every_rtransformer_parameter_learns(rnn_type: str) -> None:
     torch.manual_seed(0)
     model = rt(rnn_type=rnn_type, gates="+tanh SDU")
-    logits, _ = model(tokens(2, 6))
+    logits = model(tokens(2, 6)).logits
     F.cross_entropy(logits.reshape(-1, VOCAB), tokens(2, 6, seed=1).reshape(-1)).backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
@@ -335,7 +448,8 @@ def window_losses(model: nn.Module, stream: LMStream, windows: range, state: obj
     with torch.no_grad():
         for k in windows:
             x, y = stream.window(k)
-            logits, state = model(x, state)
+            out = model(x, state)
+            logits, state = out.logits, out.state
             losses.append(F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).item())
     return losses, state
 

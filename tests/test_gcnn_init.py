@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -13,8 +14,11 @@ from torch.nn import functional as F
 from gatedformer.analysis.init_check import format_init_check, init_check, layer_sites, measure_layers
 from gatedformer.cli import main
 from gatedformer.config import InitConfig, ModelConfig, RunConfig, build_config, load_recipe
+from gatedformer.fused import fuse
+from gatedformer.fused import gcnn as fused_gcnn
 from gatedformer.models import backbone_names, build_model
 from gatedformer.models.gcnn import EMBEDDING_STD, GatedConvLayer, GatedConvLM, causal_conv1d, glu_init_std
+from gatedformer.ops import causal_conv
 from gatedformer.train.init import initialise
 
 V = 50
@@ -34,8 +38,8 @@ def _convs(model: GatedConvLM) -> list[GatedConvLayer]:
 @pytest.mark.parametrize("bottleneck", [0, 4])
 def test_shapes_and_interface(bottleneck: int) -> None:
     model = GatedConvLM(V, 16, 3, kernel_size=3, bottleneck=bottleneck)
-    logits, state = model(_tokens(3, 7))
-    assert logits.shape == (3, 7, V) and state is None
+    out = model(_tokens(3, 7))
+    assert out.logits.shape == (3, 7, V) and out.state is None and out.loss is None
     assert model.receptive_field == 3 * 2 + 1
     if bottleneck:
         shapes = [tuple(c.conv.weight.shape) for c in _convs(model)[:3]]
@@ -56,13 +60,15 @@ def test_causal_conv1d_matches_conv1d(batch: int, length: int, channels: int, ou
     weight = torch.randn(out, channels, width, generator=gen, dtype=torch.float64, requires_grad=True)
     b = torch.randn(out, generator=gen, dtype=torch.float64, requires_grad=True) if bias else None
     grad = torch.randn(batch, length, out, generator=gen, dtype=torch.float64)
-    got = causal_conv1d(x, weight, b)
     want = F.conv1d(F.pad(x.transpose(1, 2), (width - 1, 0)), weight, b).transpose(1, 2)
-    torch.testing.assert_close(got, want)
     inputs = [x, weight] + ([b] if bias else [])
-    for g_got, g_want in zip(torch.autograd.grad(got, inputs, grad), torch.autograd.grad(want, inputs, grad),
-                             strict=True):
-        torch.testing.assert_close(g_got, g_want)
+    # The model's reference and the fused one (matrix products over shifted windows).
+    for function in (causal_conv1d, causal_conv.causal_conv1d):
+        got = function(x, weight, b)
+        torch.testing.assert_close(got, want)
+        want_grads = torch.autograd.grad(want, inputs, grad, retain_graph=True)
+        for g_got, g_want in zip(torch.autograd.grad(got, inputs, grad), want_grads, strict=True):
+            torch.testing.assert_close(g_got, g_want)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
@@ -74,13 +80,13 @@ def test_fused_glu_residual_matches_the_modules(dropout: float, monkeypatch: pyt
     split_tail = fused_gates._SplitTail.apply
     monkeypatch.setattr(fused_gates._SplitTail, "apply", lambda *args: fused_calls.append(args[2]) or split_tail(*args))
     torch.manual_seed(3)
-    model = GatedConvLM(V, 16, 2, kernel_size=3, dropout=dropout)
+    model = fuse(GatedConvLM(V, 16, 2, kernel_size=3, dropout=dropout))
     tokens = _tokens(2, 9)
 
     def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         model.zero_grad(set_to_none=True)
         torch.manual_seed(11)  # the same dropout masks on both paths
-        logits, _ = model(tokens)
+        logits = model(tokens).logits
         F.cross_entropy(logits.reshape(-1, V), tokens.reshape(-1)).backward()
         return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -97,8 +103,43 @@ def test_fused_glu_residual_matches_the_modules(dropout: float, monkeypatch: pyt
 
 
 def test_causal_conv1d_rejects_mismatched_shapes() -> None:
-    with pytest.raises(ValueError, match="causal_conv1d takes x"):
-        causal_conv1d(torch.randn(2, 5, 3), torch.randn(4, 2, 3))
+    for function in (causal_conv1d, causal_conv.causal_conv1d):
+        with pytest.raises(ValueError, match="causal_conv1d takes x"):
+            function(torch.randn(2, 5, 3), torch.randn(4, 2, 3))
+
+
+FUSED_CASES = {
+    "plain": {},
+    "bottleneck": {"bottleneck": 6},
+    "weight norm": {"weight_norm": True},
+    "tied, width 1": {"tie_embeddings": True, "kernel_size": 1},
+}
+
+
+@pytest.mark.parametrize("case", sorted(FUSED_CASES))
+def test_the_fused_model_computes_what_the_reference_computes(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without dropout: the same loss and gradients to float rounding, the fused convolutions taken; and the fused
+    model's incremental steps give the reference's full recomputation."""
+    torch.manual_seed(4)
+    reference = GatedConvLM(V, 16, 3, **{"kernel_size": 3, **FUSED_CASES[case]})
+    fused = fuse(copy.deepcopy(reference))
+    assert list(fused.state_dict()) == list(reference.state_dict())
+    calls = []
+    convolve = fused_gcnn.causal_conv1d
+    monkeypatch.setattr(fused_gcnn, "causal_conv1d", lambda *args: calls.append(1) or convolve(*args))
+    tokens = _tokens(3, 9)
+    losses = [m(tokens[:, :-1], targets=tokens[:, 1:]).loss for m in (fused, reference)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    assert calls
+    for loss in losses:
+        loss.backward()
+    for (name, a), b in zip(fused.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():
+        cache = fused.new_cache()
+        steps = torch.cat([fused.step(tokens[:, :4], cache)] + [fused.step(tokens[:, t : t + 1], cache)
+                                                               for t in range(4, 9)], dim=1)
+        torch.testing.assert_close(steps, reference(tokens).logits, rtol=1e-5, atol=1e-6)
 
 
 def test_builder_and_recipe() -> None:
@@ -123,8 +164,8 @@ def test_causal(bottleneck: int) -> None:
     for t in (0, 4, 8):
         changed = tokens.clone()
         changed[:, t + 1] = (changed[:, t + 1] + 1) % V
-        a, _ = model(tokens)
-        b, _ = model(changed)
+        a = model(tokens).logits
+        b = model(changed).logits
         assert torch.equal(a[:, : t + 1], b[:, : t + 1])
         assert not torch.allclose(a[:, t + 1], b[:, t + 1])
 
@@ -168,7 +209,7 @@ def test_weight_norm_keeps_init_and_trains() -> None:
     g_before = conv.parametrizations.weight.original0.detach().clone()
     losses = []
     for _ in range(2):  # one plain SGD step, then the loss after it
-        logits, _ = normed(tokens[:, :-1])
+        logits = normed(tokens[:, :-1]).logits
         loss = F.cross_entropy(logits.reshape(-1, V), tokens[:, 1:].reshape(-1))
         normed.zero_grad()
         loss.backward()
@@ -193,7 +234,7 @@ def test_gradient_flow(bottleneck: int) -> None:
     torch.manual_seed(3)
     model = GatedConvLM(V, 8, 3, kernel_size=2, dropout=0.1, bottleneck=bottleneck, tie_embeddings=True)
     tokens = _tokens(2, 9)
-    logits, _ = model(tokens[:, :-1])
+    logits = model(tokens[:, :-1]).logits
     F.cross_entropy(logits.reshape(-1, V), tokens[:, 1:].reshape(-1)).backward()
     for name, p in model.named_parameters():
         assert p.grad is not None, name

@@ -9,11 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
+from gatedformer.fused import fuse
+from gatedformer.fused import sublayer as fused_sublayer
+from gatedformer.fused import transformer_xl as fused_transformer_xl
 from gatedformer.kernels import epilogue as _epilogue_kernel
 from gatedformer.kernels import relative_attention as _relative_attention_kernel
 from gatedformer.models import transformer_xl
-from gatedformer.models.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM
-from gatedformer.nn.sublayer import FeedForward
+from gatedformer.models.transformer_xl import TransformerXLLM
 from gatedformer.ops import layer_stack
 from gatedformer.ops.layer_stack import LayerStack
 from gatedformer.ops.relative_sublayer import RelativeAttentionAddNorm
@@ -40,13 +42,13 @@ def _count(monkeypatch: pytest.MonkeyPatch, function: type[torch.autograd.Functi
 
 
 def _layer_by_layer(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transformer_xl, "layer_stack", lambda *args: None)
+    monkeypatch.setattr(fused_transformer_xl, "layer_stack", lambda *args: None)
 
 
 def _model(n_layers: int = 3, dropout: float = 0.1, **model_args: object) -> TransformerXLLM:
     torch.manual_seed(0)
-    return TransformerXLLM(50, d_model=48, n_layers=n_layers, n_heads=4, d_ffn=96, dropout=dropout, mem_len=16,
-                           **model_args).train()
+    return fuse(TransformerXLLM(50, d_model=48, n_layers=n_layers, n_heads=4, d_ffn=96, dropout=dropout,
+                                mem_len=16, **model_args)).train()
 
 
 def _train_two_windows(model: TransformerXLLM, batch: int = 3, length: int = 12) -> list[Tensor]:
@@ -55,8 +57,9 @@ def _train_two_windows(model: TransformerXLLM, batch: int = 3, length: int = 12)
     torch.manual_seed(2)  # the dropout masks
     state, losses = None, []
     for window in tokens.unbind(1):
-        loss, state = model(window[:, :-1], state, targets=window[:, 1:])
-        losses.append(loss)
+        out = model(window[:, :-1], state, targets=window[:, 1:])
+        state = out.state
+        losses.append(out.loss)
     grads = torch.autograd.grad(sum(losses), list(model.parameters()))
     return [torch.stack(losses), *grads, *(state or [])]
 
@@ -83,8 +86,9 @@ def test_the_stack_gives_the_numbers_of_the_layers_one_by_one(threads: int, drop
         assert len(sublayers) == 6
         for a, b in zip(stacked, one_by_one, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
-        monkeypatch.setattr(RelativeMultiHeadAttention, "add_norm", lambda *args, **kwargs: None)
-        monkeypatch.setattr(FeedForward, "add_norm", lambda *args, **kwargs: None)
+        # The sublayers in pieces: neither whole-sublayer function applies.
+        monkeypatch.setattr(fused_transformer_xl, "relative_attention_add_norm", lambda *args, **kwargs: None)
+        monkeypatch.setattr(fused_sublayer, "feed_forward_add_norm", lambda *args, **kwargs: None)
         for a, b in zip(stacked, _train_two_windows(_model(dropout=dropout, gates=gates)), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     finally:
@@ -99,8 +103,8 @@ def test_any_batch_window_depth_and_memory_give_the_layers_numbers(batch: int, l
 
     def run(stacked: bool) -> list[Tensor]:
         torch.manual_seed(0)
-        model = TransformerXLLM(50, d_model=32, n_layers=n_layers, n_heads=4, d_ffn=64, dropout=0.1,
-                                mem_len=mem_len).train()
+        model = fuse(TransformerXLLM(50, d_model=32, n_layers=n_layers, n_heads=4, d_ffn=64, dropout=0.1,
+                                     mem_len=mem_len)).train()
         with pytest.MonkeyPatch.context() as patch:
             if not stacked:
                 _layer_by_layer(patch)
@@ -120,11 +124,11 @@ def test_it_steps_aside_where_a_layer_would_not_run_whole(monkeypatch: pytest.Mo
     calls = _count(monkeypatch, LayerStack)
     tokens = torch.randint(0, 50, (2, 8))
     for model_args in ({"norm": "pre"}, {"gates": "+σ SDU+EAU L2"}):
-        _model(**model_args)(tokens, targets=tokens)[0].backward()
+        _model(**model_args)(tokens, targets=tokens).loss.backward()
     model = _model()
     seen: list[int] = []
     handle = model.layers[1].ffn.register_forward_hook(lambda *args: seen.append(1))
-    model(tokens, targets=tokens)[0].backward()
+    model(tokens, targets=tokens).loss.backward()
     handle.remove()
     assert seen == [1]
     handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: seen.append(2))
@@ -134,13 +138,12 @@ def test_it_steps_aside_where_a_layer_would_not_run_whole(monkeypatch: pytest.Mo
         handle.remove()
     assert 2 in seen
     memories = [torch.zeros(2, 4, 48, requires_grad=True) for _ in model.layers]
-    loss, _ = model(tokens, memories, targets=tokens)
-    loss.backward()
+    model(tokens, memories, targets=tokens).loss.backward()
     assert all(m.grad is not None for m in memories)
     with torch.no_grad():
         model.eval()(tokens)
     assert not calls
-    model.train()(tokens, targets=tokens)[0].backward()
+    model.train()(tokens, targets=tokens).loss.backward()
     assert len(calls) == 1
 
 
@@ -195,7 +198,7 @@ def test_a_retained_graph_gives_its_gradients_again_and_a_freed_one_refuses(monk
 
     def twice(model: TransformerXLLM) -> list[Tensor]:
         torch.manual_seed(3)
-        loss, _ = model(tokens, targets=tokens)
+        loss = model(tokens, targets=tokens).loss
         loss.backward(retain_graph=True)
         loss.backward()
         with pytest.raises(RuntimeError, match="backward through the graph a second time"):
@@ -220,7 +223,7 @@ def test_frozen_parameters_get_no_gradient_and_the_others_the_layers(monkeypatch
                        model.layers[1].attn.norm.weight, model.layers[2].attn.sdu.proj.weight):
             frozen.requires_grad_(False)
         torch.manual_seed(4)
-        model(tokens[:, :-1], targets=tokens[:, 1:])[0].backward()
+        model(tokens[:, :-1], targets=tokens[:, 1:]).loss.backward()
         return [p.grad for p in model.parameters()]
 
     calls = _count(monkeypatch, LayerStack)

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from gatedformer.fused import fuse
 from gatedformer.kernels import build as _native
 from gatedformer.kernels import local_rnn as _local_rnn_kernel
 from gatedformer.models.rtransformer import LocalRNN
@@ -22,7 +23,7 @@ def _kernel_or_skip() -> None:
 
 def _module(d: int, window: int, cell: str, seed: int) -> LocalRNN:
     torch.manual_seed(seed)
-    module = LocalRNN(d, window, cell)
+    module = fuse(LocalRNN(d, window, cell))
     with torch.no_grad():  # random biases too, so that a misplaced bias term shows
         for p in module.parameters():
             p.normal_(0.0, 0.5)
@@ -147,7 +148,7 @@ def test_keeps_each_steps_hidden_product_and_state_and_nothing_for_evaluation() 
     _kernel_or_skip()
     batch, length, d, window = 2, 8, 4, 7
     for cell, gates, states in (("gru", 3, 1), ("lstm", 4, 2)):
-        module = LocalRNN(d, window, cell)
+        module = fuse(LocalRNN(d, window, cell))
         saved: list[Tensor] = []
         x = torch.randn(batch, length, d, requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(_recorder(saved), lambda t: t):
@@ -167,7 +168,7 @@ def test_evaluation_memory_does_not_grow_with_the_window() -> None:
     x = torch.randn(4, 64, 32)
     peaks = []
     for window in (2, 16):
-        module = LocalRNN(32, window, "lstm")
+        module = fuse(LocalRNN(32, window, "lstm"))
         with torch.no_grad():
             module(x)
             peaks.append(measure_memory(lambda m=module: m(x), "cpu", "tensors"))

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from gatedformer.fused import fuse
 from gatedformer.kernels import build as _native
 from gatedformer.kernels import lstm as _lstm_kernel
 from gatedformer.models.rtransformer import LocalRNN
@@ -97,7 +98,7 @@ def test_local_rnn_matches_nn_lstm_window_by_window() -> None:
     """Each output of the LocalRNN is nn.LSTM's last hidden state over the window ending there, gradients too."""
     _native_or_skip()
     torch.manual_seed(2)
-    local = LocalRNN(6, window=4, rnn_type="lstm")
+    local = fuse(LocalRNN(6, window=4, rnn_type="lstm"))
     x = torch.randn(2, 9, 6, requires_grad=True)
     out = local(x)
     assert out.grad_fn is not None

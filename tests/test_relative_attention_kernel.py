@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
+from gatedformer.fused import fuse
 from gatedformer.kernels import build as _native
 from gatedformer.kernels import relative_attention as _relative_attention_kernel
 from gatedformer.kernels.relative_attention import backward_kernel, forward_kernel, kernel_takes
@@ -104,7 +105,7 @@ def test_the_pytorch_path_matches_the_kernel(monkeypatch: pytest.MonkeyPatch) ->
 
     def run() -> list[Tensor]:
         torch.manual_seed(0)
-        layer = RelativeMultiHeadAttention(64, 4)
+        layer = fuse(RelativeMultiHeadAttention(64, 4))
         torch.nn.init.normal_(layer.u)
         torch.nn.init.normal_(layer.v)
         h = torch.randn(3, 21, 64, requires_grad=True)
@@ -181,7 +182,7 @@ def test_attention_dropout_in_training_takes_the_pytorch_path(monkeypatch: pytes
     kernel = relative_attention_ops._RelativeAttention.apply
     monkeypatch.setattr(relative_attention_ops._RelativeAttention, "apply",
                         lambda *args: calls.append(1) or kernel(*args))
-    layer = RelativeMultiHeadAttention(32, 2, dropout=0.5)
+    layer = fuse(RelativeMultiHeadAttention(32, 2, dropout=0.5))
     h, pos = torch.randn(2, 5, 32), relative_positions(5, 32)
     layer.train()(h, None, pos)
     assert not calls
@@ -209,7 +210,7 @@ def test_the_layer_gives_the_kernel_the_memory_apart(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(relative_attention_ops._RelativeAttention, "apply",
                         lambda *args: calls.append(args) or kernel(*args))
     monkeypatch.setattr(torch, "cat", lambda *args, **kwargs: pytest.fail("keys joined with torch.cat"))
-    layer = RelativeMultiHeadAttention(32, 2)
+    layer = fuse(RelativeMultiHeadAttention(32, 2))
     layer(torch.randn(2, 5, 32), torch.randn(2, 4, 32), relative_positions(9, 32)).sum().backward()
     (q, kv, r, u, v, memory_kv, heads, recorded), = calls
     assert kv.shape == (2, 5, 64) and memory_kv.shape == (2, 4, 64) and recorded
@@ -217,7 +218,7 @@ def test_the_layer_gives_the_kernel_the_memory_apart(monkeypatch: pytest.MonkeyP
 
 def test_bf16_autocast_takes_the_pytorch_path() -> None:
     """Under autocast the projections come out in bfloat16, which the kernel does not take."""
-    layer = RelativeMultiHeadAttention(32, 2)
+    layer = fuse(RelativeMultiHeadAttention(32, 2))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = layer(torch.randn(2, 5, 32), torch.randn(2, 4, 32), relative_positions(9, 32))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
@@ -235,12 +236,13 @@ def test_language_model_is_the_same_with_either_attention(monkeypatch: pytest.Mo
 
     def run() -> list[Tensor]:
         torch.manual_seed(0)
-        model = TransformerXLLM(50, d_model=48, n_layers=2, n_heads=4, d_ffn=96, dropout=0.0, mem_len=16,
-                                gates="+tanh L1-2")
+        model = fuse(TransformerXLLM(50, d_model=48, n_layers=2, n_heads=4, d_ffn=96, dropout=0.0, mem_len=16,
+                                     gates="+tanh L1-2"))
         state, losses = None, []
         for window in tokens.unbind(1):
-            loss, state = model(window[:, :-1], state, targets=window[:, 1:])
-            losses.append(loss)
+            out = model(window[:, :-1], state, targets=window[:, 1:])
+            state = out.state
+            losses.append(out.loss)
         grads = torch.autograd.grad(sum(losses), list(model.parameters()))
         return [torch.stack(losses), *grads]
 

@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from gatedformer.fused import fuse
+from gatedformer.fused import transformer_xl as fused_transformer_xl
 from gatedformer.kernels import blas as _blas
 from gatedformer.kernels import epilogue as _epilogue_kernel
 from gatedformer.kernels import relative_attention as _relative_attention_kernel
-from gatedformer.models import transformer_xl
 from gatedformer.models.transformer_xl import RelativeMultiHeadAttention, TransformerXLLM, relative_positions
 from gatedformer.ops.relative_sublayer import RelativeAttentionAddNorm
 
@@ -18,7 +19,7 @@ from gatedformer.ops.relative_sublayer import RelativeAttentionAddNorm
 def _layer_by_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests are about the sublayer's own function: the model calls its layers one by one (the whole stack as
     one function is tested in test_layer_stack.py)."""
-    monkeypatch.setattr(transformer_xl, "layer_stack", lambda *args: None)
+    monkeypatch.setattr(fused_transformer_xl, "layer_stack", lambda *args: None)
 
 
 def _native_or_skip() -> None:
@@ -46,12 +47,13 @@ def _train_two_windows(dropout: float, **model_args: object) -> list[Tensor]:
     """Losses over two windows (the second with the first's memory) and every parameter's gradient."""
     tokens = torch.randint(0, 50, (3, 2, 17), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
-    model = TransformerXLLM(50, d_model=48, n_layers=2, n_heads=4, d_ffn=96, dropout=dropout, mem_len=16,
-                            **model_args).train()
+    model = fuse(TransformerXLLM(50, d_model=48, n_layers=2, n_heads=4, d_ffn=96, dropout=dropout, mem_len=16,
+                                 **model_args)).train()
     state, losses = None, []
     for window in tokens.unbind(1):
-        loss, state = model(window[:, :-1], state, targets=window[:, 1:])
-        losses.append(loss)
+        out = model(window[:, :-1], state, targets=window[:, 1:])
+        state = out.state
+        losses.append(out.loss)
     grads = torch.autograd.grad(sum(losses), list(model.parameters()))
     return [torch.stack(losses), *grads]
 
@@ -71,7 +73,7 @@ def test_training_gives_the_losses_and_gradients_of_the_modules(gates: str, drop
     assert len(calls) == 4  # two layers, two windows
     # Where PyTorch links MKL, each thread streams its sequences through the products, the kernel and the tail
     assert len(streamed) == (4 if _blas.packed_gemm() is not None else 0)
-    monkeypatch.setattr(RelativeMultiHeadAttention, "add_norm", lambda *args, **kwargs: None)
+    monkeypatch.setattr(fused_transformer_xl, "relative_attention_add_norm", lambda *args, **kwargs: None)
     for a, b in zip(fused, _train_two_windows(dropout, gates=gates), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
@@ -93,7 +95,7 @@ def test_gradients_reach_the_memory_and_positions_when_they_ask_for_them() -> No
     """The LM's memory and positions take no gradient; called with ones that do, the function gives theirs too."""
     _native_or_skip()
     torch.manual_seed(1)
-    attention, norm = RelativeMultiHeadAttention(40, 4).train(), nn.LayerNorm(40)
+    attention, norm = fuse(RelativeMultiHeadAttention(40, 4)).train(), nn.LayerNorm(40)
     nn.init.normal_(attention.u)
     nn.init.normal_(attention.v)
     x = torch.randn(2, 9, 40, requires_grad=True)
@@ -114,16 +116,16 @@ def test_it_applies_only_where_the_modules_would_run_fused(monkeypatch: pytest.M
     """Evaluation, a gate the fused tail does not take, attention dropout, hooks, autocast, the torch backend and
     pre-LN run the modules."""
     _native_or_skip()
-    attention, norm = RelativeMultiHeadAttention(32, 2).train(), nn.LayerNorm(32)
+    attention, norm = fuse(RelativeMultiHeadAttention(32, 2)).train(), nn.LayerNorm(32)
     x, pos = torch.randn(2, 5, 32), relative_positions(5, 32)
     assert attention.add_norm(x, 0.1, norm, pos=pos) is not None
     assert attention.add_norm(x, 0.1, norm, gate=nn.Identity(), pos=pos) is None
     assert attention.eval().add_norm(x, 0.1, norm, pos=pos) is None
-    with_dropout = RelativeMultiHeadAttention(32, 2, dropout=0.1).train()
+    with_dropout = fuse(RelativeMultiHeadAttention(32, 2, dropout=0.1)).train()
     assert with_dropout.add_norm(x, 0.1, norm, pos=pos) is None
     attention.train().query.register_forward_hook(lambda *args: None)
     assert attention.add_norm(x, 0.1, norm, pos=pos) is None
-    plain = RelativeMultiHeadAttention(32, 2).train()
+    plain = fuse(RelativeMultiHeadAttention(32, 2)).train()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert plain.add_norm(x, 0.1, norm, pos=pos) is None
     monkeypatch.setenv("GATEDFORMER_ATTENTION_BACKEND", "torch")
@@ -150,19 +152,20 @@ def test_two_threads_and_memories_longer_or_shorter_than_the_window_give_the_mod
         def train() -> list[Tensor]:
             tokens = torch.randint(0, 50, (batch, 4, length + 1), generator=torch.Generator().manual_seed(1))
             torch.manual_seed(0)
-            model = TransformerXLLM(50, d_model=width, n_layers=1, n_heads=4, d_ffn=2 * width, dropout=0.1,
-                                    mem_len=mem_len, gates=gates).train()
+            model = fuse(TransformerXLLM(50, d_model=width, n_layers=1, n_heads=4, d_ffn=2 * width, dropout=0.1,
+                                         mem_len=mem_len, gates=gates)).train()
             state, losses = None, []
             for window in tokens.unbind(1):  # memories of 0, then up to mem_len positions
-                loss, state = model(window[:, :-1], state, targets=window[:, 1:])
-                losses.append(loss)
+                out = model(window[:, :-1], state, targets=window[:, 1:])
+                state = out.state
+                losses.append(out.loss)
             return [torch.stack(losses), *torch.autograd.grad(sum(losses), list(model.parameters()))]
 
         with pytest.MonkeyPatch.context() as patch:
             streamed = _count_streamed(patch)
             fused = train()
         assert len(streamed) == (4 if _blas.packed_gemm() is not None else 0)
-        monkeypatch.setattr(RelativeMultiHeadAttention, "add_norm", lambda *args, **kwargs: None)
+        monkeypatch.setattr(fused_transformer_xl, "relative_attention_add_norm", lambda *args, **kwargs: None)
         for a, b in zip(fused, train(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     finally:

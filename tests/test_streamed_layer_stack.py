@@ -11,12 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
+from gatedformer.fused import fuse
+from gatedformer.fused import sublayer as fused_sublayer
+from gatedformer.fused import transformer_xl as fused_transformer_xl
 from gatedformer.kernels import blas as _blas
 from gatedformer.kernels import epilogue as _epilogue_kernel
 from gatedformer.kernels import relative_attention as _relative_attention_kernel
-from gatedformer.models import transformer_xl
 from gatedformer.models.transformer_xl import TransformerXLLM
-from gatedformer.nn.sublayer import FeedForward
 from gatedformer.ops import layer_stack
 from gatedformer.ops.layer_stack import LayerStack, StreamedLayerStack
 
@@ -39,8 +40,8 @@ def _count(monkeypatch: pytest.MonkeyPatch, function: type[torch.autograd.Functi
 def _model(n_layers: int = 3, dropout: float = 0.1, width: int = 48, ffn: int = 96, mem_len: int = 16,
            **model_args: object) -> TransformerXLLM:
     torch.manual_seed(0)
-    return TransformerXLLM(50, d_model=width, n_layers=n_layers, n_heads=4, d_ffn=ffn, dropout=dropout,
-                           mem_len=mem_len, **model_args).train()
+    return fuse(TransformerXLLM(50, d_model=width, n_layers=n_layers, n_heads=4, d_ffn=ffn, dropout=dropout,
+                                mem_len=mem_len, **model_args)).train()
 
 
 def _train_two_windows(model: TransformerXLLM, batch: int = 3, length: int = 12) -> list[Tensor]:
@@ -49,8 +50,9 @@ def _train_two_windows(model: TransformerXLLM, batch: int = 3, length: int = 12)
     torch.manual_seed(2)  # the dropout masks
     state, losses = None, []
     for window in tokens.unbind(1):
-        loss, state = model(window[:, :-1], state, targets=window[:, 1:])
-        losses.append(loss)
+        out = model(window[:, :-1], state, targets=window[:, 1:])
+        state = out.state
+        losses.append(out.loss)
     grads = torch.autograd.grad(sum(losses), list(model.parameters()))
     return [torch.stack(losses), *(state or []), *grads]
 
@@ -89,9 +91,9 @@ def test_the_streamed_stack_gives_the_python_stacks_numbers(threads: int, dropou
         _assert_same(streamed, python, 1 + (3 if mem_len else 0))
         # and the modules themselves, to float rounding
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(transformer_xl, "layer_stack", lambda *args: None)
-            patch.setattr(transformer_xl.RelativeMultiHeadAttention, "add_norm", lambda *args, **kwargs: None)
-            patch.setattr(FeedForward, "add_norm", lambda *args, **kwargs: None)
+            patch.setattr(fused_transformer_xl, "layer_stack", lambda *args: None)
+            patch.setattr(fused_transformer_xl, "relative_attention_add_norm", lambda *args, **kwargs: None)
+            patch.setattr(fused_sublayer, "feed_forward_add_norm", lambda *args, **kwargs: None)
             modules = _train_two_windows(_model(dropout=dropout, mem_len=mem_len))
         for a, b in zip(streamed, modules, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -191,13 +193,13 @@ def test_other_gates_or_no_mkl_leave_the_layers_to_the_python_stack(monkeypatch:
     tokens = torch.randint(0, 50, (2, 8))
     streams, stacks = _count(monkeypatch, StreamedLayerStack), _count(monkeypatch, LayerStack)
     for gates in ("+σ SDU+GRC",):
-        _model(gates=gates)(tokens, targets=tokens)[0].backward()
+        _model(gates=gates)(tokens, targets=tokens).loss.backward()
     assert (len(streams), len(stacks)) == (0, 1)
     monkeypatch.setenv("GATEDFORMER_PACKED_GEMM", "0")
-    _model()(tokens, targets=tokens)[0].backward()
+    _model()(tokens, targets=tokens).loss.backward()
     assert (len(streams), len(stacks)) == (0, 2)
     monkeypatch.delenv("GATEDFORMER_PACKED_GEMM")
-    _model()(tokens, targets=tokens)[0].backward()
+    _model()(tokens, targets=tokens).loss.backward()
     assert (len(streams), len(stacks)) == (1, 2)
 
 
@@ -205,7 +207,7 @@ def test_a_retained_graph_gives_its_gradients_again_and_a_freed_one_refuses() ->
     _streams_or_skip()
     tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
     model = _model()
-    loss, _ = model(tokens, targets=tokens)
+    loss = model(tokens, targets=tokens).loss
     loss.backward(retain_graph=True)
     first = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -221,7 +223,7 @@ def test_a_weight_changed_in_place_before_the_backward_pass_is_an_error() -> Non
     _streams_or_skip()
     tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
     model = _model()
-    loss, _ = model(tokens, targets=tokens)
+    loss = model(tokens, targets=tokens).loss
     with torch.no_grad():
         model.layers[1].ffn.body.outer.weight.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -247,7 +249,7 @@ def test_frozen_parameters_get_no_gradient_and_the_others_the_python_stacks() ->
                 patch.setattr(layer_stack, "_streams_whole_stack", lambda *args: False)
             streams = _count(patch, StreamedLayerStack)
             torch.manual_seed(4)
-            model(tokens[:, :-1], targets=tokens[:, 1:])[0].backward()
+            model(tokens[:, :-1], targets=tokens[:, 1:]).loss.backward()
         assert len(streams) == int(streamed)
         return [p.grad for p in model.parameters()]
 

@@ -41,12 +41,10 @@ and Kingma 2016, as in both papers) through :func:`torch.nn.utils.parametrizatio
 applied after the initialisation above, so the effective weights start identical
 (:math:`v = w`, :math:`g = \lVert w\rVert`).
 
-The model keeps its activations channels-last, ``(B, L, d)``, and runs each convolution as one matrix
-product over the ``k`` shifted windows of its input (:func:`gatedformer.ops.causal_conv.causal_conv1d`). The
-weights stay in an ``nn.Conv1d`` (same parameters, state dicts and initialisation).
-Dropout is :class:`gatedformer.ops.dropout.Dropout`, whose CPU masks are cheap, and a plain block's GLU
-and residual add, ``X + a ⊙ σ(b)``, are one compiled pass each way
-(:func:`gatedformer.ops.fused_gates.glu_residual`) unless hooks watch the block.
+The model keeps its activations channels-last, ``(B, L, d)``; the weights stay in an ``nn.Conv1d`` (same
+parameters, state dicts and initialisation). Fused (:mod:`gatedformer.fused.gcnn`), each convolution is one matrix
+product over the ``k`` shifted windows of its input and a plain block's GLU and residual add, ``X + a ⊙ σ(b)``,
+one compiled pass each way.
 """
 
 from __future__ import annotations
@@ -55,20 +53,35 @@ import math
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from gatedformer.config import ModelConfig, register_backbone
 from gatedformer.gates import GLU
 from gatedformer.gates._checks import check_size
 from gatedformer.nn.dropout import Dropout
-from gatedformer.ops.causal_conv import causal_conv1d
-from gatedformer.ops.fused_gates import glu_residual
-from gatedformer.ops.fused_linear import unhooked
-from gatedformer.ops.output_loss import logits_or_loss
+from gatedformer.nn.output import OutputLayer
+from gatedformer.nn.outputs import ModelOutput
 
 __all__ = ["GatedConvBlock", "GatedConvLM", "GatedConvLayer", "causal_conv1d", "glu_init_std"]
 
 EMBEDDING_STD = 0.1
 """Standard deviation of the embedding initialisation (Gehring et al. 2017)."""
+
+
+def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    r"""Causal 1-D convolution on channels-last input: ``x (B, L, C_in)``, ``weight (C_out, C_in, k)`` as in
+    ``nn.Conv1d`` -> ``(B, L, C_out)``, the input padded by ``k - 1`` zeros on the left so that output ``t`` reads
+    inputs ``t - k + 1 .. t``:
+
+    .. math::
+
+        y_{b,t} = \text{bias} + \sum_{i=0}^{k-1} W_{:,:,i}\, x_{b,\,t-k+1+i} \qquad (x_{b,j} = 0 \text{ for } j < 0).
+    """
+    if x.dim() != 3 or weight.dim() != 3 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"causal_conv1d takes x (B, L, C_in) and weight (C_out, C_in, k); got {tuple(x.shape)} "
+                         f"and {tuple(weight.shape)}")
+    padded = F.pad(x.transpose(1, 2), (weight.shape[-1] - 1, 0))
+    return F.conv1d(padded, weight, bias).transpose(1, 2)
 
 
 def glu_init_std(fan_in: int, dropout: float = 0.0, gated: bool = True) -> float:
@@ -137,10 +150,6 @@ class GatedConvBlock(nn.Module):
 
     def forward(self, x: Tensor, cache: list[dict[str, Tensor]] | None = None) -> Tensor:
         """``X + F(X)``; with ``cache`` (one dict per convolution) on positions that follow the cached ones."""
-        if len(self.branch) == 1 and unhooked(self.branch) and unhooked(self.branch[0]):
-            # One gated convolution: its GLU and the residual add in one pass each way (on the CPU).
-            layer = self.branch[0]
-            return glu_residual(layer.glu, x, layer.convolve(x, None if cache is None else cache[0]))
         if cache is None:
             return x + self.branch(x)
         h = x
@@ -152,7 +161,8 @@ class GatedConvBlock(nn.Module):
 class GatedConvLM(nn.Module):
     r"""Embedding, ``n_layers`` residual gated convolution blocks, dropout and a softmax output layer.
 
-    ``forward(tokens (B, L), state=None) -> (logits (B, L, V), None)``. The model is causal (logits at
+    ``forward(tokens (B, L), state=None)`` gives a :class:`~gatedformer.nn.outputs.ModelOutput` of
+    ``logits (B, L, V)`` and no ``state``. The model is causal (logits at
     ``t`` depend on tokens ``<= t`` only) and carries no state between windows: its context is the
     receptive field, ``n_layers * (kernel_size - 1) + 1`` tokens. See the module docstring for the
     equations and the initialisation.
@@ -176,7 +186,7 @@ class GatedConvLM(nn.Module):
             for _ in range(n_layers)
         )
         self.dropout = Dropout(self.dropout_p)
-        self.output = nn.Linear(d_model, vocab_size)
+        self.output = OutputLayer(d_model, vocab_size)
         with torch.no_grad():
             self.embedding.weight.normal_(0.0, EMBEDDING_STD)
             self.output.weight.normal_(0.0, glu_init_std(d_model, self.dropout_p, gated=False))
@@ -189,15 +199,18 @@ class GatedConvLM(nn.Module):
         return self.n_layers * (self.kernel_size - 1) + 1
 
     def forward(self, tokens: Tensor, state: object = None, *, targets: Tensor | None = None,
-                reduction: str = "mean") -> tuple[Tensor, None]:
-        """``(logits (B, L, V), None)``, or with ``targets`` their cross-entropy in place of the logits (see
-        :class:`~gatedformer.models.transformer.TransformerLM`)."""
+                reduction: str = "mean") -> ModelOutput:
+        """``logits (B, L, V)``, or with ``targets`` their cross-entropy as ``loss`` in place of the logits (see
+        :class:`~gatedformer.models.transformer.TransformerLM`); no ``state``."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must have shape (B, L), got {tuple(tokens.shape)}")
         x = self.embedding(tokens)
         for block in self.layers:
             x = block(x)
-        return logits_or_loss(self.output, self.dropout(x), targets, reduction=reduction), None
+        x = self.dropout(x)
+        if targets is None:
+            return ModelOutput(logits=self.output(x))
+        return ModelOutput(loss=self.output.loss(x, targets, reduction=reduction))
 
     def new_cache(self, state: object = None) -> list[list[dict[str, Tensor]]]:
         """An empty incremental-decoding cache for :meth:`step`: one dict per convolution of every block."""

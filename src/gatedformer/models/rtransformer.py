@@ -23,14 +23,13 @@ from torch.utils.checkpoint import checkpoint
 
 from gatedformer.config import ModelConfig, register_backbone
 from gatedformer.gates.spec import SublayerGates, resolve_placement
-from gatedformer.kernels import local_rnn as _local_rnn_kernel
 from gatedformer.models.transformer import TRANSFORMER_FIELDS
 from gatedformer.nn.attention import CausalSelfAttention
 from gatedformer.nn.dropout import Dropout
+from gatedformer.nn.embedding import TokenEmbedding
+from gatedformer.nn.output import OutputLayer
+from gatedformer.nn.outputs import ModelOutput
 from gatedformer.nn.sublayer import Sublayer, check_lm_sizes, make_ffn
-from gatedformer.ops.embedding import embed_tokens
-from gatedformer.ops.output_loss import logits_or_loss
-from gatedformer.ops.rnn import gru_step, local_recurrence, lstm_step
 
 __all__ = ["RNN_TYPES", "LocalRNN", "RTransformerLM", "RTransformerLayer", "RecurrentWeights"]
 
@@ -129,67 +128,52 @@ class LocalRNN(nn.Module):
         return self._windows(joined)[:, self.window - 1 :]
 
     def _windows(self, x: Tensor) -> Tensor:
+        """The last hidden state of every window of ``x (B, L, d)``: the ``M`` steps of the RNN run over the ``L·B``
+        windows at once, as rows of one batch."""
         batch, length, d_model = x.shape
         rnn = self.rnn
-        w_hh, b_hh = rnn.weight_hh_l0, rnn.bias_hh_l0
-        # Input projection of every position, once.
-        gates_in = F.linear(x, rnn.weight_ih_l0, rnn.bias_ih_l0)
-        blas = _local_rnn_kernel.streams(gates_in, w_hh, b_hh, rnn.bias_ih_l0)
-        if blas is not None:  # every step of every window in one compiled call each way
-            return local_recurrence(gates_in, rnn.bias_ih_l0, w_hh, b_hh, self.rnn_type, self.window, blas)
-        gates_in = gates_in.transpose(0, 1)  # time-major: (L, B, G)
-        if self.window > 1:
-            # Positions before the start read x = 0, whose projection is the bias alone.
-            pad = rnn.bias_ih_l0.to(gates_in.dtype).expand(self.window - 1, batch, gates_in.shape[-1])
-            gates_in = torch.cat([pad, gates_in], dim=0)
-        else:
-            gates_in = gates_in.contiguous()
-        # Step j of the window ending at t reads position t - (M-1) + j: padded index t + j. Each step
-        # is a view of (L·B, G) rows; their gradients are summed back in one pass (see _ShiftedViews).
-        steps = _ShiftedViews.apply(gates_in, length, self.window)
-        h: Tensor | None = None
-        c: Tensor | None = None
-        for step_in in steps:
-            gates_h = b_hh.to(step_in.dtype) if h is None else F.linear(h, w_hh, b_hh)
-            if self.rnn_type == "gru":
-                h = gru_step(step_in, gates_h, h)  # one fused pass on the CPU (see ops.rnn)
-            elif self.rnn_type == "lstm":
-                h, c = lstm_step(step_in, gates_h, c)  # likewise
-            else:
-                h = torch.tanh(step_in + gates_h)
-        assert h is not None
+        # Input projection of every position, once, time-major: (L, B, G).
+        gates_in = F.linear(x, rnn.weight_ih_l0, rnn.bias_ih_l0).transpose(0, 1)
+        # Positions before the start read x = 0, whose projection is the bias alone.
+        pad = rnn.bias_ih_l0.to(gates_in.dtype).expand(self.window - 1, batch, gates_in.shape[-1])
+        gates_in = torch.cat([pad, gates_in], dim=0)
+        h = x.new_zeros(length * batch, d_model)
+        c = x.new_zeros(length * batch, d_model)
+        for j in range(self.window):
+            # Step j of the window ending at t reads position t - (M-1) + j: padded index t + j.
+            gi = gates_in[j : j + length].reshape(length * batch, -1)
+            gh = F.linear(h, rnn.weight_hh_l0, rnn.bias_hh_l0)
+            h, c = _CELLS[self.rnn_type](gi, gh, h, c)
         return h.view(length, batch, d_model).transpose(0, 1).contiguous()
 
     def extra_repr(self) -> str:
         return f"rnn_type={self.rnn_type}, window={self.window}" + (", recompute=True" if self.recompute else "")
 
 
-class _ShiftedViews(torch.autograd.Function):
-    """The ``M`` windows ``padded[j : j + L]`` (``j < M``) of a time-major ``(L + M - 1, B, G)`` tensor,
-    each as ``(L·B, G)`` rows without a copy.
+def _gru_cell(gi: Tensor, gh: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """``nn.GRU``'s step from the input and hidden projections ``gi = W_ih x + b_ih``, ``gh = W_hh h + b_hh`` (gates
+    r, z, n)."""
+    in_r, in_z, in_n = gi.chunk(3, dim=-1)
+    h_r, h_z, h_n = gh.chunk(3, dim=-1)
+    reset = torch.sigmoid(in_r + h_r)
+    update = torch.sigmoid(in_z + h_z)
+    new = torch.tanh(in_n + reset * h_n)
+    return (1 - update) * new + update * h, c
 
-    Plain slicing would give the same forward, but each slice's backward fills a zero tensor the size
-    of ``padded`` — ``M`` full-size buffers per call. Here the backward adds the ``M`` gradients into
-    one buffer.
-    """
 
-    @staticmethod
-    def forward(ctx, padded: Tensor, length: int, window: int) -> tuple[Tensor, ...]:  # type: ignore[override]
-        ctx.shape = padded.shape
-        ctx.length = length
-        rows = length * padded.shape[1]
-        return tuple(padded[j : j + length].view(rows, -1) for j in range(window))
+def _lstm_cell(gi: Tensor, gh: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """``nn.LSTM``'s step (gates i, f, g, o): ``c' = f ⊙ c + i ⊙ g``, ``h' = o ⊙ tanh(c')``."""
+    in_gate, forget, cell, out = (gi + gh).chunk(4, dim=-1)
+    c = torch.sigmoid(forget) * c + torch.sigmoid(in_gate) * torch.tanh(cell)
+    return torch.sigmoid(out) * torch.tanh(c), c
 
-    @staticmethod
-    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor, None, None]:  # type: ignore[override]
-        total = grads[0].new_zeros(ctx.shape) if grads[0] is not None else None
-        for j, grad in enumerate(grads):
-            if grad is None:
-                continue
-            if total is None:
-                total = grad.new_zeros(ctx.shape)
-            total[j : j + ctx.length].add_(grad.view(ctx.length, *ctx.shape[1:]))
-        return total, None, None
+
+def _rnn_cell(gi: Tensor, gh: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """``nn.RNN``'s (tanh) step: ``h' = tanh(W_ih x + b_ih + W_hh h + b_hh)``."""
+    return torch.tanh(gi + gh), c
+
+
+_CELLS = {"gru": _gru_cell, "lstm": _lstm_cell, "rnn": _rnn_cell}
 
 
 class RTransformerLayer(nn.Module):
@@ -218,8 +202,8 @@ class RTransformerLayer(nn.Module):
 class RTransformerLM(nn.Module):
     """Token embedding, ``n_layers`` R-Transformer layers, softmax output; no positional encoding.
 
-    ``forward(tokens (B, L), state=None) -> (logits (B, L, V), None)``: every window is read on its
-    own, so there is no state to carry.
+    ``forward(tokens (B, L), state=None)`` gives a :class:`~gatedformer.nn.outputs.ModelOutput` of
+    ``logits (B, L, V)``: every window is read on its own, so there is no state to carry.
     """
 
     def __init__(self, vocab_size: int, d_model: int = 128, n_layers: int = 3, n_heads: int = 4,
@@ -231,7 +215,7 @@ class RTransformerLM(nn.Module):
         check_lm_sizes(vocab_size, d_model, n_layers, n_heads, d_ffn)
         placement = resolve_placement(gates, n_layers)
         self.d_model = d_model
-        self.embedding = nn.Embedding(vocab_size, d_model)
+        self.embedding = TokenEmbedding(vocab_size, d_model)
         self.emb_dropout = Dropout(dropout if emb_dropout is None else emb_dropout)
         self.layers = nn.ModuleList(
             RTransformerLayer(d_model, n_heads, d_ffn, dropout, attn_dropout, norm, ffn,
@@ -239,20 +223,22 @@ class RTransformerLM(nn.Module):
             for i in range(n_layers)
         )
         self.final_norm = nn.LayerNorm(d_model) if norm == "pre" else None
-        self.output = nn.Linear(d_model, vocab_size)
+        self.output = OutputLayer(d_model, vocab_size)
         if tie_embeddings:
             self.output.weight = self.embedding.weight
 
     def forward(self, tokens: Tensor, state: object = None, *, targets: Tensor | None = None,
-                reduction: str = "mean") -> tuple[Tensor, None]:
-        """``(logits (B, L, V), None)``, or with ``targets`` their cross-entropy in place of the logits (see
-        :class:`~gatedformer.models.transformer.TransformerLM`)."""
-        x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), dropout=self.emb_dropout)
+                reduction: str = "mean") -> ModelOutput:
+        """``logits (B, L, V)``, or with ``targets`` their cross-entropy as ``loss`` in place of the logits (see
+        :class:`~gatedformer.models.transformer.TransformerLM`); no ``state``."""
+        x = self.embedding(tokens, math.sqrt(self.d_model), dropout=self.emb_dropout)
         for layer in self.layers:
             x = layer(x)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return logits_or_loss(self.output, x, targets, reduction=reduction), None
+        if targets is None:
+            return ModelOutput(logits=self.output(x))
+        return ModelOutput(loss=self.output.loss(x, targets, reduction=reduction))
 
     def new_cache(self, state: object = None) -> dict:
         """An empty incremental-decoding cache for :meth:`step`."""
@@ -262,7 +248,7 @@ class RTransformerLM(nn.Module):
         """Logits ``(B, L, V)`` of ``tokens (B, L)`` that follow the tokens already fed through ``cache``, as
         ``forward`` gives them for the whole sequence: each LocalRNN reads its last ``window - 1`` cached inputs,
         each attention its cached keys and values."""
-        x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), dropout=self.emb_dropout)
+        x = self.embedding(tokens, math.sqrt(self.d_model), dropout=self.emb_dropout)
         for layer, layer_state in zip(self.layers, cache["layers"], strict=True):
             x = layer(x, layer_state)
         if self.final_norm is not None:

@@ -18,7 +18,7 @@ and memory, with no per-pair gather of position encodings.
 
 **Segment-level recurrence.** Each layer attends over ``[SG(memory) ∘ current segment]``, where the
 memory holds the last ``mem_len`` inputs of that layer from the previous windows, with the gradient
-stopped. The memories are the model's state: ``forward(tokens, state) -> (logits, memories)``.
+stopped. The memories are the model's state: ``forward(tokens, state)`` returns them as its output's ``state``.
 """
 
 from __future__ import annotations
@@ -31,16 +31,13 @@ from torch.nn import functional as F
 
 from gatedformer.config import ModelConfig, register_backbone
 from gatedformer.gates.spec import SublayerGates, resolve_placement
-from gatedformer.kernels.relative_attention import kernel_takes
 from gatedformer.models.transformer import TRANSFORMER_FIELDS
 from gatedformer.nn.attention import sinusoidal_positions
 from gatedformer.nn.dropout import Dropout
+from gatedformer.nn.embedding import TokenEmbedding
+from gatedformer.nn.output import OutputLayer
+from gatedformer.nn.outputs import ModelOutput
 from gatedformer.nn.sublayer import Sublayer, check_lm_sizes, make_ffn
-from gatedformer.ops.embedding import embed_tokens
-from gatedformer.ops.layer_stack import layer_stack
-from gatedformer.ops.output_loss import logits_or_loss
-from gatedformer.ops.relative_attention import relative_attention
-from gatedformer.ops.relative_sublayer import relative_attention_add_norm
 
 _DISTANCES_CACHED = 1024
 """Distances whose encodings are built with the model (a longer span extends the table)."""
@@ -177,13 +174,7 @@ class RelativeMultiHeadAttention(nn.Module):
         if cache is not None:
             return self._cached(h, memory, pos, cache)
         batch, q_len, _ = h.shape
-        q, kv, memory_kv, r = self._projections_apart(h, memory, pos)
-        taken = (q, kv, r, self.u, self.v) + (() if memory_kv is None else (memory_kv,))
-        if kernel_takes(taken, self.n_heads, self.dropout.p if self.training else 0.0):
-            # The compiled kernel reads the projections in their own layouts (the memory's and the window's keys
-            # apart): no split into heads, no joining copy.
-            return self.out(relative_attention(q, kv, r, self.u, self.v, self.n_heads, memory_kv))
-        q, k, v, r = self._heads(q, kv if memory_kv is None else torch.cat([memory_kv, kv], dim=1), r)
+        q, k, v, r = self.project(h, memory, pos)
         # Written out rather than through scaled_dot_product_attention: with the positional terms as an
         # additive mask it would fall back to this same computation on CPU, with two more copies.
         weights = self.dropout(self.attention_scores(q, k, r).softmax(dim=-1))
@@ -204,27 +195,10 @@ class RelativeMultiHeadAttention(nn.Module):
             cache["r"] = self.position(pos)
         if cache["r"].shape[0] < k_len:
             raise ValueError(f"pos has {pos.shape[0]} rows but the attention spans {k_len} keys")
-        r = cache["r"][cache["r"].shape[0] - k_len :]
         cache["kv"] = kv if past is None else torch.cat([past, kv], dim=1)
-        taken = (q, kv, r, self.u, self.v) + (() if past is None else (past,))
-        if kernel_takes(taken, self.n_heads, self.dropout.p if self.training else 0.0):
-            return self.out(relative_attention(q, kv, r, self.u, self.v, self.n_heads, past))
-        q, k, v, r = self._heads(q, cache["kv"], r)
+        q, k, v, r = self._heads(q, cache["kv"], cache["r"][cache["r"].shape[0] - k_len :])
         weights = self.dropout(self.attention_scores(q, k, r).softmax(dim=-1))
         return self.out(torch.matmul(weights, v).transpose(1, 2).reshape(batch, q_len, self.d_model))
-
-    def add_norm(self, x: Tensor, p: float, norm: nn.LayerNorm, gate: nn.Module | None = None,
-                 unit: nn.Module | None = None, eau: nn.Module | None = None, memory: Tensor | None = None,
-                 pos: Tensor | None = None, cache: dict[str, Tensor] | None = None) -> Tensor | None:
-        """``norm(x + dropout(self(x, memory, pos), p))``, the post-LN sublayer, as one autograd function
-        (:class:`~gatedformer.ops.relative_sublayer.RelativeAttentionAddNorm`) where that applies (see its
-        module), else ``None``. With a gated residual connection ``gate``, an SDU branch, highway gate or gated
-        MHDPA ``unit`` and an ``eau`` on the output, as
-        :meth:`gatedformer.nn.attention.CausalSelfAttention.add_norm`. Always ``None`` with a ``cache`` (the
-        incremental path is :meth:`forward`'s)."""
-        if cache is not None:
-            return None
-        return relative_attention_add_norm(self, x, p, norm, gate, unit, eau, memory, pos)
 
     def scores(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> Tensor:
         """:meth:`attention_scores` for inputs ``h``, ``memory``, ``pos`` (for inspection and tests)."""
@@ -259,10 +233,10 @@ class TransformerXLLayer(nn.Module):
 class TransformerXLLM(nn.Module):
     """Token embedding, ``n_layers`` Transformer-XL layers with segment-level recurrence, softmax output.
 
-    ``forward(tokens (B, L), state) -> (logits (B, L, V), memories)``. ``state`` is ``None`` or the
-    memories a previous call returned: a list of one ``(B, M, d)`` tensor per layer, the inputs of that
-    layer over the last ``M <= mem_len`` positions, detached. With ``mem_len=0`` the model keeps no
-    memory and returns ``None``.
+    ``forward(tokens (B, L), state)`` gives a :class:`~gatedformer.nn.outputs.ModelOutput` of ``logits (B, L, V)``
+    and the memories as its ``state``. ``state`` is ``None`` or the memories a previous call returned: a list of one
+    ``(B, M, d)`` tensor per layer, the inputs of that layer over the last ``M <= mem_len`` positions, detached.
+    With ``mem_len=0`` the model keeps no memory and its ``state`` is ``None``.
     """
 
     def __init__(self, vocab_size: int, d_model: int = 128, n_layers: int = 3, n_heads: int = 4,
@@ -277,7 +251,7 @@ class TransformerXLLM(nn.Module):
         self.d_model = d_model
         self.n_layers = n_layers
         self.mem_len = mem_len
-        self.embedding = nn.Embedding(vocab_size, d_model)
+        self.embedding = TokenEmbedding(vocab_size, d_model)
         self.emb_dropout = Dropout(dropout if emb_dropout is None else emb_dropout)
         self.layers = nn.ModuleList(
             TransformerXLLayer(d_model, n_heads, d_ffn, dropout, attn_dropout, norm, ffn,
@@ -285,7 +259,7 @@ class TransformerXLLM(nn.Module):
             for i in range(n_layers)
         )
         self.final_norm = nn.LayerNorm(d_model) if norm == "pre" else None
-        self.output = nn.Linear(d_model, vocab_size)
+        self.output = OutputLayer(d_model, vocab_size)
         if tie_embeddings:
             self.output.weight = self.embedding.weight
         # The distances' encodings, computed once (not saved in checkpoints) and grown on demand: the last k rows of
@@ -316,26 +290,30 @@ class TransformerXLLM(nn.Module):
         return list(state)
 
     def forward(self, tokens: Tensor, state: list[Tensor] | None = None, *, targets: Tensor | None = None,
-                reduction: str = "mean") -> tuple[Tensor, list[Tensor] | None]:
-        """``(logits (B, L, V), memories)``, or with ``targets`` their cross-entropy in place of the logits (see
-        :class:`~gatedformer.models.transformer.TransformerLM`)."""
+                reduction: str = "mean") -> ModelOutput:
+        """``logits (B, L, V)`` and the new memories as ``state``, or with ``targets`` their cross-entropy as ``loss``
+        in place of the logits (see :class:`~gatedformer.models.transformer.TransformerLM`)."""
         batch, length = tokens.shape
         memories = self._check_state(state, batch)
         mem_len_in = memories[0].shape[1] if memories else 0
-        x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), dropout=self.emb_dropout)
+        x = self.embedding(tokens, math.sqrt(self.d_model), dropout=self.emb_dropout)
         pos = self.emb_dropout(self._relative_positions(mem_len_in + length, x.dtype))
-        # The layers run as one autograd function where they can (the same arithmetic and masks, less overhead).
-        stacked = layer_stack(self.layers, x, memories, pos)
-        if stacked is not None:
-            x, inputs = stacked
-        else:
-            inputs = []
-            for i, layer in enumerate(self.layers):
-                inputs.append(x)
-                x = layer(x, memories[i] if memories else None, pos)
+        x, inputs = self.run_layers(x, memories, pos)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return logits_or_loss(self.output, x, targets, reduction=reduction), self._update_memories(memories, inputs)
+        state = self._update_memories(memories, inputs)
+        if targets is None:
+            return ModelOutput(logits=self.output(x), state=state)
+        return ModelOutput(loss=self.output.loss(x, targets, reduction=reduction), state=state)
+
+    def run_layers(self, x: Tensor, memories: list[Tensor] | None, pos: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """The layers in turn on ``x``, layer ``i`` after its memory ``memories[i]``: the last layer's output and
+        every layer's input (the next window's memories are taken from these)."""
+        inputs = []
+        for i, layer in enumerate(self.layers):
+            inputs.append(x)
+            x = layer(x, memories[i] if memories else None, pos)
+        return x, inputs
 
     def new_cache(self, state: list[Tensor] | None = None) -> dict:
         """An incremental-decoding cache for :meth:`step`: a new segment after the memories ``state`` (what
@@ -352,7 +330,7 @@ class TransformerXLLM(nn.Module):
         needed = (memories[0].shape[1] if memories else 0) + cache["length"] + length
         if needed > cache["span"]:  # the position keys are projected once per doubling of the span, not per step
             cache["span"] = max(needed, 2 * cache["span"])
-        x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), dropout=self.emb_dropout)
+        x = self.embedding(tokens, math.sqrt(self.d_model), dropout=self.emb_dropout)
         pos = self.emb_dropout(self._relative_positions(cache["span"], x.dtype))
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache["layers"], strict=True)):
             layer_cache["inputs"].append(x)
