@@ -175,10 +175,27 @@ def test_the_config_refuses_what_the_reader_cannot_do() -> None:
         validate(apply_overrides(RunConfig(), ["qa.max_span=3"]))  # a language-model run
 
 
-@pytest.mark.parametrize("name", ["squad-sru-paper", "squad-lstm-paper", "squad-sru-tiny"])
+@pytest.mark.parametrize("name", ["squad-sru-paper", "squad-lstm-paper", "squad-sru-tiny", "squad-lstm-tiny"])
 def test_the_recipes_build(name: str) -> None:
     recipe = load_recipe(name)
     for variant in recipe.variants:
         config = build_config(recipe, variant=variant)
         assert config.data.corpus == "squad" and config.model.backbone == "reader"
     assert recipe.published_metric == "f1"
+
+
+def test_the_paper_recipes_hold_b2_and_the_published_numbers() -> None:
+    sru, lstm = load_recipe("squad-sru-paper"), load_recipe("squad-lstm-paper")
+    assert {v.name: v.published for v in sru.variants} == {"SRU, 6 layers (B.2)": 80.2,
+                                                           "bi-LSTM, 3 layers (DrQA)": 78.8}
+    assert {v.name: v.published for v in lstm.variants} == {"bi-LSTM, 3 layers (DrQA)": 78.8}
+    for text in ("71.4 / F1 80.2", "69.5 / F1 78.8"):
+        assert text in sru.description
+    b2 = build_config(sru, [], sru.variants[0])
+    assert (b2.model.rnn, b2.model.emb_dropout, b2.model.dropout) == ("sru", 0.5, 0.2)  # B.2's dropouts
+    for config in (build_config(sru, [], sru.variants[1]), build_config(lstm)):
+        assert (config.model.rnn, config.model.n_layers, config.model.dropout, config.model.emb_dropout) == (
+            "lstm", 3, 0.3, 0.3)
+    for config in (b2, build_config(lstm)):
+        assert (config.model.d_model, config.data.batch_size, config.qa.max_span, config.qa.tune_top_k,
+                config.qa.embedding_dim) == (128, 32, 15, 1000, 300)
