@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from gatedformer.config import ModelConfig
+from gatedformer.fused import fuse
 from gatedformer.gates import EAU, SDU, GatedMHDPA, GatedResidual, HighwayGate
 from gatedformer.kernels import attention as _attention_kernel
 from gatedformer.kernels import blas as _blas
@@ -230,7 +231,7 @@ def test_feed_forward_sublayer_in_one_function_is_the_unfused_computation(rows: 
     _kernel_or_skip()
     inner_p, outer_p = p
     torch.manual_seed(seed)
-    ffn, norm = FeedForward(d_model, d_ffn, inner_p), _affine_norm(d_model)
+    ffn, norm = fuse(FeedForward(d_model, d_ffn, inner_p)), _affine_norm(d_model)
     gate, unit, eau = _random_branches(branches, d_model)
     x = torch.randn(rows, 2, d_model, requires_grad=True)
     grad = torch.randn(rows, 2, d_model)
@@ -259,7 +260,7 @@ def test_attention_sublayer_in_one_function_is_the_unfused_computation(batch: in
         pytest.skip(f"the attention kernel here does not take heads of {head}")
     d_model = heads * head
     torch.manual_seed(seed)
-    attention, norm = CausalSelfAttention(d_model, heads), _affine_norm(d_model)
+    attention, norm = fuse(CausalSelfAttention(d_model, heads)), _affine_norm(d_model)
     gate, unit, eau = _random_branches(branches, d_model)
     x = torch.randn(batch, length, d_model, requires_grad=True)
     grad = torch.randn(batch, length, d_model)
@@ -279,8 +280,8 @@ def test_a_sublayer_in_one_function_only_where_it_applies(case: str) -> None:
     """Not training, a hooked layer or attention-weight dropout: ``add_norm`` declines (the sublayer then runs
     its pieces). With frozen weights it applies and gives only the gradients asked for."""
     _kernel_or_skip()
-    attention = CausalSelfAttention(32, 2, dropout=0.1 if case == "attention dropout" else 0.0)
-    ffn, norm = FeedForward(32, 48, 0.1), nn.LayerNorm(32)
+    attention = fuse(CausalSelfAttention(32, 2, dropout=0.1 if case == "attention dropout" else 0.0))
+    ffn, norm = fuse(FeedForward(32, 48, 0.1)), nn.LayerNorm(32)
     x = torch.randn(2, 9, 32, requires_grad=True)
     if case == "eval":
         attention.eval(), ffn.eval()
@@ -301,7 +302,7 @@ def test_a_sublayer_in_one_function_only_where_it_applies(case: str) -> None:
 def test_a_hooked_gated_residual_connection_is_called_as_written() -> None:
     """Gate statistics record a GRC through its forward hooks: a hooked GRC keeps the sublayer in pieces."""
     _kernel_or_skip()
-    model = TransformerLM(vocab_size=11, d_model=32, n_layers=1, n_heads=2, d_ffn=48, gates="+GRC")
+    model = fuse(TransformerLM(vocab_size=11, d_model=32, n_layers=1, n_heads=2, d_ffn=48, gates="+GRC"))
     seen: list[Tensor] = []
     for module in model.modules():
         if isinstance(module, GatedResidual):
@@ -312,20 +313,21 @@ def test_a_hooked_gated_residual_connection_is_called_as_written() -> None:
 
 def test_only_post_norm_sublayers_without_an_eau_run_as_one_function() -> None:
     def whole(gates: str, layers: int) -> dict[str, bool]:
-        model = TransformerLM(vocab_size=11, d_model=16, n_layers=layers, n_heads=2, d_ffn=32, gates=gates)
+        model = fuse(TransformerLM(vocab_size=11, d_model=16, n_layers=layers, n_heads=2, d_ffn=32, gates=gates))
         return {name: sub.fuse_sublayer for name, sub in model.named_modules() if hasattr(sub, "fuse_sublayer")}
 
     assert whole("+highway L1 + σ L2/ffn + GRC L3", 3) == {
         "layers.0.attn": True, "layers.0.ffn": True, "layers.1.attn": True, "layers.1.ffn": True,
         "layers.2.attn": True, "layers.2.ffn": True}
-    ffn, x = FeedForward(16, 32, 0.1), torch.randn(2, 8, 16)  # a GRC with either mix: declined (placements refuse it)
+    # a GRC with either mix: declined (placements refuse it)
+    ffn, x = fuse(FeedForward(16, 32, 0.1)), torch.randn(2, 8, 16)
     assert ffn.add_norm(x, 0.1, nn.LayerNorm(16), GatedResidual(16), HighwayGate(16)) is None
     assert ffn.add_norm(x, 0.1, nn.LayerNorm(16), GatedResidual(16), GatedMHDPA(16)) is None
     assert whole("+gated MHDPA L1 + tanh L2", 2) == {
         "layers.0.attn": True, "layers.0.ffn": True, "layers.1.attn": True, "layers.1.ffn": True}
     assert whole("+EAU+GRC", 1) == {"layers.0.attn": True, "layers.0.ffn": True}
     assert whole("+EAU + σ L1/attn", 1) == {"layers.0.attn": False, "layers.0.ffn": True}  # an EAU with a unit: pieces
-    pre_norm = TransformerLM(vocab_size=11, d_model=16, n_layers=1, n_heads=2, d_ffn=32, norm="pre")
+    pre_norm = fuse(TransformerLM(vocab_size=11, d_model=16, n_layers=1, n_heads=2, d_ffn=32, norm="pre"))
     assert not any(getattr(module, "fuse_sublayer", False) for module in pre_norm.modules())
 
 
@@ -362,8 +364,8 @@ def test_without_dropout_a_linear_layer_still_fuses_and_draws_no_seed() -> None:
 
 
 def test_sublayers_fuse_only_where_no_gate_stands_between() -> None:
-    model = TransformerLM(vocab_size=11, d_model=16, n_layers=3, n_heads=2, d_ffn=32,
-                          gates="+EAU L1 + highway L2 + σ L3/ffn")
+    model = fuse(TransformerLM(vocab_size=11, d_model=16, n_layers=3, n_heads=2, d_ffn=32,
+                          gates="+EAU L1 + highway L2 + σ L3/ffn"))
     fused = {name: module.fuse_linear for name, module in model.named_modules() if hasattr(module, "fuse_linear")}
     assert fused == {"layers.0.attn": False, "layers.0.ffn": True, "layers.1.attn": True, "layers.1.ffn": True,
                      "layers.2.attn": True, "layers.2.ffn": False}
@@ -391,7 +393,7 @@ def test_language_model_trains_the_same_fused_or_not(backbone: str, gates: str, 
     def loss_and_grads() -> tuple[Tensor, list[Tensor]]:
         model.zero_grad()
         torch.manual_seed(5)
-        logits = model(tokens)[0]
+        logits = model(tokens).logits
         loss = logits.square().mean()
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
@@ -455,7 +457,7 @@ def test_streamed_feed_forward_is_the_sublayer_operation_by_operation(batch: int
     a 64-row block is not a whole number of mask draws take 128-row blocks; the last block may be partial."""
     _packed_gemm_or_skip()
     torch.manual_seed(seed)
-    ffn, norm = FeedForward(d_model, d_ffn, 0.2), _affine_norm(d_model)
+    ffn, norm = fuse(FeedForward(d_model, d_ffn, 0.2)), _affine_norm(d_model)
     x = torch.randn(batch, length, d_model, requires_grad=True)
     grad = torch.randn(batch, length, d_model)
     params = (x, *ffn.parameters(), *norm.parameters())
@@ -487,7 +489,7 @@ def test_streamed_attention_sublayer_is_the_sublayer_operation_by_operation(batc
     if not _attention_kernel.kernel_takes(3 * width, heads, 0.0, torch.device("cpu"), torch.float32):
         pytest.skip("the attention kernel is unavailable here")
     torch.manual_seed(seed)
-    attention, norm = CausalSelfAttention(width, heads), _affine_norm(width)
+    attention, norm = fuse(CausalSelfAttention(width, heads)), _affine_norm(width)
     with torch.no_grad():
         attention.qkv.bias.uniform_(-0.5, 0.5)
     x = torch.randn(batch, length, width, requires_grad=True)
@@ -524,7 +526,8 @@ def test_streamed_bodies_of_gated_sublayers_are_the_operations_one_by_one(batch:
     if not _attention_kernel.kernel_takes(3 * width, heads, 0.0, torch.device("cpu"), torch.float32):
         pytest.skip("the attention kernel is unavailable here")
     torch.manual_seed(seed)
-    ffn, attention, norm = FeedForward(width, hidden_width, 0.2), CausalSelfAttention(width, heads), _affine_norm(width)
+    ffn, attention = fuse(FeedForward(width, hidden_width, 0.2)), fuse(CausalSelfAttention(width, heads))
+    norm = _affine_norm(width)
     gate, unit, eau = _random_branches(branches, width)
     x = torch.randn(batch, length, width, requires_grad=True)
     grad = torch.randn(batch, length, width)
@@ -557,8 +560,8 @@ def test_the_language_model_streams_its_plain_sublayers(monkeypatch: pytest.Monk
 
     def one_step(gates: str) -> tuple[int, int]:
         calls.clear()
-        model = TransformerLM(vocab_size=11, d_model=32, n_layers=2, n_heads=2, d_ffn=32, gates=gates)
-        logits, _ = model(torch.randint(0, 11, (2, 9)))
+        model = fuse(TransformerLM(vocab_size=11, d_model=32, n_layers=2, n_heads=2, d_ffn=32, gates=gates))
+        logits = model(torch.randint(0, 11, (2, 9))).logits
         logits.sum().backward()
         return calls.count("whole"), calls.count("body")
 
@@ -575,7 +578,7 @@ def test_a_streamed_kernel_without_scratch_memory_says_how_to_go_on(monkeypatch:
     MemoryError that names the switch back to the unstreamed path, and that path still computes it."""
     _packed_gemm_or_skip()
     library = _epilogue_kernel.KERNEL.library()
-    ffn, norm = FeedForward(16, 32, 0.1), nn.LayerNorm(16)
+    ffn, norm = fuse(FeedForward(16, 32, 0.1)), nn.LayerNorm(16)
     x = torch.randn(2, 5, 16, requires_grad=True)
     with monkeypatch.context() as patch:
         patch.setattr(library, "ffn_forward_f32", lambda *args: 1)
@@ -606,10 +609,10 @@ def test_without_dropout_the_sublayers_stay_fused_and_draw_no_seeds(monkeypatch:
         monkeypatch.setattr(getattr(fused_linear, name), "apply",
                             lambda *a, real=real, name=name: calls.append(name) or real(*a))
     torch.manual_seed(0)
-    model = TransformerLM(vocab_size=11, d_model=32, n_layers=2, n_heads=2, d_ffn=64, dropout=0.0)
+    model = fuse(TransformerLM(vocab_size=11, d_model=32, n_layers=2, n_heads=2, d_ffn=64, dropout=0.0))
     tokens = torch.randint(0, 11, (2, 9))
     torch.manual_seed(3)
-    fused = model(tokens)[0]
+    fused = model(tokens).logits
     after_fused = torch.rand(4)
     assert calls.count("_FeedForwardAddNorm") == calls.count("_AttentionAddNorm") == 2
     fused.sum().backward()
@@ -617,7 +620,7 @@ def test_without_dropout_the_sublayers_stay_fused_and_draw_no_seeds(monkeypatch:
     model.zero_grad()
     monkeypatch.setattr(fused_linear, "fusion_applies", lambda *args: False)
     torch.manual_seed(3)
-    plain = model(tokens)[0]
+    plain = model(tokens).logits
     after_plain = torch.rand(4)
     plain.sum().backward()
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
@@ -646,7 +649,7 @@ def test_a_keep_below_of_two_to_the_32_keeps_every_element(isa: str, kernel_buil
 
 
 def test_registered_reads_what_getattr_reads_for_submodules_and_parameters() -> None:
-    block = FeedForward(8, 16, 0.1)
+    block = fuse(FeedForward(8, 16, 0.1))
     block.inner.bias = None
     assert registered(block, "inner") is block.inner
     assert registered(block.inner, "weight") is block.inner.weight

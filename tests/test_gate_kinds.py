@@ -17,6 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gatedformer import Seq2SeqTransformer, TransformerLM, TransformerXLLM
 from gatedformer.errors import ConfigError
+from gatedformer.fused import fuse
 from gatedformer.gates import SDU
 from gatedformer.gates.kinds import GATE_FNS, GATE_KINDS, GateKind, kind_in_name, kind_of
 from gatedformer.gates.spec import SublayerGates, parse_gate_spec, resolve_placement
@@ -65,7 +66,7 @@ def test_a_parameter_name_names_its_gate_kind_by_todays_slot_names_only() -> Non
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Every kind on every fused path: training with the fused paths equals training with the gates' own forward.
+# Every kind on every fused path: training with the fused paths equals training with the reference.
 
 
 def _lm(cls: type, **extra: object) -> Callable[[str], nn.Module]:
@@ -86,32 +87,31 @@ PATHS: dict[str, Callable[[str], nn.Module]] = {
 }
 
 
-def _train_two_steps(build: Callable[[str], nn.Module], gates: str, hook_gates: bool) -> list[Tensor]:
-    """Two windows' losses and every parameter's gradient; with ``hook_gates`` every gate module carries a forward
-    hook, which keeps the fused paths away from it (the module's own forward runs, as when statistics are kept)."""
+def _train_two_steps(build: Callable[[str], nn.Module], gates: str, fused: bool) -> list[Tensor]:
+    """Two windows' losses and every parameter's gradient, with the fused paths bound onto the model or by the
+    model's reference (its modules' own forward)."""
     torch.manual_seed(0)
     model = build(gates).train()
-    if hook_gates:
-        for module in model.modules():
-            if kind_of(module) is not None:
-                module.register_forward_hook(lambda *args: None)
+    if fused:
+        fuse(model)
     data = torch.randint(2, 19, (3, 2, 10), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(2)  # the dropout masks
     losses, state = [], None
     for window in data.unbind(1):
         if isinstance(model, Seq2SeqTransformer):
-            losses.append(model(window, window[:, :-1], targets=window[:, 1:], ignore_index=1))
+            losses.append(model(window, window[:, :-1], targets=window[:, 1:], ignore_index=1).loss)
         else:
-            loss, state = model(window[:, :-1], state, targets=window[:, 1:])
-            losses.append(loss)
+            out = model(window[:, :-1], state, targets=window[:, 1:])
+            losses.append(out.loss)
+            state = out.state
     return [*losses, *torch.autograd.grad(sum(losses), list(model.parameters()), allow_unused=True)]
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("name", "spec"), KIND_SPECS)
 def test_every_kind_trains_on_every_path_as_its_module_computes_it(path: str, name: str, spec: str) -> None:
-    fused = _train_two_steps(PATHS[path], spec, hook_gates=False)
-    written = _train_two_steps(PATHS[path], spec, hook_gates=True)
+    fused = _train_two_steps(PATHS[path], spec, fused=True)
+    written = _train_two_steps(PATHS[path], spec, fused=False)
     for a, b in zip(fused, written, strict=True):
         if a is None or b is None:
             assert a is None and b is None
@@ -138,7 +138,7 @@ def test_a_kind_no_fused_path_lists_is_computed_as_its_module_says(monkeypatch: 
     assert not fused_linear.whole_sublayer_takes(("doubled_sdu",))
     assert "doubled_sdu" not in STREAMED_KINDS["attn"]
     torch.manual_seed(0)
-    sub = Sublayer(FeedForward(8, 16), 8, SublayerGates({"doubled_sdu": "sigmoid"}), dropout=0.0).train()
+    sub = fuse(Sublayer(FeedForward(8, 16), 8, SublayerGates({"doubled_sdu": "sigmoid"}), dropout=0.0).train())
     assert not sub.fuse_sublayer and not sub.fuse_linear and isinstance(sub.doubled_sdu, _DoubledSDU)
     x = torch.randn(2, 5, 8)
     expected = sub.norm(x + sub.body(x) + 2 * SDU.forward(sub.doubled_sdu, x))

@@ -23,15 +23,16 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"errors", "io"},
     "config": {"data", "gates", "errors"},
     "models": {"nn", "ops", "kernels", "gates", "config", "errors"},
-    "tasks": {"models", "data", "config", "devices", "io", "errors"},
+    "fused": {"models", "nn", "ops", "kernels", "gates", "config", "errors"},
+    "tasks": {"fused", "models", "data", "config", "devices", "io", "errors"},
     "train": {"tasks", "kernels", "config", "data", "gates", "devices", "io", "errors", "version", "__init__"},
     "runs": {"tasks", "train", "config", "devices", "errors"},
     "pretrained": {"runs", "tasks", "train", "data", "config", "devices", "io", "errors", "version"},
-    "analysis": {"runs", "train", "tasks", "models", "nn", "ops", "kernels", "gates", "data", "config", "devices",
+    "analysis": {"runs", "train", "tasks", "fused", "models", "nn", "ops", "kernels", "gates", "data", "config", "devices",
                  "io", "errors", "__init__"},
     "cli": {"analysis", "runs", "pretrained", "train", "tasks", "data", "config", "errors", "__init__"},
     "__main__": {"cli"},
-    "__init__": {"models", "gates", "config", "errors", "runs", "pretrained", "tasks", "train", "version"},
+    "__init__": {"fused", "models", "gates", "config", "errors", "runs", "pretrained", "tasks", "train", "version"},
 }
 
 

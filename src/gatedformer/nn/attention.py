@@ -7,13 +7,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from gatedformer.ops.attention import causal_attention_packed
-from gatedformer.ops.fused_linear import attention_add_norm
 
 
 class _PackedHeads(nn.Module):
     """What both self-attentions hold: Q, K and V from one projection ``qkv`` (rows in that order), the heads'
-    outputs through ``out`` (the ``output_projection`` the sublayer fuses with its dropout, residual and norm)."""
+    outputs through ``out`` (the ``output_projection``, which a fused path joins to the sublayer's dropout, residual
+    and norm)."""
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -30,12 +29,12 @@ class _PackedHeads(nn.Module):
 
 
 class CausalSelfAttention(_PackedHeads):
-    """Multi-head self-attention where position t sees positions <= t.
+    """Multi-head self-attention where position t sees positions <= t:
+    ``softmax(Q Kᵀ / √d_head + causal mask) V`` per head, the heads side by side through ``out``.
 
-    Q, K and V come out of one fused projection. On the CPU the attention is a compiled kernel that reads
-    them straight from the projection's output (:mod:`gatedformer.ops.attention`); elsewhere,
-    and for what that kernel does not cover, it is :func:`torch.nn.functional.scaled_dot_product_attention`,
-    which picks the fastest kernel for the device (flash / memory-efficient on CUDA).
+    Q, K and V come out of one projection. The attention is :func:`torch.nn.functional.scaled_dot_product_attention`,
+    which picks the fastest kernel for the device (flash / memory-efficient on CUDA); on the CPU a fused model reads
+    Q, K and V straight from the projection's output in a compiled kernel (:mod:`gatedformer.fused.sublayer`).
     """
 
     def features(self, x: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
@@ -46,8 +45,11 @@ class CausalSelfAttention(_PackedHeads):
         to the new ones up to itself, as it would in one call over the whole sequence (incremental decoding)."""
         if cache is not None:
             return self._cached_features(x, cache)
-        dropout = self.dropout if self.training else 0.0
-        return causal_attention_packed(self.qkv(x), self.n_heads, dropout)
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.n_heads, width // self.n_heads).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  dropout_p=self.dropout if self.training else 0.0)
+        return attended.transpose(1, 2).reshape(batch, length, width)
 
     def _cached_features(self, x: Tensor, cache: dict[str, Tensor]) -> Tensor:
         batch, length, width = x.shape
@@ -66,27 +68,13 @@ class CausalSelfAttention(_PackedHeads):
     def forward(self, x: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
         return self.out(self.features(x, cache))
 
-    def add_norm(self, x: Tensor, p: float, norm: nn.LayerNorm, gate: nn.Module | None = None,
-                 unit: nn.Module | None = None, eau: nn.Module | None = None,
-                 cache: dict[str, Tensor] | None = None) -> Tensor | None:
-        """``norm(x + dropout(self(x), p))`` (with a gated residual connection ``gate`` and an SDU branch ``unit``:
-        ``norm(gate(x, dropout(self(x) + unit(x), p)))``; with a highway gate ``unit``:
-        ``norm(unit(x) + dropout(self(x), p))``; an ``eau`` on the output first) as one autograd function where that
-        applies
-        (:func:`~gatedformer.ops.fused_linear.attention_add_norm`), else ``None`` (always with a ``cache``: the
-        incremental path is :meth:`features`)."""
-        if cache is not None:
-            return None
-        return attention_add_norm(x, self.qkv, self.out, self.n_heads, self.dropout if self.training else 0.0, p,
-                                  norm, self.training, gate, unit, eau)
-
 
 class BidirectionalSelfAttention(_PackedHeads):
     """Multi-head self-attention where every position sees every real (unpadded) one: an encoder's attention.
 
     Q, K and V come out of one fused projection ``qkv`` (rows in that order), the heads' outputs go through ``out``.
-    ``features(x, key_mask=None, context=None)`` is everything before ``out`` (so that
-    :class:`~gatedformer.nn.sublayer.Sublayer` fuses ``out`` with its dropout, residual add and LayerNorm): ``x``
+    ``features(x, key_mask=None, context=None)`` is everything before ``out`` (where a fused
+    path joins ``out`` to the sublayer's dropout, residual add and LayerNorm): ``x``
     ``(B, Lq, d)`` gives the queries, ``context`` ``(B, Lk, d)`` the keys and values (``x`` itself by default: an
     encoder's last layer may ask for a few query rows only, e.g. the masked positions of masked language modelling,
     and read keys and values from every row), ``key_mask`` ``(B, Lk)`` is True at the real tokens. The attention is
