@@ -8,7 +8,6 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 
-
 class _PackedHeads(nn.Module):
     """What both self-attentions hold: Q, K and V from one projection ``qkv`` (rows in that order), the heads'
     outputs through ``out`` (the ``output_projection``, which a fused path joins to the sublayer's dropout, residual
