@@ -1,4 +1,7 @@
 """Building blocks the models are made of: the gated residual sublayer, attention, dropout, the SRU layer.
 
-Modules here call the fused paths of :mod:`gatedformer.ops`; they never import a model or anything of training.
+Each module's ``forward`` is its equation in plain PyTorch (the reference); faster implementations are bound onto
+them from outside (:mod:`gatedformer.fused`). Only the SRU layer's recurrence and the dropout masks call
+:mod:`gatedformer.ops`, as the ``sru`` package's module does its ``csrc``. Nothing here imports a model or anything
+of training.
 """
