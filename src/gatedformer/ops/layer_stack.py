@@ -20,7 +20,8 @@ sublayer functions compute their gates.
 
 It applies where every layer's two sublayers would each run as one function (post-LN, the gates those take), no
 hooks are on the layers or their sublayers (nor global module hooks), and the memories and position encodings
-need no gradient; :func:`layer_stack` checks that and otherwise returns ``None`` (the model then calls its layers).
+need no gradient; :func:`layer_stack` checks that and otherwise returns ``None`` (the fused model's ``run_layers``,
+:mod:`gatedformer.fused.transformer_xl`, then calls its layers).
 Under ``torch.compile`` each stack is a custom operator (:data:`LAYER_STACK`, :data:`STREAMED_LAYER_STACK`; see
 :mod:`gatedformer.ops.operators`), which is why the functions take the layers' settings as six flat lists and the
 memories as a list: a compiled graph keeps the whole stack as one node each way, with the eager masks and numbers.

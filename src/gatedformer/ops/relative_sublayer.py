@@ -21,9 +21,9 @@ It computes what the modules compute, with the same dropout masks for the same r
 where they would run fused anyway: training, float32 on the CPU outside autocast, no attention dropout, no hooks,
 a plain LayerNorm, gates that the fused tail takes and the compiled kernels available (under ``torch.compile`` it is
 the custom operator ``gatedformer::relative_attention_add_norm``).
-:func:`relative_attention_add_norm` (which
-:meth:`~gatedformer.models.transformer_xl.RelativeMultiHeadAttention.add_norm` calls) checks that and otherwise
-returns ``None`` (the sublayer then runs its modules).
+:func:`relative_attention_add_norm` (which the fused Transformer-XL attention's ``add_norm`` calls,
+:mod:`gatedformer.fused.transformer_xl`) checks that and otherwise returns ``None`` (the sublayer then runs its
+modules).
 """
 
 from __future__ import annotations
