@@ -156,6 +156,10 @@ def test_bad_input_is_one_error_line(squad_dir: Path, tmp_path: Path, capsys: py
     assert main(["train", "--recipe", "squad-sru-tiny", "--data", f"squad-json:{tmp_path / 'none'}", "--out",
                  str(tmp_path / "run2")]) != 0
     assert "is not a folder" in one_error_line(capsys)
+    (squad_dir / "dev.json").write_text(json.dumps(_document(1, 3)))
+    assert main(["train", "--recipe", "squad-sru-tiny", "--data", f"squad-json:{squad_dir}", "--out",
+                 str(tmp_path / "run3"), "--set", f"qa.word_vectors={tmp_path / 'glove.txt'}"]) != 0
+    assert "qa.word_vectors=" in one_error_line(capsys)
 
 
 def test_the_config_refuses_what_the_reader_cannot_do() -> None:

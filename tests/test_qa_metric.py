@@ -55,3 +55,18 @@ def test_the_best_span_starts_before_it_ends_within_the_longest_span() -> None:
     assert (s.item(), e.item()) == (4, 4)
     s, e, _ = best_spans(logits, max_span=2)  # (1, 3) is start + 2
     assert (s.item(), e.item()) == (1, 3)
+
+
+def test_the_best_span_is_the_best_allowed_pair_of_all() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 2, 30)
+    logits[2, :, 11:] = -math.inf  # a shorter paragraph in the batch
+    logits[4, :, 1:] = -math.inf  # a paragraph of one word
+    for max_span in (0, 3, 15, 40):
+        starts, ends, scores = best_spans(logits, max_span)
+        for row in range(6):
+            start, end = logits[row, 0].log_softmax(-1), logits[row, 1].log_softmax(-1)
+            pairs = [(start[i] + end[j]).item() for i in range(30) for j in range(i, min(30, i + max_span + 1))]
+            assert scores[row].item() == pytest.approx(max(pairs))
+            s, e = starts[row].item(), ends[row].item()
+            assert s <= e <= s + max_span and (start[s] + end[e]).item() == pytest.approx(max(pairs))

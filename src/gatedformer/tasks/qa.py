@@ -38,7 +38,7 @@ from torch.nn import functional as F
 from gatedformer.config import RunConfig, get_backbone
 from gatedformer.data.squad import SQUAD_CORPORA, SQUAD_JSON_PREFIX, Paragraph, load_squad, tokenize_with_offsets
 from gatedformer.devices import autocast
-from gatedformer.errors import CheckpointError, ConfigError
+from gatedformer.errors import CheckpointError, ConfigError, DataError
 from gatedformer.fused import fuse
 from gatedformer.io import atomic_write, read_limited
 from gatedformer.models.reader import FEATURES
@@ -204,6 +204,9 @@ def _vocabulary(train: Sequence[Paragraph], dev: Sequence[Paragraph], word_vecto
     rest = sorted((w for w in others if w not in questions), key=lambda w: (-others[w], w))
     if not word_vectors:
         return [PAD, UNK, *asked, *rest], len(asked), {}, 0
+    if not Path(word_vectors).expanduser().is_file():
+        raise DataError(f"qa.word_vectors={word_vectors}: no such file; give a GloVe or word2vec text file (e.g. "
+                        "glove.840B.300d.txt), or leave qa.word_vectors empty to learn the vectors")
     dev_words = {w for p in dev for text in (p.context, *(q.text for q in p.questions)) for w, _, _ in _words(text)}
     known = set(asked) | set(rest)
     vectors, size = read_word_vectors(word_vectors, known | dev_words)

@@ -14,7 +14,6 @@ import string
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
-import torch
 from torch import Tensor
 
 __all__ = ["best_spans", "exact_match", "f1", "normalize_answer", "score_predictions"]
@@ -62,10 +61,12 @@ def best_spans(logits: Tensor, max_span: int) -> tuple[Tensor, Tensor, Tensor]:
     log-probability, the sum of the start's and the end's log-softmax (DrQA's product of the two probabilities)."""
     start = logits[:, 0].float().log_softmax(-1)
     end = logits[:, 1].float().log_softmax(-1)
-    words = logits.shape[-1]
-    position = torch.arange(words, device=logits.device)
-    offset = position.unsqueeze(0) - position.unsqueeze(1)  # end - start
-    allowed = (offset >= 0) & (offset <= max_span)
-    scores = (start.unsqueeze(2) + end.unsqueeze(1)).masked_fill(~allowed, float("-inf"))
-    best, flat = scores.flatten(1).max(-1)
-    return flat // words, flat % words, best
+    rows, words = start.shape
+    width = max_span + 1
+    # Only the band end - start in [0, max_span] is scored: (B, M, max_span + 1), not the (B, M, M) of every pair.
+    scores = start.new_full((rows, words, width), float("-inf"))
+    for length in range(min(width, words)):
+        scores[:, : words - length, length] = start[:, : words - length] + end[:, length:]
+    best, flat = scores.flatten(1).max(-1)  # the first maximum: the earliest start, then the shortest span
+    first = flat // width
+    return first, first + flat % width, best
