@@ -165,5 +165,9 @@ def test_a_download_that_does_not_match_saves_nothing_and_a_mirror_serves_it(
     (served / "mirror" / "squad").mkdir(parents=True)
     for name, data in texts.items():
         (served / "mirror" / "squad" / name).write_bytes(data)
-    dest = fetch_corpus("squad", tmp_path / "data", base_url=f"{url}/mirror", progress=False)
+    from gatedformer.cli import main
+
+    dest = tmp_path / "data"
+    assert main(["data", "fetch", "squad", "--mirror", f"{url}/mirror", "--data-dir", str(dest), "--quiet"]) == 0
     assert (dest / "squad" / "train-v1.1.json").read_bytes() == texts["train-v1.1.json"]
+    assert main(["data", "check", "squad", "--data-dir", str(dest)]) == 0
