@@ -10,6 +10,9 @@ arXiv:1907.05572). Every layer is three residual sublayers::
 ``LocalRNN`` runs a small recurrent network over the window of the ``M`` positions ending at each
 position (positions ``t-M+1 .. t``, zeros before the start of the sequence) and returns the last
 hidden state of each window. It captures local order, so the model has no positional encoding.
+
+This module is the reference; fused (:mod:`gatedformer.fused.rtransformer`), every step of every window of a LocalRNN
+is one compiled call each way.
 """
 
 from __future__ import annotations

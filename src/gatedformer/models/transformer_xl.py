@@ -19,6 +19,9 @@ and memory, with no per-pair gather of position encodings.
 **Segment-level recurrence.** Each layer attends over ``[SG(memory) ∘ current segment]``, where the
 memory holds the last ``mem_len`` inputs of that layer from the previous windows, with the gradient
 stopped. The memories are the model's state: ``forward(tokens, state)`` returns them as its output's ``state``.
+
+This module is the reference; fused (:mod:`gatedformer.fused.transformer_xl`), the attention runs on a compiled CPU
+kernel and a post-LN sublayer, or all the layers, as one autograd function.
 """
 
 from __future__ import annotations
