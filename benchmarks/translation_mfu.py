@@ -27,6 +27,7 @@ from gatedformer.analysis.bench.report import cpu_model
 from gatedformer.analysis.bench.timing import measured_peaks, peak_contenders
 from gatedformer.config import build_config, load_recipe
 from gatedformer.data.translation import PAD_ID, collate, length_batches
+from gatedformer.fused import fuse
 from gatedformer.io import atomic_write_text
 from gatedformer.kernels.build import pytorch_operations
 from gatedformer.tasks.translation import build_seq2seq, load_data
@@ -58,7 +59,7 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     data = load_data(config, args.data_dir)
     torch.manual_seed(config.train.seed)
-    model = build_seq2seq(config, len(data.src_vocab), len(data.tgt_vocab))
+    model = fuse(build_seq2seq(config, len(data.src_vocab), len(data.tgt_vocab)))  # as training runs it
     initialise(model, config.init)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, config.train.steps, config.model.d_model)
@@ -67,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
     batches = [collate(data.train, i) for i in indices]
 
     def loss_of(src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
-        return model(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID, label_smoothing=tr.label_smoothing)
+        return model(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID, label_smoothing=tr.label_smoothing).loss
 
     def train_batches() -> None:
         for src, tgt_in, tgt_out in batches:

@@ -155,11 +155,12 @@ def test_plain_pytorch_reference_has_our_parameter_count() -> None:
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert count(reference) == count(ours)
     tokens = torch.randint(0, 50, (2, 16))
-    logits, state = reference.eval()(tokens)
-    assert logits.shape == (2, 16, 50) and state is None
+    out = reference.eval()(tokens)
+    logits = out.logits
+    assert logits.shape == (2, 16, 50) and out.state is None and out.loss is None
     changed = tokens.clone()
     changed[:, 9] = (changed[:, 9] + 1) % 50
-    assert torch.allclose(reference(changed)[0][:, :9], logits[:, :9], atol=1e-5)  # causal
+    assert torch.allclose(reference(changed).logits[:, :9], logits[:, :9], atol=1e-5)  # causal
 
 
 def test_x_transformers_peer_is_equally_sized() -> None:
@@ -172,7 +173,7 @@ def test_x_transformers_peer_is_equally_sized() -> None:
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     # No attention or output biases and bias-free LayerNorms over there: within 2 % of ours.
     assert abs(count(theirs) - count(ours)) <= 0.02 * count(ours)
-    assert theirs(torch.randint(0, 50, (2, 16)))[0].shape == (2, 16, 50)
+    assert theirs(torch.randint(0, 50, (2, 16))).logits.shape == (2, 16, 50)
 
 
 def test_peers_that_are_not_installed_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -318,7 +319,7 @@ def test_every_gate_variant_runs_under_bf16_autocast(norm: str) -> None:
     for spec in ("", "+σ SDU", "+highway gate", "+gated MHDPA", "+EAU+GRC"):
         model = TransformerLM(11, d_model=16, n_layers=2, n_heads=2, d_ffn=32, gates=spec, norm=norm)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits, _ = model(torch.randint(0, 11, (2, 8)))
+            logits = model(torch.randint(0, 11, (2, 8))).logits
         logits.float().sum().backward()
         assert logits.shape == (2, 8, 11)
 

@@ -69,9 +69,9 @@ def test_hugging_face_masked_lm_weights_give_the_same_logits() -> None:
     tokens, types, mask = _batch()
     with torch.no_grad():
         theirs = hf(input_ids=tokens, token_type_ids=types, attention_mask=mask).logits
-        logits = ours(tokens, types, mask)
+        logits = ours(tokens, types, mask).logits
         positions = torch.tensor([[1, 4], [0, 7], [2, 3]])
-        rows = ours(tokens, types, mask, positions=positions)
+        rows = ours(tokens, types, mask, positions=positions).logits
     real = mask.bool()
     torch.testing.assert_close(logits[real], theirs[real], atol=2e-5, rtol=1e-4)
     # Asking the last layer for a few rows computes exactly those rows.

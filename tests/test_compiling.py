@@ -164,7 +164,7 @@ def test_a_compiled_step_equals_the_eager_one(backbone: str, fresh_dynamo: None)
     tokens = torch.randint(0, 20, (3, 12))
     results = []
     for forward in (model, torch.compile(model)):
-        loss, _ = forward(tokens[:, :-1], None, targets=tokens[:, 1:])
+        loss = forward(tokens[:, :-1], None, targets=tokens[:, 1:]).loss
         results.append((loss, *torch.autograd.grad(loss, list(model.parameters()))))
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
@@ -185,7 +185,7 @@ import gatedformer, gatedformer.cli
 model = build_model(ModelConfig(backbone="transformer-xl", d_model=16, n_layers=2, n_heads=2, d_ffn=32, mem_len=4,
                                 gates="+σ SDU"), 20).train()
 tokens = torch.randint(0, 20, (2, 8))
-model(tokens, None, targets=tokens)[0].backward()
+model(tokens, None, targets=tokens).loss.backward()
 assert "torch._dynamo" not in sys.modules, "eager use imported torch._dynamo"
 from gatedformer.kernels.build import prepare_compile
 prepare_compile()

@@ -73,7 +73,8 @@ def test_each_backbone_and_gate_computes_the_same_on_cuda(backbone: str, gates: 
         state = None
         total = 0.0
         for _ in range(2):  # the second window reads the first's memory (Transformer-XL, SRU)
-            loss, state = model(tokens.to(device), state, targets=targets.to(device))
+            out = model(tokens.to(device), state, targets=targets.to(device))
+            loss, state = out.loss, out.state
             total = total + loss
         total.backward()
         losses.append(total)
@@ -184,7 +185,7 @@ def test_a_compiled_recurrent_step_on_cuda_equals_the_eager_one(backbone: str) -
     tokens = torch.randint(0, 20, (3, 12), device="cuda")
     results = []
     for forward in (model, torch.compile(model, fullgraph=True)):
-        loss, _ = forward(tokens[:, :-1], None, targets=tokens[:, 1:])
+        loss = forward(tokens[:, :-1], None, targets=tokens[:, 1:]).loss
         results.append((loss, *torch.autograd.grad(loss, list(model.parameters()))))
     for eager, compiled in zip(*results, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-3, atol=1e-4)

@@ -113,7 +113,7 @@ def test_shard_means_average_to_the_global_mean(text_corpus: str) -> None:
     def loss_and_grads(stream: LMStream, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         model.zero_grad()
         x, y = stream.window(k)
-        logits, _ = model(x, None)
+        logits = model(x, None).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]

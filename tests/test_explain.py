@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gatedformer import TransformerLM
+from gatedformer.fused import fuse
 from gatedformer.ops import explain
 
 
@@ -21,12 +22,12 @@ def explaining(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 
 def _step(model: TransformerLM) -> None:
     tokens = torch.randint(0, 11, (2, 9))
-    loss, _ = model(tokens, targets=tokens)
+    loss = model(tokens, targets=tokens).loss
     loss.backward()
 
 
 def test_a_declined_path_says_why_once(explaining: pytest.LogCaptureFixture) -> None:
-    model = TransformerLM(11, d_model=16, n_layers=2, n_heads=2, d_ffn=32, gates="+σ SDU").train()
+    model = fuse(TransformerLM(11, d_model=16, n_layers=2, n_heads=2, d_ffn=32, gates="+σ SDU")).train()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _step(model)
         _step(model)
@@ -37,7 +38,7 @@ def test_a_declined_path_says_why_once(explaining: pytest.LogCaptureFixture) -> 
 
 def test_a_hooked_gate_and_a_kernel_turned_off_are_named(explaining: pytest.LogCaptureFixture,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    model = TransformerLM(11, d_model=16, n_layers=1, n_heads=2, d_ffn=32, gates="+EAU").train()
+    model = fuse(TransformerLM(11, d_model=16, n_layers=1, n_heads=2, d_ffn=32, gates="+EAU")).train()
     model.layers[0].attn.eau.register_forward_hook(lambda *args: None)
     _step(model)
     monkeypatch.setenv("GATEDFORMER_CROSS_ENTROPY_BACKEND", "torch")

@@ -278,7 +278,7 @@ def test_a_finetuned_model_classifies_as_its_evaluation_does_and_exports(
     # the example as the network reads it: [CLS] a [SEP] (b [SEP]), token types and all
     ids, types = model.data[1].encode_pairs([dev[4].text_a], [dev[4].text_b] if pairs else None, config.data.seq_len)
     with torch.no_grad():
-        out = model.model(torch.tensor(ids), torch.tensor(types), None)[0]
+        out = model.model(torch.tensor(ids), torch.tensor(types), None).logits[0]
     if task == "stsb":
         assert alone == pytest.approx(float(out[0].clamp(0, 5)), rel=1e-6)
     else:

@@ -63,8 +63,9 @@ def test_cached_steps_equal_full_recomputation(case: str) -> None:
     earlier = torch.randint(0, VOCAB, (2, 6), generator=generator)
     tokens = torch.randint(0, VOCAB, (2, 24), generator=generator)
     with torch.no_grad():
-        _, state = model(earlier)  # a window before, whose state (Transformer-XL memory, SRU cells) carries over
-        full, full_state = model(tokens, state)
+        state = model(earlier).state  # a window before, whose state (Transformer-XL memory, SRU cells) carries over
+        out = model(tokens, state)
+        full, full_state = out.logits, out.state
         cache = model.new_cache(state)
         # a prefill of several tokens, then one token a step
         steps = [model.step(tokens[:, :5], cache)] + [model.step(tokens[:, t : t + 1], cache) for t in range(5, 24)]

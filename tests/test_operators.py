@@ -13,6 +13,7 @@ from torch import nn
 
 from gatedformer.analysis.bench import BenchOptions, BenchSize, format_report, run_bench
 from gatedformer.config import ModelConfig
+from gatedformer.fused import fuse
 from gatedformer.gates import GatedResidual
 from gatedformer.kernels.build import prepare_compile
 from gatedformer.models import build_model
@@ -74,11 +75,11 @@ def _recorded_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[Function
         torch.manual_seed(0)
         cfg = ModelConfig(**{"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ffn": 64, "mem_len": 4, "dropout": 0.1,
                              "rnn_window": 3, **extra})
-        model = build_model(cfg, 20).train()
+        model = fuse(build_model(cfg, 20)).train()
         tokens = torch.randint(0, 20, (2, 9))
         if hooked:  # a hooked layer: the stack declines, its sublayers run one by one
             model.layers[0].register_forward_hook(lambda *_: None)
-        loss, _ = model(tokens[:, :-1], None, targets=tokens[:, 1:])
+        loss = model(tokens[:, :-1], None, targets=tokens[:, 1:]).loss
         loss.backward()
         if extra["backbone"] == "rtransformer":  # the steps one by one: what the recurrence does not take
             rnn.gru_step(torch.randn(3, 24, requires_grad=True), torch.randn(3, 24, requires_grad=True),
@@ -160,7 +161,7 @@ def test_a_compiled_step_with_dropout_equals_the_eager_one(backbone: str, extra:
     cfg = ModelConfig(**{"backbone": backbone, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ffn": 64, "dropout": 0.1,
                          "mem_len": 8, "gates": "" if backbone == "gcnn" else "+σ SDU", **extra})
     torch.manual_seed(0)
-    model = build_model(cfg, 20).train()
+    model = fuse(build_model(cfg, 20)).train()
     tokens = torch.randint(0, 20, (2, 17))
     results = []
     prepare_compile()
@@ -168,7 +169,8 @@ def test_a_compiled_step_with_dropout_equals_the_eager_one(backbone: str, extra:
         torch.manual_seed(1)
         state = None
         for window in (tokens[:, :9], tokens[:, 8:]):
-            loss, state = forward(window[:, :-1], state, targets=window[:, 1:])
+            out = forward(window[:, :-1], state, targets=window[:, 1:])
+            loss, state = out.loss, out.state
         results.append((loss, *torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)))
     torch._dynamo.reset()
     for eager, compiled in zip(*results, strict=True):

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from gatedformer import Seq2SeqTransformer
 from gatedformer.config import RunConfig, apply_overrides, validate
+from gatedformer.fused import fuse
 from gatedformer.kernels import build as _native
 from gatedformer.kernels import cross_entropy as _cross_entropy_kernel
 from gatedformer.models import backbone_names, build_model
@@ -184,7 +185,7 @@ def _small_model(backbone: str, tie: bool = False) -> nn.Module:
         "model.d_model=16", "model.n_heads=2", "model.d_ffn=32", "model.n_layers=2", "model.dropout=0.1",
         "model.rnn_window=3", "model.mem_len=4", f"model.tie_embeddings={str(tie).lower()}"]))
     torch.manual_seed(0)
-    return build_model(validate(config).model, 23)
+    return fuse(build_model(validate(config).model, 23))
 
 
 @pytest.mark.parametrize("backbone", sorted(b for b in backbone_names() if b != "seq2seq"))
@@ -201,10 +202,13 @@ def test_each_language_model_returns_the_loss_of_its_logits_given_targets(backbo
         for training in (True, False):
             model.train(training)
             torch.manual_seed(1)
-            logits, state = model(tokens)
+            out = model(tokens)
+            logits, state = out.logits, out.state
             expected = F.cross_entropy(logits.reshape(-1, 23), targets.reshape(-1))
             torch.manual_seed(1)
-            loss, fused_state = model(tokens, targets=targets)
+            out = model(tokens, targets=targets)
+            loss, fused_state = out.loss, out.state
+            assert out.logits is None
             torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
             if state is not None:
                 for got, want in zip(fused_state if isinstance(state, list) else [fused_state],
@@ -215,7 +219,7 @@ def test_each_language_model_returns_the_loss_of_its_logits_given_targets(backbo
                 for got, want in zip(torch.autograd.grad(loss, params), torch.autograd.grad(expected, params),
                                      strict=True):
                     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
-            summed, _ = model(tokens, targets=targets, reduction="sum")
+            summed = model(tokens, targets=targets, reduction="sum").loss
             if not training:
                 torch.testing.assert_close(summed, expected * targets.numel(), rtol=1e-5, atol=1e-5)
     assert calls
@@ -228,9 +232,9 @@ def test_hooks_on_the_output_layer_still_see_its_logits(monkeypatch: pytest.Monk
     seen = []
     model.output.register_forward_hook(lambda module, args, out: seen.append(out.shape))
     tokens, targets = torch.randint(0, 23, (2, 5)), torch.randint(0, 23, (2, 5))
-    loss, _ = model(tokens, targets=targets)
+    loss = model(tokens, targets=targets).loss
     assert seen == [(2, 5, 23)] and calls == []
-    torch.testing.assert_close(loss, F.cross_entropy(model(tokens)[0].reshape(-1, 23), targets.reshape(-1)))
+    torch.testing.assert_close(loss, F.cross_entropy(model(tokens).logits.reshape(-1, 23), targets.reshape(-1)))
 
 
 def test_the_translation_model_returns_its_smoothed_loss_given_targets(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -238,14 +242,14 @@ def test_the_translation_model_returns_its_smoothed_loss_given_targets(monkeypat
     _kernel_or_skip()
     calls = _calls(monkeypatch)
     torch.manual_seed(0)
-    model = Seq2SeqTransformer(23, 29, layers=2, d_model=16, ffn=32, heads=2, max_len=24, dropout=0.1)
+    model = fuse(Seq2SeqTransformer(23, 29, layers=2, d_model=16, ffn=32, heads=2, max_len=24, dropout=0.1))
     src, tgt_in, tgt_out = torch.randint(4, 23, (3, 7)), torch.randint(4, 29, (3, 6)), torch.randint(4, 29, (3, 6))
     tgt_out[:, -2:] = 1  # padding
     torch.manual_seed(1)
-    logits = model(src, tgt_in)
+    logits = model(src, tgt_in).logits
     expected = F.cross_entropy(logits.reshape(-1, 29), tgt_out.reshape(-1), ignore_index=1, label_smoothing=0.1)
     torch.manual_seed(1)
-    loss = model(src, tgt_in, targets=tgt_out, ignore_index=1, label_smoothing=0.1)
+    loss = model(src, tgt_in, targets=tgt_out, ignore_index=1, label_smoothing=0.1).loss
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     params = list(model.parameters())
     for got, want in zip(torch.autograd.grad(loss, params), torch.autograd.grad(expected, params), strict=True):

@@ -64,7 +64,7 @@ def test_every_language_model_round_trips_bit_for_bit(backbone: str, tmp_path: P
     _same_weights(saved.model, loaded.model)
     tokens = torch.randint(0, 11, (2, 9))
     with torch.no_grad():
-        assert torch.equal(saved.model(tokens)[0], loaded.model(tokens)[0])
+        assert torch.equal(saved.model(tokens).logits, loaded.model(tokens).logits)
     assert loaded.data.vocab == saved.data.vocab and loaded.task.name == "lm" and not loaded.model.training
     assert loaded.generate("abc", max_tokens=12, seed=1) == saved.generate("abc", max_tokens=12, seed=1)
     assert loaded.results["valid_loss"] == 1.5 and loaded.results["test_loss"] is None  # NaN is no JSON
@@ -111,7 +111,7 @@ def test_fill_mask_gives_the_masked_positions_pieces_as_the_full_logits_do(tmp_p
     ids = [tokenizer.cls_id, *tokenizer.encode_texts(["the cat"])[0], tokenizer.mask_id,
            *tokenizer.encode_texts(["on the mat"])[0], tokenizer.sep_id]
     with torch.no_grad():
-        logits = model.model(torch.tensor([ids]))[0, 3]  # every position's logits, read at the mask's
+        logits = model.model(torch.tensor([ids])).logits[0, 3]  # every position's logits, read at the mask's
     logits[list(tokenizer.special_ids)] = float("-inf")
     chances, best = logits.softmax(-1).topk(3)
     assert [piece for piece, _ in found] == [tokenizer.piece(i) for i in best.tolist()]
@@ -148,12 +148,12 @@ def test_a_run_loads_exports_and_reloads_in_a_fresh_process(text_corpus: str, tm
 
     tokens = torch.randint(0, len(model.data.vocab), (1, 12))
     with torch.no_grad():
-        expected = model(tokens)[0]
+        expected = model(tokens).logits
     torch.save(tokens, tmp_path / "tokens.pt")
     script = ("import sys, torch, gatedformer\n"
               "m = gatedformer.from_pretrained(sys.argv[1], device='cpu')\n"
               "with torch.no_grad():\n"
-              "    torch.save(m(torch.load(sys.argv[2]))[0], sys.argv[3])\n")
+              "    torch.save(m(torch.load(sys.argv[2])).logits, sys.argv[3])\n")
     subprocess.run([sys.executable, "-c", script, str(exported), str(tmp_path / "tokens.pt"),
                     str(tmp_path / "logits.pt")], check=True, timeout=300)
     assert torch.equal(torch.load(tmp_path / "logits.pt"), expected)

@@ -361,12 +361,15 @@ def test_language_model_shapes_state_and_tying() -> None:
     lm = SRULanguageModel(50, 16, 2, tie_embeddings=True)
     assert lm.output.weight is lm.embedding.weight
     tokens = torch.randint(0, 50, (3, 7))
-    logits, state = lm(tokens)
+    out = lm(tokens)
+    logits, state = out.logits, out.state
     assert logits.shape == (3, 7, 50) and state.shape == (2, 3, 16)
     assert state.requires_grad  # returned un-detached
     # Carrying the state over two windows equals one window over the concatenation.
-    l1, s1 = lm(tokens[:, :3])
-    l2, s2 = lm(tokens[:, 3:], s1)
+    first = lm(tokens[:, :3])
+    l1, s1 = first.logits, first.state
+    second = lm(tokens[:, 3:], s1)
+    l2, s2 = second.logits, second.state
     torch.testing.assert_close(torch.cat([l1, l2], dim=1), logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s2, state, rtol=1e-5, atol=1e-5)
     untied = SRULanguageModel(50, 16, 2, projection_size=4, layer_norm=True)
@@ -379,11 +382,11 @@ def test_language_model_is_causal() -> None:
     torch.manual_seed(0)
     lm = SRULanguageModel(30, 12, 3, dropout=0.1, highway_bias=-1.0).eval()
     tokens = torch.randint(0, 30, (2, 10))
-    base, _ = lm(tokens)
+    base = lm(tokens).logits
     for t in (0, 4, 8):
         changed = tokens.clone()
         changed[:, t + 1] = (changed[:, t + 1] + 1) % 30
-        logits, _ = lm(changed)
+        logits = lm(changed).logits
         torch.testing.assert_close(logits[:, : t + 1], base[:, : t + 1], rtol=0, atol=0)
         assert not torch.allclose(logits[:, t + 1], base[:, t + 1])
 
@@ -395,7 +398,7 @@ def test_language_model_learns() -> None:
     opt = torch.optim.Adam(lm.parameters(), lr=0.02)
     losses = []
     for _ in range(20):
-        logits, _ = lm(tokens[:, :-1])
+        logits = lm(tokens[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 8), tokens[:, 1:].reshape(-1))
         opt.zero_grad()
         loss.backward()

@@ -121,11 +121,11 @@ def test_decoder_is_causal_and_source_padding_is_masked() -> None:
     tgt = torch.randint(4, 29, (2, 9))
     changed = tgt.clone()
     changed[:, 5] = (changed[:, 5] + 1 - 4) % 25 + 4
-    a, b = model(src, tgt), model(src, changed)
+    a, b = model(src, tgt).logits, model(src, changed).logits
     assert torch.allclose(a[:, :5], b[:, :5], atol=1e-6)
     assert not torch.allclose(a[:, 5:], b[:, 5:])
     padded = torch.cat([src, torch.full((2, 4), mt.PAD_ID)], dim=1)
-    assert torch.allclose(model(padded, tgt), a, atol=1e-5)
+    assert torch.allclose(model(padded, tgt).logits, a, atol=1e-5)
 
 
 def test_incremental_decoding_equals_the_full_decoder() -> None:
@@ -136,7 +136,7 @@ def test_incremental_decoding_equals_the_full_decoder() -> None:
     memory, mask = model.encode(src)
     cache = model.new_cache()
     steps = [model.decode_step(tgt[:, i], i, memory, mask, cache) for i in range(8)]
-    assert torch.allclose(torch.stack(steps, dim=1), model(src, tgt), atol=1e-5)
+    assert torch.allclose(torch.stack(steps, dim=1), model(src, tgt).logits, atol=1e-5)
 
 
 def test_sequences_longer_than_n_are_refused_by_the_model() -> None:

@@ -25,6 +25,7 @@ from gatedformer.data import translation as mt
 from gatedformer.errors import ConfigError
 from gatedformer.models.convs2s import ConvS2S, parse_conv_layers
 from gatedformer.models.seq2seq import Seq2SeqTransformer, seq2seq_parameter_count
+from gatedformer.nn.outputs import ModelOutput
 from gatedformer.nn.sru import SRULayer
 from gatedformer.tasks.translation import (
     TranslationTask,
@@ -64,16 +65,16 @@ def test_every_decoder_is_causal_padding_blind_and_decodes_incrementally_as_a_wh
     src = torch.randint(4, 23, (3, 7))
     src[1, 5:] = mt.PAD_ID
     tgt = torch.randint(4, 29, (3, 9))
-    full = model(src, tgt)
+    full = model(src, tgt).logits
     for position in (0, 4, 8):  # a change to a later target token never changes an earlier output
         changed = tgt.clone()
         changed[:, position] = (changed[:, position] - 4 + 1) % 25 + 4
-        other = model(src, changed)
+        other = model(src, changed).logits
         torch.testing.assert_close(other[:, :position], full[:, :position], rtol=0, atol=1e-6)
         assert not torch.allclose(other[:, position:], full[:, position:])
     padded = torch.cat([src, torch.full((3, 3), mt.PAD_ID)], dim=1)
-    torch.testing.assert_close(model(padded, tgt), full, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(model(src[1:2, :5], tgt[1:2]), full[1:2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(padded, tgt).logits, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(src[1:2, :5], tgt[1:2]).logits, full[1:2], rtol=1e-5, atol=1e-5)
     memory, mask = model.encode(src)
     cache = model.new_cache()
     steps = [model.decode_step(tgt[:, i], i, memory, mask, cache) for i in range(tgt.shape[1])]
@@ -195,7 +196,8 @@ def test_convs2s_variance_ratios_match_the_appendix_with_and_without_dropout() -
     assert [s["name"] for s in sites] == ["encoder.convolutions.0", "encoder.convolutions.1",
                                           "decoder.convolutions.0", "decoder.convolutions.1"]
 
-    def loss(logits: torch.Tensor, index: int) -> torch.Tensor:
+    def loss(out: ModelOutput, index: int) -> torch.Tensor:
+        logits = out.logits
         targets = torch.randint(4, 200, logits.shape[:2], generator=torch.Generator().manual_seed(index))
         return nn.functional.cross_entropy(logits.reshape(-1, 200), targets.reshape(-1))
 
@@ -216,7 +218,7 @@ def test_convs2s_scales_the_encoders_gradients_by_the_attention_layers() -> None
         if scale is not None:
             model.gradient_scale = scale
         src, tgt = torch.randint(4, 23, (2, 6)), torch.randint(4, 29, (2, 5))
-        model(src, tgt).square().sum().backward()
+        model(src, tgt).logits.square().sum().backward()
         return model.encoder.fc1.weight.grad
 
     assert _model("convs2s").gradient_scale == 0.5  # two decoder layers, two attentions
@@ -309,7 +311,7 @@ def test_gradient_accumulation_equals_one_batch_of_both_micro_batches(corpus_dir
         return torch.stack([nn.functional.pad(row, (0, width - len(row)), value=mt.PAD_ID) for row in rows])
 
     optimizer = build_optimizer(model, config.optim)
-    model(joined(0), joined(1), targets=joined(2), ignore_index=mt.PAD_ID, label_smoothing=0.1).backward()
+    model(joined(0), joined(1), targets=joined(2), ignore_index=mt.PAD_ID, label_smoothing=0.1).loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.7)
     optimizer.step()
     for name, tensor in model.state_dict().items():

@@ -51,6 +51,7 @@ Predictions:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -150,6 +151,8 @@ class _Moments:
 def _first_tensor(value: Any) -> Tensor | None:
     if isinstance(value, Tensor):
         return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a ModelOutput: its logits first
+        value = [getattr(value, field.name) for field in dataclasses.fields(value)]
     if isinstance(value, list | tuple):
         for item in value:
             found = _first_tensor(item)
@@ -283,12 +286,13 @@ def init_check(config: RunConfig, data_dir: str | Path | None = None, batches: i
         sites = _interior_sites(layer_sites(model), runner)
         return measure_layers(runner, windows, loss_fn=_cross_entropy, sites=sites)
     from gatedformer.data import LMStream, load_corpus
+    from gatedformer.fused import fuse
     from gatedformer.models import build_model
 
     corpus = load_corpus(config.data.corpus, data_dir)
     stream = LMStream(corpus.train, config.data.batch_size, config.data.seq_len)
     torch.manual_seed(config.train.seed)
-    model = build_model(config.model, len(corpus.vocab))
+    model = fuse(build_model(config.model, len(corpus.vocab)))  # as the task builds it for training
     initialise(model, config.init)
     model.to(device).train(dropout)
     windows = [stream.window(k) for k in range(min(batches, len(stream)))]
@@ -336,7 +340,7 @@ class _TranslationRunner(nn.Module):
         from gatedformer.data.translation import PAD_ID
 
         self.real = {"encoder": src != PAD_ID, "decoder": tgt_in != PAD_ID}
-        logits = self.model(src.to(self.device), tgt_in.to(self.device))
+        logits = self.model(src.to(self.device), tgt_in.to(self.device)).logits
         return logits, tgt_out.to(self.device).masked_fill(tgt_out.to(self.device) == PAD_ID, -100)
 
 
@@ -353,9 +357,9 @@ class _Runner(nn.Module):
     def forward(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         from gatedformer.train.loop import detach_state
 
-        logits, state = self.model(x.to(self.device), self.state)
-        self.state = detach_state(state)
-        return logits, y.to(self.device)
+        out = self.model(x.to(self.device), self.state)
+        self.state = detach_state(out.state)
+        return out.logits, y.to(self.device)
 
 
 def _cross_entropy(output: tuple[Tensor, Tensor], index: int) -> Tensor:

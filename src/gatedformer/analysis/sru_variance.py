@@ -110,7 +110,7 @@ def sru_cell_check(config: RunConfig, data_dir: str | Path | None = None, depth:
     torch.manual_seed(config.train.seed)
     model = build_model(m, len(corpus.vocab))
     with torch.no_grad():  # the embedding as the language model applies it (scaled by √d), time-major
-        text = model.embedding(x.t()) * math.sqrt(m.d_model)
+        text = model.embedding(x.t(), math.sqrt(m.d_model))
     result = cell_variance_ratios(depth, m.d_model, x.shape[1], x.shape[0], m.highway_bias, m.rescale, text,
                                   config.train.seed)
     if figure is not None:

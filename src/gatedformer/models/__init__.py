@@ -2,9 +2,11 @@
 decorator beside it (``@register_backbone(name, task=..., fields=...)``, :func:`gatedformer.config.register_backbone`);
 the table in :mod:`gatedformer.config` is the one list of backbones, and importing this package fills it.
 
-Every language model here has the same interface, ``forward(tokens (B, L), state) -> (logits, state)``,
-where ``state`` is whatever the model carries from one window to the next (``None`` for most; the
-Transformer-XL memory; the SRU cell states). Models know nothing about how they are trained.
+Every model's ``forward`` returns a :class:`~gatedformer.nn.outputs.ModelOutput`: its ``logits``, or given
+``targets`` its ``loss``, and for a language model (``forward(tokens (B, L), state)``) the ``state`` it carries from
+one window to the next (``None`` for most; the Transformer-XL memory; the SRU cell states). Models are the plain
+PyTorch reference: :func:`gatedformer.fused.fuse` plugs the fused paths in. Models know nothing about how they are
+trained.
 """
 
 from __future__ import annotations

@@ -38,8 +38,9 @@ from gatedformer.errors import CheckpointError, ConfigError
 from gatedformer.gates.spec import SublayerGates, resolve_placement
 from gatedformer.nn.attention import BidirectionalSelfAttention
 from gatedformer.nn.dropout import Dropout
+from gatedformer.nn.output import OutputLayer
+from gatedformer.nn.outputs import ModelOutput
 from gatedformer.nn.sublayer import Sublayer, check_lm_sizes, make_ffn
-from gatedformer.ops.output_loss import logits_or_loss
 
 __all__ = ["BertEncoder", "BertForMaskedLM", "BertForSequenceClassification", "hf_to_ours",
            "load_hf_checkpoint", "read_hf_config"]
@@ -140,7 +141,7 @@ class MaskedLMHead(nn.Module):
         vocab_size, d_model = embeddings.weight.shape
         self.transform = nn.Linear(d_model, d_model)
         self.norm = nn.LayerNorm(d_model, eps=LAYER_NORM_EPS)
-        self.decoder = nn.Linear(d_model, vocab_size)
+        self.decoder = OutputLayer(d_model, vocab_size)
         self.decoder.weight = embeddings.weight
 
     def hidden(self, states: Tensor) -> Tensor:
@@ -150,10 +151,11 @@ class MaskedLMHead(nn.Module):
 class BertForMaskedLM(nn.Module):
     """The encoder (no pooler, as Hugging Face's ``BertForMaskedLM``) and the MLM head.
 
-    ``forward(tokens, token_types=None, attention_mask=None, *, positions=None, targets=None)``: the logits
-    ``(B, L, V)`` of every position, or of ``positions`` ``(B, M)`` only (``(B, M, V)``); given ``targets``
-    ``(B, M)`` (``ignore_index`` where a row of ``positions`` is padding), their cross-entropy instead, without
-    materialising the logits (:func:`~gatedformer.ops.output_loss.linear_cross_entropy`).
+    ``forward(tokens, token_types=None, attention_mask=None, *, positions=None, targets=None)`` gives a
+    :class:`~gatedformer.nn.outputs.ModelOutput`: the ``logits`` ``(B, L, V)`` of every position, or of
+    ``positions`` ``(B, M)`` only (``(B, M, V)``); given ``targets`` ``(B, M)`` (``ignore_index`` where a row of
+    ``positions`` is padding), their cross-entropy as ``loss`` instead (the decoder's
+    :meth:`~gatedformer.nn.output.OutputLayer.loss`, which the fused model computes without the logits).
     """
 
     def __init__(self, vocab_size: int, **encoder: object) -> None:
@@ -163,16 +165,18 @@ class BertForMaskedLM(nn.Module):
 
     def forward(self, tokens: Tensor, token_types: Tensor | None = None, attention_mask: Tensor | None = None, *,
                 positions: Tensor | None = None, targets: Tensor | None = None, ignore_index: int = -100,
-                reduction: str = "mean") -> Tensor:
+                reduction: str = "mean") -> ModelOutput:
         hidden = self.head.hidden(self.bert(tokens, token_types, attention_mask, positions))
-        return logits_or_loss(self.head.decoder, hidden, targets, ignore_index, reduction)
+        if targets is None:
+            return ModelOutput(logits=self.head.decoder(hidden))
+        return ModelOutput(loss=self.head.decoder.loss(hidden, targets, ignore_index, reduction))
 
 
 class BertForSequenceClassification(nn.Module):
     """The encoder with its pooler, dropout and a linear layer: ``num_labels`` logits (1: a regression score).
 
-    ``forward(tokens, token_types=None, attention_mask=None) -> (B, num_labels)``; the last layer computes ``[CLS]``'s
-    row alone.
+    ``forward(tokens, token_types=None, attention_mask=None)`` gives a :class:`~gatedformer.nn.outputs.ModelOutput`
+    of ``logits`` ``(B, num_labels)``; the last layer computes ``[CLS]``'s row alone.
     """
 
     def __init__(self, vocab_size: int, num_labels: int, dropout: float = 0.1, **encoder: object) -> None:
@@ -184,10 +188,10 @@ class BertForSequenceClassification(nn.Module):
         self.classifier = nn.Linear(self.bert.d_model, num_labels)
 
     def forward(self, tokens: Tensor, token_types: Tensor | None = None, attention_mask: Tensor | None = None
-                ) -> Tensor:
+                ) -> ModelOutput:
         first = tokens.new_zeros((tokens.shape[0], 1))
         cls = self.bert(tokens, token_types, attention_mask, first)[:, 0]
-        return self.classifier(self.dropout(self.bert.pool(cls)))
+        return ModelOutput(logits=self.classifier(self.dropout(self.bert.pool(cls))))
 
 
 # ---------------------------------------------------------------------------------------------

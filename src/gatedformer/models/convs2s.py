@@ -54,7 +54,8 @@ from gatedformer.gates import GLU
 from gatedformer.gates._checks import check_size
 from gatedformer.models.gcnn import EMBEDDING_STD, causal_conv1d, glu_init_std
 from gatedformer.nn.dropout import Dropout
-from gatedformer.ops.output_loss import logits_or_loss
+from gatedformer.nn.output import OutputLayer
+from gatedformer.nn.outputs import ModelOutput
 
 __all__ = ["ConvGLU", "ConvS2S", "MultiStepAttention", "parse_conv_layers"]
 
@@ -94,9 +95,11 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _linear(in_features: int, out_features: int, keep: float = 1.0, weight_norm: bool = False) -> nn.Linear:
-    """A linear layer with weights :math:`\\mathcal N(0, \\sqrt{p/n})` for an input kept with probability ``keep``."""
-    layer = nn.Linear(in_features, out_features)
+def _linear(in_features: int, out_features: int, keep: float = 1.0, weight_norm: bool = False,
+            kind: type[nn.Linear] = nn.Linear) -> nn.Linear:
+    """A linear layer (of class ``kind``) with weights :math:`\\mathcal N(0, \\sqrt{p/n})` for an input kept with
+    probability ``keep``."""
+    layer = kind(in_features, out_features)
     with torch.no_grad():
         layer.weight.normal_(0.0, math.sqrt(keep / in_features))
         layer.bias.zero_()
@@ -135,12 +138,16 @@ class ConvGLU(nn.Module):
         if pad_mask is not None:
             x = x.masked_fill(~pad_mask[..., None], 0.0)
         x = self.dropout(x)
-        weight, bias = self.conv.weight, self.conv.bias
         if self.causal:
-            return self.glu(causal_conv1d(x, weight, bias))
+            return self.glu(self.convolve(x))
         # A centred convolution is a causal one over the input padded by ⌊w/2⌋ zeros on the right, read ⌊w/2⌋ later.
         right = self.width // 2
-        return self.glu(causal_conv1d(F.pad(x, (0, 0, 0, right)), weight, bias)[:, right:])
+        return self.glu(self.convolve(F.pad(x, (0, 0, 0, right)))[:, right:])
+
+    def convolve(self, x: Tensor) -> Tensor:
+        """The causal convolution of channels-last ``x`` ``(B, L, C_in)``: output ``t`` reads inputs ``t - w + 1 … t``
+        (zeros before the first), ``(B, L, 2 · C_out)``."""
+        return causal_conv1d(x, self.conv.weight, self.conv.bias)
 
     def step(self, x: Tensor, cache: dict[str, Tensor]) -> Tensor:
         """The causal block at one new position ``x (B, 1, C_in)``; ``cache["window"]`` keeps the last ``w - 1``
@@ -150,7 +157,7 @@ class ConvGLU(nn.Module):
             window = x.new_zeros((x.shape[0], self.width - 1, x.shape[2]))
         full = torch.cat([window, self.dropout(x)], dim=1)
         cache["window"] = full[:, 1:]
-        return self.glu(causal_conv1d(full, self.conv.weight, self.conv.bias)[:, -1:])
+        return self.glu(self.convolve(full)[:, -1:])
 
 
 class MultiStepAttention(nn.Module):
@@ -211,7 +218,8 @@ class _Stack(nn.Module):
 class ConvS2S(nn.Module):
     """The ConvS2S encoder-decoder (see the module docstring for the equations and the initialisation).
 
-    ``forward(src (B, S), tgt_in (B, T)) -> logits (B, T, V_tgt)``, or with ``targets`` their cross-entropy; for
+    ``forward(src (B, S), tgt_in (B, T))`` gives a :class:`~gatedformer.nn.outputs.ModelOutput` of ``logits
+    (B, T, V_tgt)``, or with ``targets`` their cross-entropy as ``loss``; for
     inference :meth:`encode`, then :meth:`decode_step` with a cache from :meth:`new_cache`, as
     :class:`~gatedformer.models.seq2seq.Seq2SeqTransformer`. ``encoder_layers`` and ``decoder_layers`` are
     ``(channels, width)`` per convolution; ``out_dim`` is the width before the output layer (``embed_dim`` when 0).
@@ -246,12 +254,12 @@ class ConvS2S(nn.Module):
         if tie_embeddings:
             if out_dim != embed_dim:
                 raise ValueError(f"tie_embeddings needs out_dim = embed_dim, got {out_dim} and {embed_dim}")
-            self.output = nn.Linear(out_dim, tgt_vocab)
+            self.output = OutputLayer(out_dim, tgt_vocab)
             self.output.weight = self.decoder.embed_tokens.weight
             with torch.no_grad():
                 self.output.bias.zero_()
         else:
-            self.output = _linear(out_dim, tgt_vocab, keep, weight_norm)
+            self.output = _linear(out_dim, tgt_vocab, keep, weight_norm, OutputLayer)
         if share_embeddings:
             if src_vocab != tgt_vocab:
                 raise ValueError(f"share_embeddings needs one vocabulary for both sides, got {src_vocab} source and "
@@ -300,12 +308,14 @@ class ConvS2S(nn.Module):
         return self._layers(self.decoder.fc1(g), g, keys, values, src_mask)
 
     def forward(self, src: Tensor, tgt_in: Tensor, *, targets: Tensor | None = None, ignore_index: int = -100,
-                reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
-        """The logits ``(B, T, V)`` of every target position or, given ``targets (B, T)``, their cross-entropy
-        (as :meth:`Seq2SeqTransformer.forward <gatedformer.models.seq2seq.Seq2SeqTransformer.forward>`)."""
+                reduction: str = "mean", label_smoothing: float = 0.0) -> ModelOutput:
+        """The ``logits`` ``(B, T, V)`` of every target position or, given ``targets (B, T)``, their cross-entropy as
+        ``loss`` (as :meth:`Seq2SeqTransformer.forward <gatedformer.models.seq2seq.Seq2SeqTransformer.forward>`)."""
         keys, values, src_mask = self._encode(src)
         hidden, _ = self._decoder_states(tgt_in, keys, values, src_mask)
-        return logits_or_loss(self.output, hidden, targets, ignore_index, reduction, label_smoothing)
+        if targets is None:
+            return ModelOutput(logits=self.output(hidden))
+        return ModelOutput(loss=self.output.loss(hidden, targets, ignore_index, reduction, label_smoothing))
 
     def attention_maps(self, src: Tensor, tgt_in: Tensor) -> list[Tensor]:
         """Every decoder layer's attention weights ``(B, T, S)`` as the decoder reads ``tgt_in`` with teacher forcing

@@ -19,6 +19,7 @@ from gatedformer.config import ModelConfig, register_backbone
 from gatedformer.errors import ConfigError
 from gatedformer.gates._checks import check_size
 from gatedformer.nn.dropout import Dropout
+from gatedformer.nn.outputs import ModelOutput
 from gatedformer.nn.sru import SRU, _dropout_arg
 
 __all__ = ["UNKNOWN_RANGE", "SentenceClassifier"]
@@ -30,7 +31,8 @@ UNKNOWN_RANGE = 0.25
 class SentenceClassifier(nn.Module):
     """Word embeddings, a stack of SRUs, dropout and a linear layer over the last word's state.
 
-    ``forward(tokens (B, L), lengths (B,)) -> logits (B, num_labels)``; id 0 is padding, after each sentence's
+    ``forward(tokens (B, L), lengths (B,))`` gives a :class:`~gatedformer.nn.outputs.ModelOutput` of ``logits
+    (B, num_labels)``; id 0 is padding, after each sentence's
     ``lengths`` words. ``freeze_embeddings`` keeps the word vectors fixed.
     """
 
@@ -50,10 +52,10 @@ class SentenceClassifier(nn.Module):
                        rescale=rescale, layer_norm=layer_norm)
         self.output = nn.Linear(hidden_size, num_labels)
 
-    def forward(self, tokens: Tensor, lengths: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, lengths: Tensor) -> ModelOutput:
         states, _ = self.sru(self.dropout(self.embedding(tokens)).transpose(0, 1))
         last = states[lengths.to(states.device) - 1, torch.arange(tokens.shape[0], device=states.device)]
-        return self.output(self.dropout(last))
+        return ModelOutput(logits=self.output(self.dropout(last)))
 
 
 def _check(cfg: ModelConfig) -> None:

@@ -48,10 +48,11 @@ from gatedformer.gates.spec import SublayerGates, resolve_placement
 from gatedformer.models.transformer import SRU_FFN_FIELDS, TRANSFORMER_FIELDS, check_sru_ffn
 from gatedformer.nn.attention import sinusoidal_positions
 from gatedformer.nn.dropout import Dropout
+from gatedformer.nn.embedding import TokenEmbedding
+from gatedformer.nn.output import OutputLayer
+from gatedformer.nn.outputs import ModelOutput
 from gatedformer.nn.sru import SRUFeedForward
 from gatedformer.nn.sublayer import Sublayer, make_ffn
-from gatedformer.ops.embedding import embed_tokens
-from gatedformer.ops.output_loss import logits_or_loss
 
 Cache = list[dict[str, Any]]
 
@@ -194,7 +195,8 @@ def gate_spec(gates: str = "", eau: bool = False, grc: bool = False) -> str:
 class Seq2SeqTransformer(nn.Module):
     """Encoder-decoder Transformer (see the module docstring for the layout and the names l, n, k, f).
 
-    ``forward(src (B, S), tgt_in (B, T)) -> logits (B, T, V_tgt)``. For inference: :meth:`encode`,
+    ``forward(src (B, S), tgt_in (B, T))`` gives a :class:`~gatedformer.nn.outputs.ModelOutput` of ``logits
+    (B, T, V_tgt)`` (or, given ``targets``, their ``loss``). For inference: :meth:`encode`,
     then :meth:`decode` (a whole prefix) or :meth:`decode_step` (one position, with a cache from
     :meth:`new_cache`). ``tie_embeddings`` shares the target embedding with the output projection,
     ``share_embeddings`` the source embedding with the target one (one vocabulary for both sides).
@@ -218,8 +220,8 @@ class Seq2SeqTransformer(nn.Module):
         self.spec = gate_spec(gates, eau, grc)
         placement = resolve_placement(self.spec, layers, cross_attention=True)
         attn_dropout = dropout if attn_dropout is None else attn_dropout
-        self.embed_src = nn.Embedding(src_vocab, d_model)
-        self.embed_tgt = nn.Embedding(tgt_vocab, d_model)
+        self.embed_src = TokenEmbedding(src_vocab, d_model)
+        self.embed_tgt = TokenEmbedding(tgt_vocab, d_model)
         self.emb_dropout = Dropout(dropout if emb_dropout is None else emb_dropout)
         self.encoder_layers = nn.ModuleList(
             EncoderLayer(d_model, heads, ffn, dropout, attn_dropout, norm, ffn_kind,
@@ -233,7 +235,7 @@ class Seq2SeqTransformer(nn.Module):
             for i in range(layers)
         )
         self.decoder_norm = nn.LayerNorm(d_model)
-        self.output = nn.Linear(d_model, tgt_vocab)
+        self.output = OutputLayer(d_model, tgt_vocab)
         if share_embeddings:
             if src_vocab != tgt_vocab:
                 raise ValueError(f"share_embeddings needs one vocabulary for both sides, got {src_vocab} source and "
@@ -245,12 +247,11 @@ class Seq2SeqTransformer(nn.Module):
 
     # -- embeddings -----------------------------------------------------------------------------
 
-    def _embed(self, table: nn.Embedding, tokens: Tensor, offset: int = 0) -> Tensor:
+    def _embed(self, table: TokenEmbedding, tokens: Tensor, offset: int = 0) -> Tensor:
         length = tokens.shape[1]
         if offset + length > self.max_len:
             raise ValueError(f"sequence of {offset + length} tokens is longer than max_len n={self.max_len}")
-        return embed_tokens(tokens, table, math.sqrt(self.d_model), self.positions[offset: offset + length],
-                            self.emb_dropout)
+        return table(tokens, math.sqrt(self.d_model), self.positions[offset: offset + length], self.emb_dropout)
 
     # -- the three entry points -----------------------------------------------------------------
 
@@ -273,15 +274,15 @@ class Seq2SeqTransformer(nn.Module):
         return self.decoder_norm(x)
 
     def forward(self, src: Tensor, tgt_in: Tensor, *, targets: Tensor | None = None, ignore_index: int = -100,
-                reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
-        """The logits ``(B, T, V)`` of every target position or, given ``targets (B, T)``, their cross-entropy
-        (``F.cross_entropy``'s ``ignore_index``, ``reduction`` and ``label_smoothing``) without materialising
-        them (:func:`~gatedformer.ops.output_loss.linear_cross_entropy`)."""
+                reduction: str = "mean", label_smoothing: float = 0.0) -> ModelOutput:
+        """The ``logits`` ``(B, T, V)`` of every target position or, given ``targets (B, T)``, their cross-entropy
+        as ``loss`` (``F.cross_entropy``'s ``ignore_index``, ``reduction`` and ``label_smoothing``; the output
+        layer's :meth:`~gatedformer.nn.output.OutputLayer.loss`)."""
         memory, src_mask = self.encode(src)
         if targets is None:
-            return self.decode(tgt_in, memory, src_mask)
-        return logits_or_loss(self.output, self._decoder_states(tgt_in, memory, src_mask), targets, ignore_index,
-                              reduction, label_smoothing)
+            return ModelOutput(logits=self.decode(tgt_in, memory, src_mask))
+        hidden = self._decoder_states(tgt_in, memory, src_mask)
+        return ModelOutput(loss=self.output.loss(hidden, targets, ignore_index, reduction, label_smoothing))
 
     def attention_maps(self, src: Tensor, tgt_in: Tensor) -> list[Tensor]:
         """Every decoder layer's cross-attention weights ``(B, T, S)`` (averaged over the heads) as the decoder reads

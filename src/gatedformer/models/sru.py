@@ -12,9 +12,10 @@ from gatedformer.config import ModelConfig, register_backbone
 from gatedformer.errors import ConfigError
 from gatedformer.gates._checks import check_size
 from gatedformer.nn.dropout import Dropout
+from gatedformer.nn.embedding import TokenEmbedding
+from gatedformer.nn.output import OutputLayer
+from gatedformer.nn.outputs import ModelOutput
 from gatedformer.nn.sru import MAX_HIGHWAY_BIAS, SRU, _dropout_arg
-from gatedformer.ops.embedding import embed_tokens
-from gatedformer.ops.output_loss import logits_or_loss
 
 __all__ = ["SRULanguageModel"]
 
@@ -22,12 +23,12 @@ __all__ = ["SRULanguageModel"]
 class SRULanguageModel(nn.Module):
     r"""Token embedding, an :class:`SRU` stack, a final LayerNorm and a softmax output layer.
 
-    ``forward(tokens (B, L), state=None) -> (logits (B, L, V), state)`` where ``state`` is the cell of
-    every layer after the last token, ``(n_layers, B, d_model)``; pass it to the next window to carry
-    the recurrence on (detaching it between windows is the caller's job). Embeddings are scaled by
-    :math:`\sqrt{d}` (initialised with standard deviation :math:`d^{-1/2}`, so the SRU sees unit-variance
-    inputs and tied output weights start small); ``dropout`` applies to the embeddings, between SRU
-    layers and before the output layer. The model is causal: logits at ``t`` depend on tokens ``<= t``.
+    ``forward(tokens (B, L), state=None)`` gives a :class:`~gatedformer.nn.outputs.ModelOutput` of ``logits
+    (B, L, V)`` and ``state``, the cell of every layer after the last token, ``(n_layers, B, d_model)``; pass it to
+    the next window to carry the recurrence on (detaching it between windows is the caller's job). Embeddings are
+    scaled by :math:`\sqrt{d}` (initialised with standard deviation :math:`d^{-1/2}`, so the SRU sees unit-variance
+    inputs and tied output weights start small); ``dropout`` applies to the embeddings, between SRU layers and before
+    the output layer. The model is causal: logits at ``t`` depend on tokens ``<= t``.
     """
 
     def __init__(
@@ -45,7 +46,7 @@ class SRULanguageModel(nn.Module):
         super().__init__()
         self.vocab_size = check_size("vocab_size", vocab_size, 1)
         self.d_model = check_size("d_model", d_model, 1)
-        self.embedding = nn.Embedding(vocab_size, d_model)
+        self.embedding = TokenEmbedding(vocab_size, d_model)
         self.dropout = Dropout(_dropout_arg(dropout))
         self.sru = SRU(
             d_model,
@@ -58,7 +59,7 @@ class SRULanguageModel(nn.Module):
             layer_norm=layer_norm,
         )
         self.final_norm = nn.LayerNorm(d_model)
-        self.output = nn.Linear(d_model, vocab_size)
+        self.output = OutputLayer(d_model, vocab_size)
         if tie_embeddings:
             self.output.weight = self.embedding.weight
         with torch.no_grad():
@@ -66,17 +67,17 @@ class SRULanguageModel(nn.Module):
             self.output.bias.zero_()
 
     def forward(self, tokens: Tensor, state: Tensor | None = None, *, targets: Tensor | None = None,
-                reduction: str = "mean") -> tuple[Tensor, Tensor]:
-        """``(logits (B, L, V), state)``, or with ``targets`` their cross-entropy in place of the logits (see
-        :class:`~gatedformer.models.transformer.TransformerLM`)."""
+                reduction: str = "mean") -> ModelOutput:
+        """``logits (B, L, V)`` and ``state``, or with ``targets`` their cross-entropy as ``loss`` in place of the
+        logits (see :class:`~gatedformer.models.transformer.TransformerLM`)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must have shape (B, L), got {tuple(tokens.shape)}")
-        x = embed_tokens(tokens.t(), self.embedding, math.sqrt(self.d_model), dropout=self.dropout)
+        x = self.embedding(tokens.t(), math.sqrt(self.d_model), dropout=self.dropout)
         h, new_state = self.sru(x, state)
         hidden = self.dropout(self.final_norm(h))
         if targets is not None:  # time-major, as the hidden states
-            return logits_or_loss(self.output, hidden, targets.t(), reduction=reduction), new_state
-        return self.output(hidden).transpose(0, 1), new_state
+            return ModelOutput(loss=self.output.loss(hidden, targets.t(), reduction=reduction), state=new_state)
+        return ModelOutput(logits=self.output(hidden).transpose(0, 1), state=new_state)
 
     def new_cache(self, state: Tensor | None = None) -> dict[str, Tensor | None]:
         """An incremental-decoding cache for :meth:`step`, starting from ``state`` (what ``forward`` returned)."""
@@ -85,8 +86,9 @@ class SRULanguageModel(nn.Module):
     def step(self, tokens: Tensor, cache: dict[str, Tensor | None]) -> Tensor:
         """Logits ``(B, L, V)`` of ``tokens (B, L)`` that follow the tokens already fed through ``cache``: the
         recurrence's cells are all it carries."""
-        logits, cache["state"] = self(tokens, cache["state"])
-        return logits
+        out = self(tokens, cache["state"])
+        cache["state"] = out.state
+        return out.logits
 
     def cache_state(self, cache: dict[str, Tensor | None]) -> Tensor | None:
         """The cell states ``forward`` would carry after the tokens fed through ``cache``."""

@@ -12,9 +12,10 @@ from gatedformer.errors import ConfigError
 from gatedformer.gates.spec import resolve_placement
 from gatedformer.nn.attention import CausalSelfAttention, sinusoidal_positions
 from gatedformer.nn.dropout import Dropout
+from gatedformer.nn.embedding import TokenEmbedding
+from gatedformer.nn.output import OutputLayer
+from gatedformer.nn.outputs import ModelOutput
 from gatedformer.nn.sublayer import Sublayer, check_lm_sizes, make_ffn
-from gatedformer.ops.embedding import embed_tokens
-from gatedformer.ops.output_loss import logits_or_loss
 
 _POSITIONS_CACHED = 1024
 """Rows of the sinusoidal table built with the model (a longer input extends it)."""
@@ -57,10 +58,11 @@ def layer_cache() -> dict[str, dict]:
 class TransformerLM(nn.Module):
     """Token embedding + sinusoidal positions, ``n_layers`` causal Transformer layers, softmax output.
 
-    ``forward(tokens (B, L)) -> (logits (B, L, V), None)``; the second value is the recurrent
-    state every language model returns (this one has none). ``forward(tokens, targets=targets)`` returns the
-    cross-entropy of those logits against ``targets (B, L)`` in their place (``reduction`` ``"mean"`` or ``"sum"``),
-    computed without materialising them (:func:`~gatedformer.ops.output_loss.linear_cross_entropy`).
+    ``forward(tokens (B, L))`` gives a :class:`~gatedformer.nn.outputs.ModelOutput` of ``logits (B, L, V)`` and
+    ``state``, the recurrent state every language model carries (this one has none: ``None``).
+    ``forward(tokens, targets=targets)`` gives the cross-entropy of those logits against ``targets (B, L)`` as its
+    ``loss`` in their place (``reduction`` ``"mean"`` or ``"sum"``; the output layer's
+    :meth:`~gatedformer.nn.output.OutputLayer.loss`, which the fused model computes without the logits).
     """
 
     def __init__(self, vocab_size: int, d_model: int = 128, n_layers: int = 3, n_heads: int = 4,
@@ -71,7 +73,7 @@ class TransformerLM(nn.Module):
         check_lm_sizes(vocab_size, d_model, n_layers, n_heads, d_ffn)
         placement = resolve_placement(gates, n_layers)
         self.d_model = d_model
-        self.embedding = nn.Embedding(vocab_size, d_model)
+        self.embedding = TokenEmbedding(vocab_size, d_model)
         self.emb_dropout = Dropout(dropout if emb_dropout is None else emb_dropout)
         # The sinusoidal table, computed once (not saved in checkpoints); grown on demand for longer inputs.
         self.register_buffer("positions", sinusoidal_positions(_POSITIONS_CACHED, d_model), persistent=False)
@@ -81,7 +83,7 @@ class TransformerLM(nn.Module):
             for i in range(n_layers)
         )
         self.final_norm = nn.LayerNorm(d_model) if norm == "pre" else None
-        self.output = nn.Linear(d_model, vocab_size)
+        self.output = OutputLayer(d_model, vocab_size)
         if tie_embeddings:
             self.output.weight = self.embedding.weight
 
@@ -92,14 +94,15 @@ class TransformerLM(nn.Module):
         return self.positions[:length]
 
     def forward(self, tokens: Tensor, state: object = None, *, targets: Tensor | None = None,
-                reduction: str = "mean") -> tuple[Tensor, None]:
-        x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), self._positions(tokens.shape[1]),
-                         self.emb_dropout)
+                reduction: str = "mean") -> ModelOutput:
+        x = self.embedding(tokens, math.sqrt(self.d_model), self._positions(tokens.shape[1]), self.emb_dropout)
         for layer in self.layers:
             x = layer(x)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return logits_or_loss(self.output, x, targets, reduction=reduction), None
+        if targets is None:
+            return ModelOutput(logits=self.output(x))
+        return ModelOutput(loss=self.output.loss(x, targets, reduction=reduction))
 
     def new_cache(self, state: object = None) -> dict:
         """An empty incremental-decoding cache for :meth:`step` (``state``: what ``forward`` carries, ``None``)."""
@@ -111,7 +114,7 @@ class TransformerLM(nn.Module):
         and values (a key/value cache) in ``O(L · (past + L))`` attention work, not the whole prefix's."""
         start = cache["length"]
         positions = self._positions(start + tokens.shape[1])[start:]
-        x = embed_tokens(tokens, self.embedding, math.sqrt(self.d_model), positions, self.emb_dropout)
+        x = self.embedding(tokens, math.sqrt(self.d_model), positions, self.emb_dropout)
         for layer, layer_state in zip(self.layers, cache["layers"], strict=True):
             x = layer(x, layer_state)
         if self.final_norm is not None:

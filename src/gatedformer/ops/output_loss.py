@@ -18,7 +18,7 @@ custom operator ``gatedformer::linear_cross_entropy``); everything else takes ``
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn import functional as F
 
 from gatedformer.kernels.build import kernel_threads
@@ -26,8 +26,7 @@ from gatedformer.kernels.cross_entropy import KERNEL
 from gatedformer.ops.explain import declined, explaining, first_reason
 from gatedformer.ops.operators import FunctionOperator, call, runs_native
 
-__all__ = ["LOGITS_BUDGET", "fused_loss_applies", "linear_cross_entropy", "logits_cross_entropy", "logits_or_loss",
-           "row_blocks"]
+__all__ = ["LOGITS_BUDGET", "fused_loss_applies", "linear_cross_entropy", "logits_cross_entropy", "row_blocks"]
 
 LOGITS_BUDGET = 1 << 22
 """Logits (floats) computed at once: rows are taken in blocks of at most about ``LOGITS_BUDGET // V`` (16 MB of
@@ -87,18 +86,6 @@ def logits_cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int, red
         logits = logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index,
                            reduction=reduction, label_smoothing=label_smoothing)
-
-
-def logits_or_loss(output: nn.Linear, hidden: Tensor, targets: Tensor | None, ignore_index: int = -100,
-                   reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
-    """A language model's last step: the logits ``output(hidden)`` or, given ``targets``, their cross-entropy by
-    :func:`linear_cross_entropy` (the output layer is then called as a module, hooks and all, only if it has hooks
-    of its own)."""
-    if targets is None:
-        return output(hidden)
-    if output._forward_hooks or output._forward_pre_hooks or output._backward_hooks or output._backward_pre_hooks:
-        return logits_cross_entropy(output(hidden), targets, ignore_index, reduction, label_smoothing)
-    return linear_cross_entropy(hidden, output.weight, output.bias, targets, ignore_index, reduction, label_smoothing)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -125,7 +125,8 @@ class Task(ABC, Generic[DataT, InferenceT]):
 
     @abstractmethod
     def build_model(self, config: RunConfig, data: DataT) -> nn.Module:
-        """The network of ``config.model`` for this data (its vocabulary sizes)."""
+        """The network of ``config.model`` for this data (its vocabulary sizes), fused
+        (:func:`gatedformer.fused.fuse`): what training and inference run."""
 
     @abstractmethod
     def nominal_model(self, config: RunConfig, vocab_size: int) -> nn.Module:

@@ -38,6 +38,7 @@ from gatedformer.data.glue import SCORE_RANGE, GlueSplit, GlueTask, glue_task, l
 from gatedformer.data.wordpiece import WordPiece
 from gatedformer.devices import autocast
 from gatedformer.errors import ConfigError, DataError, GatedformerError
+from gatedformer.fused import fuse
 from gatedformer.models.bert import load_hf_checkpoint
 from gatedformer.tasks.base import Task, TrainBatch, by_length, evaluating, register_task, rng, shuffled_epochs
 from gatedformer.tasks.best import BestEvaluation
@@ -152,7 +153,7 @@ def _batches(model: nn.Module, split: Encoded, pad_id: int, size: int, precision
             batch = collate(split, chosen, pad_id)
             tokens, types, mask = (t.to(device) for t in batch[:3])
             with torch.no_grad(), autocast(device, precision):
-                outputs = model(tokens, types, None if bool(mask.all()) else mask).float()
+                outputs = model(tokens, types, None if bool(mask.all()) else mask).logits.float()
             yield chosen, (batch[3].to(device) if len(batch) > 3 else None), outputs
 
 
@@ -221,7 +222,7 @@ class GlueFinetuneTask(Task[GlueData, tuple[GlueTask, WordPiece]]):
 
     def build_model(self, config: RunConfig, data: GlueData | tuple[GlueTask, WordPiece]) -> nn.Module:
         task, tokenizer = (data.task, data.tokenizer) if isinstance(data, GlueData) else data
-        return self._build(config, len(tokenizer), 1 if task.regression else len(task.labels or ()))
+        return fuse(self._build(config, len(tokenizer), 1 if task.regression else len(task.labels or ())))
 
     def nominal_model(self, config: RunConfig, vocab_size: int) -> nn.Module:
         task = glue_task(config.data.corpus)
@@ -273,7 +274,7 @@ class GlueFinetuneTask(Task[GlueData, tuple[GlueTask, WordPiece]]):
         tokens, types, mask, labels = (t.to(device) for t in batch.inputs)
         task = glue_task(config.data.corpus)
         with autocast(device, config.train.precision):
-            outputs = model(tokens, types, None if bool(mask.all()) else mask)
+            outputs = model(tokens, types, None if bool(mask.all()) else mask).logits
         return _loss(task, outputs, labels), None
 
     def evaluate(self, model: nn.Module, data: GlueData, config: RunConfig, device: torch.device, final: bool,

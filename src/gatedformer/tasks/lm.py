@@ -27,6 +27,7 @@ from gatedformer.data import Corpus, LMStream, Vocab, load_corpus
 from gatedformer.data.tokenize import require_utf8
 from gatedformer.devices import autocast
 from gatedformer.errors import CheckpointError, ConfigError
+from gatedformer.fused import fuse
 from gatedformer.io import read_limited
 from gatedformer.models import build_model
 from gatedformer.tasks.base import Task, TrainBatch, evaluating, register_task
@@ -56,8 +57,9 @@ def evaluate(model: nn.Module, stream: LMStream, device: torch.device, precision
             x, y = stream.window(k)
             x, y = x.to(device), y.to(device)
             with autocast(device, precision):
-                loss, state = model(x, state, targets=y, reduction="sum")
-            total += loss.item()
+                out = model(x, state, targets=y, reduction="sum")
+            state = out.state
+            total += out.loss.item()
             count += y.numel()
     return total / max(count, 1)
 
@@ -99,7 +101,7 @@ class LanguageModelTask(Task[LMData, Corpus]):
 
     def build_model(self, config: RunConfig, data: LMData | Corpus) -> nn.Module:
         corpus = data.corpus if isinstance(data, LMData) else data
-        return build_model(config.model, len(corpus.vocab))
+        return fuse(build_model(config.model, len(corpus.vocab)))
 
     def nominal_model(self, config: RunConfig, vocab_size: int) -> nn.Module:
         return build_model(config.model, vocab_size)
@@ -123,8 +125,9 @@ class LanguageModelTask(Task[LMData, Corpus]):
              device: torch.device) -> tuple[torch.Tensor, Any]:
         x, y = (t.to(device) for t in batch.inputs)
         with autocast(device, config.train.precision):
-            # the model's loss: its output layer and the cross-entropy as one function (see ops.output_loss)
-            return model(x, carry, targets=y)
+            # the model's loss: its fused output layer and the cross-entropy as one function (see fused.output)
+            out = model(x, carry, targets=y)
+        return out.loss, out.state
 
     def evaluate(self, model: nn.Module, data: LMData, config: RunConfig, device: torch.device, final: bool,
                  recording: Callable[[], AbstractContextManager[Any]]) -> dict[str, Any]:
@@ -234,8 +237,9 @@ class DecodingWindow:
         whole window is read whatever ``ids`` are."""
         if not self.cached:
             window = torch.tensor([self.window], dtype=torch.long, device=self.device)
-            logits, self._after = self.model(window, self.state)
-            return logits[0, -1]
+            out = self.model(window, self.state)
+            self._after = out.state
+            return out.logits[0, -1]
         if fresh:
             self._cache = self.model.new_cache(self.state)
         return self.model.step(torch.tensor([ids], dtype=torch.long, device=self.device), self._cache)[0, -1]

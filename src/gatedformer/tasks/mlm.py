@@ -37,6 +37,7 @@ from gatedformer.data.verify import FILES_KEY, check_files
 from gatedformer.data.wordpiece import WordPiece, encode_corpus
 from gatedformer.devices import autocast
 from gatedformer.errors import ConfigError, DataError
+from gatedformer.fused import fuse
 from gatedformer.models.bert import load_hf_checkpoint
 from gatedformer.tasks.base import Task, TrainBatch, evaluating, register_task, rng
 from gatedformer.tasks.weights import recorded_metadata, start_weights_file
@@ -181,7 +182,7 @@ def evaluate(model: nn.Module, windows_: torch.Tensor, data: MLMData, config: Ru
             mask = inputs != tk.pad_id
             inputs, positions, targets, mask = (t.to(device) for t in (inputs, positions, targets, mask))
             with autocast(device, config.train.precision):
-                logits = model(inputs, None, None if bool(mask.all()) else mask, positions=positions)
+                logits = model(inputs, None, None if bool(mask.all()) else mask, positions=positions).logits
             logits = logits.float().flatten(0, 1)
             flat = targets.flatten()
             total += F.cross_entropy(logits, flat, ignore_index=IGNORE, reduction="sum").item()
@@ -217,7 +218,7 @@ def fill_mask(model: nn.Module, tokenizer: WordPiece, text: str, top_k: int = 5,
                         "(model.max_positions); shorten it")
     device = next(model.parameters()).device
     with evaluating(model):
-        logits = model(torch.tensor([ids], device=device), positions=torch.tensor([positions], device=device))
+        logits = model(torch.tensor([ids], device=device), positions=torch.tensor([positions], device=device)).logits
     logits = logits[0].float()
     logits[:, list(tokenizer.special_ids)] = -math.inf
     chances, best = logits.softmax(-1).topk(min(top_k, logits.shape[-1] - len(tokenizer.special_ids)), dim=-1)
@@ -258,7 +259,7 @@ class MaskedLMTask(Task[MLMData, WordPiece]):
 
     def build_model(self, config: RunConfig, data: MLMData | WordPiece) -> nn.Module:
         tokenizer = data.tokenizer if isinstance(data, MLMData) else data
-        return self.nominal_model(config, len(tokenizer))
+        return fuse(self.nominal_model(config, len(tokenizer)))
 
     def nominal_model(self, config: RunConfig, vocab_size: int) -> nn.Module:
         try:
@@ -306,7 +307,7 @@ class MaskedLMTask(Task[MLMData, WordPiece]):
              device: torch.device) -> tuple[torch.Tensor, Any]:
         inputs, positions, targets = (t.to(device) for t in batch.inputs)
         with autocast(device, config.train.precision):
-            return model(inputs, positions=positions, targets=targets, ignore_index=IGNORE), None
+            return model(inputs, positions=positions, targets=targets, ignore_index=IGNORE).loss, None
 
     def evaluate(self, model: nn.Module, data: MLMData, config: RunConfig, device: torch.device, final: bool,
                  recording: Callable[[], AbstractContextManager[Any]]) -> dict[str, Any]:

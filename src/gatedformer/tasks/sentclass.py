@@ -31,6 +31,7 @@ from gatedformer.config import RunConfig, get_backbone
 from gatedformer.data.sentclass import SENTCLASS_SETS, SentenceSet, load_sentences, sentence_set, words_of
 from gatedformer.devices import autocast
 from gatedformer.errors import CheckpointError, ConfigError, DataError
+from gatedformer.fused import fuse
 from gatedformer.io import read_limited
 from gatedformer.tasks.base import Task, TrainBatch, by_length, evaluating, register_task, rng, shuffled_epochs
 from gatedformer.tasks.best import BestEvaluation
@@ -127,7 +128,7 @@ def _batches(model: nn.Module, split: Encoded, size: int, precision: str, device
         for chosen in by_length([len(ids) for ids in split.ids], size):
             tokens, lengths, labels = (t.to(device) for t in collate(split, chosen))
             with torch.no_grad(), autocast(device, precision):
-                logits = model(tokens, lengths).float()
+                logits = model(tokens, lengths).logits.float()
             yield chosen, labels, logits
 
 
@@ -173,7 +174,7 @@ class SentenceClassificationTask(Task[SentenceData, SentenceData]):
 
     def build_model(self, config: RunConfig, data: SentenceData | tuple[int, int, int]) -> nn.Module:
         sizes = (len(data.words), data.set.classes, data.embedding_dim) if isinstance(data, SentenceData) else data
-        return self._build(config, *sizes)
+        return fuse(self._build(config, *sizes))
 
     def nominal_model(self, config: RunConfig, vocab_size: int) -> nn.Module:
         s = sentence_set(config.data.corpus)
@@ -226,7 +227,7 @@ class SentenceClassificationTask(Task[SentenceData, SentenceData]):
              device: torch.device) -> tuple[torch.Tensor, Any]:
         tokens, lengths, labels = (t.to(device) for t in batch.inputs)
         with autocast(device, config.train.precision):
-            logits = model(tokens, lengths)
+            logits = model(tokens, lengths).logits
         return F.cross_entropy(logits.float(), labels), None
 
     def evaluate(self, model: nn.Module, data: SentenceData, config: RunConfig, device: torch.device, final: bool,

@@ -53,6 +53,7 @@ from gatedformer.data.translation import CORPORA as PARALLEL_CORPORA
 from gatedformer.data.vocab import Vocab
 from gatedformer.devices import autocast
 from gatedformer.errors import CheckpointError, ConfigError, DataError, GatedformerError
+from gatedformer.fused import fuse
 from gatedformer.io import atomic_write_text, input_lines, read_limited
 from gatedformer.tasks.base import Task, TrainBatch, by_length, evaluating, register_task
 
@@ -271,7 +272,7 @@ def evaluate_loss(model: nn.Module, split: ParallelSplit, batch_size: int, devic
         for indices in length_batches(split, batch_size, shuffle=False):
             src, tgt_in, tgt_out = (t.to(device) for t in collate(split, indices))
             with autocast(device, precision):
-                loss = model(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID, reduction="sum")
+                loss = model(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID, reduction="sum").loss
             total += loss.item()
             count += int((tgt_out != PAD_ID).sum())
     return total / max(count, 1)
@@ -338,8 +339,8 @@ class TranslationTask(Task[TranslationData, Vocabularies]):
 
     def build_model(self, config: RunConfig, data: TranslationData | Vocabularies) -> nn.Module:
         if isinstance(data, Vocabularies):
-            return build_seq2seq(config, len(data.src), len(data.tgt))
-        return build_seq2seq(config, len(data.src_vocab), len(data.tgt_vocab))
+            return fuse(build_seq2seq(config, len(data.src), len(data.tgt)))
+        return fuse(build_seq2seq(config, len(data.src_vocab), len(data.tgt_vocab)))
 
     def nominal_model(self, config: RunConfig, vocab_size: int) -> nn.Module:
         return build_seq2seq(config, vocab_size, vocab_size)
@@ -385,9 +386,10 @@ class TranslationTask(Task[TranslationData, Vocabularies]):
              device: torch.device) -> tuple[torch.Tensor, Any]:
         src, tgt_in, tgt_out = (t.to(device) for t in batch.inputs)
         with autocast(device, config.train.precision):
-            # the decoder's output layer and the loss as one function (see ops.output_loss)
-            return model(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID,
-                         label_smoothing=config.translation.label_smoothing), None
+            # the decoder's fused output layer and the loss as one function (see fused.output)
+            out = model(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID,
+                        label_smoothing=config.translation.label_smoothing)
+        return out.loss, None
 
     def evaluate(self, model: nn.Module, data: TranslationData, config: RunConfig, device: torch.device,
                  final: bool, recording: Callable[[], AbstractContextManager[Any]]) -> dict[str, Any]:

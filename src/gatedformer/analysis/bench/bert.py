@@ -25,6 +25,7 @@ from gatedformer.analysis.bench.report import BenchReport
 from gatedformer.analysis.bench.runners import _make_optimizer, backward_and_step
 from gatedformer.analysis.bench.timing import time_round_robin
 from gatedformer.config import InitConfig
+from gatedformer.fused import fuse
 from gatedformer.models.bert import BertForMaskedLM, BertForSequenceClassification
 from gatedformer.tasks.base import rng
 from gatedformer.tasks.mlm import IGNORE, mask_tokens
@@ -82,21 +83,22 @@ def bench_bert(report: BenchReport, size: BenchSize, options: BenchOptions, devi
         warnings.simplefilter("ignore")
         torch.manual_seed(options.seed)
         models: dict[str, nn.Module] = {
-            "gatedformer BERT MLM": _bert_init(BertForMaskedLM(vocab, dropout=size.dropout, **ours_args)),
+            "gatedformer BERT MLM": _bert_init(fuse(BertForMaskedLM(vocab, dropout=size.dropout, **ours_args))),
             "transformers BertForMaskedLM": _bert_init(transformers.BertForMaskedLM(hf_config)),
-            "gatedformer BERT classifier": _bert_init(BertForSequenceClassification(vocab, 2, dropout=size.dropout,
-                                                                                    **ours_args)),
+            "gatedformer BERT classifier": _bert_init(fuse(BertForSequenceClassification(
+                vocab, 2, dropout=size.dropout, **ours_args))),
             "transformers BertForSequenceClassification": _bert_init(
                 transformers.BertForSequenceClassification(hf_config)),
         }
     for model in models.values():
         model.to(device).train()
     losses: dict[str, Callable[[], torch.Tensor]] = {
-        "gatedformer BERT MLM": lambda: models["gatedformer BERT MLM"](inputs, positions=positions, targets=targets),
+        "gatedformer BERT MLM": lambda: models["gatedformer BERT MLM"](inputs, positions=positions,
+                                                                        targets=targets).loss,
         "transformers BertForMaskedLM": lambda: models["transformers BertForMaskedLM"](
             input_ids=inputs, labels=labels).loss,
         "gatedformer BERT classifier": lambda: F.cross_entropy(
-            models["gatedformer BERT classifier"](pairs, types, mask), classes),
+            models["gatedformer BERT classifier"](pairs, types, mask).logits, classes),
         "transformers BertForSequenceClassification": lambda: models["transformers BertForSequenceClassification"](
             input_ids=pairs, token_type_ids=types, attention_mask=mask.long(), labels=classes).loss,
     }

@@ -18,10 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from gatedformer.analysis.bench.options import BenchOptions, BenchSize
-from gatedformer.analysis.bench.runners import LMRunner, initialise_weights
+from gatedformer.analysis.bench.runners import LMRunner, bench_model
 from gatedformer.config import ModelConfig
 from gatedformer.errors import ConfigError
-from gatedformer.models import build_model
 
 
 class _TensorPeak(TorchDispatchMode):
@@ -116,7 +115,7 @@ def rss_child(spec_json: str) -> None:
     options = BenchOptions(optimizer=spec["optimizer"], bf16=spec["bf16"], device="cpu")
     torch.manual_seed(0)
     memory_len = cfg.mem_len if cfg.backbone == "transformer-xl" else 0
-    model = initialise_weights(build_model(cfg, size.vocab), spec.get("init", "default"))
+    model = bench_model(cfg, size.vocab, spec.get("init", "default"))
     runner = LMRunner(model, size, torch.device("cpu"), options, memory_len=memory_len)
     step = runner.train_step if spec["mode"] == "train" else runner.eval_step
     step()

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from gatedformer.analysis.bench.options import BenchSize
 from gatedformer.nn.attention import sinusoidal_positions
+from gatedformer.nn.outputs import ModelOutput
 
 
 class TorchReferenceLM(nn.Module):
@@ -35,11 +36,11 @@ class TorchReferenceLM(nn.Module):
         self.register_buffer("positions", sinusoidal_positions(max_len, d_model), persistent=False)
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(max_len), persistent=False)
 
-    def forward(self, tokens: Tensor, state: object = None) -> tuple[Tensor, None]:
+    def forward(self, tokens: Tensor, state: object = None) -> ModelOutput:
         length = tokens.shape[1]
         x = self.emb_dropout(self.embedding(tokens) * math.sqrt(self.d_model) + self.positions[:length])
         h = self.encoder(x, mask=self.mask[:length, :length], is_causal=True)
-        return self.output(h), None
+        return ModelOutput(logits=self.output(h))
 
 
 class XTransformersLM(nn.Module):
@@ -60,8 +61,8 @@ class XTransformersLM(nn.Module):
                                 attn_sublayer_dropout=size.dropout, attn_flash=True),
         )
 
-    def forward(self, tokens: Tensor, state: object = None) -> tuple[Tensor, None]:
-        return self.net(tokens), None
+    def forward(self, tokens: Tensor, state: object = None) -> ModelOutput:
+        return ModelOutput(logits=self.net(tokens))
 
 
 def import_quietly(name: str) -> Any:

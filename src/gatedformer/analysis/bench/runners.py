@@ -13,10 +13,12 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from gatedformer.analysis.bench.options import OPTIMIZERS, BenchOptions, BenchSize
-from gatedformer.config import InitConfig
+from gatedformer.config import InitConfig, ModelConfig
 from gatedformer.devices import resolve_device
 from gatedformer.errors import ConfigError
+from gatedformer.fused import fuse
 from gatedformer.models import build_model
+from gatedformer.nn.outputs import ModelOutput
 from gatedformer.train.compiling import compile_model
 from gatedformer.train.grouped_adam import GroupedAdam, groupable
 from gatedformer.train.init import initialise
@@ -31,6 +33,12 @@ def initialise_weights(model: nn.Module, scheme: str) -> nn.Module:
     if scheme != "default":
         initialise(model, InitConfig(scheme=scheme))
     return model
+
+
+def bench_model(cfg: ModelConfig, vocab: int, scheme: str) -> nn.Module:
+    """The language model of ``cfg`` as training runs it: built, fused (:func:`gatedformer.fused.fuse`) and
+    initialised by ``scheme`` (:func:`initialise_weights`)."""
+    return initialise_weights(fuse(build_model(cfg, vocab)), scheme)
 
 
 def _make_optimizer(model: nn.Module, kind: str, device: torch.device) -> torch.optim.Optimizer | None:
@@ -84,14 +92,14 @@ class LMRunner:
         self.forward = compile_model(model) if options.compile else model
         self.optimizer = _make_optimizer(model, options.optimizer, device)
         self.bf16 = options.bf16
-        # gatedformer's language models compute their loss with the output layer (output_loss); the peers as usual
+        # gatedformer's language models compute their loss with the (fused) output layer; the peers as usual
         self.takes_targets = "targets" in inspect.signature(model.forward).parameters
         self.state = None
         # Carried state (Transformer-XL memories) in its steady state: fill the memory up to memory_len.
         if memory_len > 0:
             with torch.no_grad():
                 for _ in range(math.ceil(memory_len / size.seq_len)):
-                    _, self.state = model.eval()(self.x, self.state)
+                    self.state = model.eval()(self.x, self.state).state
             self.state = _detach(self.state)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -99,10 +107,10 @@ class LMRunner:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _logits_loss(self, forward: Callable[..., tuple[Tensor, object]]) -> Tensor:
+    def _logits_loss(self, forward: Callable[..., ModelOutput]) -> Tensor:
         if self.takes_targets:
-            return forward(self.x, self.state, targets=self.y)[0]
-        logits, _ = forward(self.x, self.state)
+            return forward(self.x, self.state, targets=self.y).loss
+        logits = forward(self.x, self.state).logits
         return F.cross_entropy(logits.float().reshape(-1, self.vocab), self.y.reshape(-1))
 
     def train_step(self, eager: bool = False) -> None:
@@ -126,7 +134,7 @@ def training_step(size: BenchSize, backbone: str, options: BenchOptions, gates: 
     the step (``benchmarks/xl_step.py``)."""
     device = resolve_device(options.device, "--device")
     torch.manual_seed(options.seed)
-    model = initialise_weights(build_model(size.model_config(backbone, gates), size.vocab), options.init)
+    model = bench_model(size.model_config(backbone, gates), size.vocab, options.init)
     runner = LMRunner(model, size, device, options, memory_len=size.memory if backbone == "transformer-xl" else 0)
     return runner.train_step
 

@@ -16,10 +16,9 @@ import torch
 
 from gatedformer.analysis.bench.options import BenchOptions, BenchSize
 from gatedformer.analysis.bench.report import BenchReport
-from gatedformer.analysis.bench.runners import count_parameters, initialise_weights
+from gatedformer.analysis.bench.runners import bench_model, count_parameters
 from gatedformer.analysis.bench.timing import paired_ratio, time_round_robin
 from gatedformer.config import backbone_names
-from gatedformer.models import build_model
 from gatedformer.tasks.lm import sample_ids
 
 __all__ = ["CONTEXT", "TOKENS", "bench_sampling"]
@@ -37,7 +36,7 @@ def bench_sampling(report: BenchReport, size: BenchSize, options: BenchOptions, 
     for backbone in backbones or backbone_names():
         progress(f"sampling: {backbone} ({tokens} tokens, with and without the cache)")
         torch.manual_seed(options.seed)
-        model = initialise_weights(build_model(size.model_config(backbone), size.vocab), options.init).to(device)
+        model = bench_model(size.model_config(backbone), size.vocab, options.init).to(device)
         model.eval()
 
         def run(cached: bool, model: torch.nn.Module = model) -> list[int]:

@@ -27,7 +27,13 @@ from gatedformer.analysis.bench.options import (
 )
 from gatedformer.analysis.bench.peers import TorchReferenceLM, XTransformersLM, import_quietly
 from gatedformer.analysis.bench.report import BenchReport, describe_options, report_meta
-from gatedformer.analysis.bench.runners import LMRunner, count_parameters, initialise_weights, memory_step
+from gatedformer.analysis.bench.runners import (
+    LMRunner,
+    bench_model,
+    count_parameters,
+    initialise_weights,
+    memory_step,
+)
 from gatedformer.analysis.bench.timing import (
     Timing,
     bf16_mfu,
@@ -39,6 +45,7 @@ from gatedformer.analysis.bench.timing import (
 from gatedformer.config import backbone_names, get_backbone
 from gatedformer.devices import resolve_device
 from gatedformer.errors import ConfigError
+from gatedformer.fused import fuse
 from gatedformer.gates.spec import resolve_placement
 from gatedformer.models import build_model
 from gatedformer.train.compiling import compile_limits_fail, compile_model
@@ -100,7 +107,7 @@ def _bench_models(report: BenchReport, size: BenchSize, options: BenchOptions, d
             cfg = size.model_config(backbone, spec)
             try:
                 torch.manual_seed(options.seed)
-                model = initialise_weights(build_model(cfg, size.vocab), options.init)
+                model = bench_model(cfg, size.vocab, options.init)
             except Exception as err:  # noqa: BLE001 - one backbone that cannot be built must not stop the rest
                 report.notes.append(f"models: {backbone} {name}: not built ({type(err).__name__}: {err})")
                 continue
@@ -170,7 +177,7 @@ def _bench_transformer_peers(report: BenchReport, size: BenchSize, options: Benc
     cfg = size.model_config("transformer")
     flops = count_flops(cfg, size.vocab, size.batch, size.seq_len)
     builders: dict[str, Callable[[], nn.Module]] = {
-        "gatedformer TransformerLM": lambda: build_model(cfg, size.vocab),
+        "gatedformer TransformerLM": lambda: fuse(build_model(cfg, size.vocab)),
         "torch.nn.TransformerEncoder": lambda: TorchReferenceLM(size.vocab, size.d_model, size.n_layers,
                                                                 size.n_heads, size.ffn, size.dropout, size.seq_len,
                                                                 cfg.attn_dropout),
@@ -226,7 +233,7 @@ def _rnn_peer_models(rnn: RNNSize, options: BenchOptions, device: torch.device
     def ours() -> nn.Module:
         from gatedformer.nn.sru import SRU
 
-        return SRU(rnn.hidden, rnn.hidden, num_layers=rnn.layers)
+        return fuse(SRU(rnn.hidden, rnn.hidden, num_layers=rnn.layers))
 
     def official() -> nn.Module:
         sru = import_quietly("sru")
@@ -351,7 +358,7 @@ def _bench_memory(report: BenchReport, size: BenchSize, options: BenchOptions, d
                     row[f"{mode}_peak_mb"] = rss_peak(cfg, size, eager, mode)
                     continue
                 torch.manual_seed(options.seed)
-                model = initialise_weights(build_model(cfg, size.vocab), options.init)
+                model = bench_model(cfg, size.vocab, options.init)
                 runner = LMRunner(model, size, device, eager, memory_len=memory_len)
                 step = runner.train_step if mode == "train" else runner.eval_step
                 step()

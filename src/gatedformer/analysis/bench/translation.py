@@ -34,6 +34,7 @@ from gatedformer.analysis.bench.runners import (
 from gatedformer.analysis.bench.timing import bf16_mfu, measured_peaks, peak_contenders, time_round_robin
 from gatedformer.config import RunConfig, apply_overrides, backbone_names
 from gatedformer.data.translation import EOS_ID, PAD_ID
+from gatedformer.fused import fuse
 from gatedformer.kernels.build import pytorch_operations
 from gatedformer.tasks.base import evaluating
 from gatedformer.tasks.translation import beam_search, build_seq2seq
@@ -88,7 +89,7 @@ def _steps(model: nn.Module, optimizer: torch.optim.Optimizer | None, src: torch
     def train() -> None:
         if not model.training:
             model.train()
-        backward_and_step(model, model(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID, label_smoothing=0.1),
+        backward_and_step(model, model(src, tgt_in, targets=tgt_out, ignore_index=PAD_ID, label_smoothing=0.1).loss,
                           optimizer)
 
     def evaluate() -> None:
@@ -127,7 +128,7 @@ def bench_translation(report: BenchReport, size: BenchSize, options: BenchOption
         try:
             torch.manual_seed(options.seed)
             config = _config(size, name)
-            model = build_seq2seq(config, VOCAB, VOCAB)
+            model = fuse(build_seq2seq(config, VOCAB, VOCAB))
             if name != "convs2s":  # ConvS2S initialises itself, by its paper's appendix
                 initialise_weights(model, options.init)
             model.to(device)
