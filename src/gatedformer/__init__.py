@@ -22,6 +22,7 @@ _sys.excepthook = _interrupted_while_loading  # until the imports below are done
 
 from gatedformer.config import RunConfig, apply_overrides, build_config, load_recipe  # noqa: E402
 from gatedformer.errors import CheckpointError, ConfigError, DataError, GatedformerError  # noqa: E402
+from gatedformer.fused import fuse  # noqa: E402
 from gatedformer.gates import EAU, GLU, SDU, GatedMHDPA, GatedResidual, GLUFeedForward, HighwayGate  # noqa: E402
 from gatedformer.models import (  # noqa: E402
     SRU,
@@ -67,6 +68,7 @@ __all__ = [
     "build_config",
     "build_model",
     "from_pretrained",
+    "fuse",
     "load",
     "load_recipe",
     "parse_gate_spec",
