@@ -240,14 +240,14 @@ NOT_FROM_THE_PAPER: dict[str, list[tuple[str, Any, str] | tuple[str, Any, str, s
     "bert-mlm-paper": _BERT,
     "glue-paper": _BERT,
     "squad-sru-paper": [
-        ("optim.name", "adam", "Adam at 2e-3 for Adamax"),
-        ("optim.lr", 2e-3, "Adam at 2e-3 for Adamax"),
+        ("optim.lr", 2e-3, "Adamax's learning rate 2e-3 and betas 0.9 and 0.999"),
+        ("optim.beta2", 0.999, "Adamax's learning rate 2e-3 and betas 0.9 and 0.999"),
         ("optim.clip", 10.0, "gradient clipping at norm 10"),
         ("model.highway_bias", 0.0, "the highway bias 0"),
         ("", None, "no lemma exact-match, part-of-speech or entity features"),
     ],
     "squad-lstm-paper": [
-        ("optim.name", "adam", "Adam at 2e-3 for Adamax"),
+        ("optim.lr", 2e-3, "Adamax's learning rate 2e-3 and betas 0.9 and 0.999"),
         ("optim.clip", 10.0, "gradient clipping at norm 10"),
         ("", None, "no lemma exact-match, part-of-speech or entity features"),
     ],

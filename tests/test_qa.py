@@ -201,5 +201,6 @@ def test_the_paper_recipes_hold_b2_and_the_published_numbers() -> None:
         assert (config.model.rnn, config.model.n_layers, config.model.dropout, config.model.emb_dropout) == (
             "lstm", 3, 0.3, 0.3)
     for config in (b2, build_config(lstm)):
+        assert (config.optim.name, config.optim.lr) == ("adamax", 2e-3)  # DrQA's optimiser at its code's rate
         assert (config.model.d_model, config.data.batch_size, config.qa.max_span, config.qa.tune_top_k,
                 config.qa.embedding_dim) == (128, 32, 15, 1000, 300)

@@ -27,7 +27,7 @@ from gatedformer.gates.spec import resolve_placement
 
 # More threads than any machine's cores: torch crashes (not errs) on very large counts.
 MAX_THREADS = 1024
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "adamax")
 SCHEDULES = ("constant", "linear", "cosine", "noam", "plateau")
 INIT_SCHEMES = ("default", "uniform", "normal", "xavier")
 

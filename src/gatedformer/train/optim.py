@@ -21,7 +21,7 @@ from gatedformer.train.grouped_adam import FUSED_DTYPES, GroupedAdam, groupable
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """SGD, Adam or AdamW over the model's trainable parameters.
+    """SGD, Adam, AdamW or Adamax over the model's trainable parameters.
 
     Weight decay is not applied to biases, LayerNorm weights and embeddings' biases (1-D tensors),
     as is usual for Transformers. Adam and AdamW are :class:`~gatedformer.train.grouped_adam.GroupedAdam` (one fused
@@ -35,6 +35,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
     betas = (cfg.beta1, cfg.beta2)
+    if cfg.name == "adamax":  # DrQA's and the SRU paper's reader: Adam's infinity-norm variant, L2 weight decay
+        return torch.optim.Adamax(groups, lr=cfg.lr, betas=betas)
     if all(groupable(group["params"]) for group in groups):
         return GroupedAdam(groups, lr=cfg.lr, betas=betas, decoupled_weight_decay=cfg.name == "adamw")
     optimizer = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
