@@ -4,6 +4,7 @@ plain-PyTorch reference: the same values and gradients up to float rounding."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,7 +13,11 @@ from torch import nn
 from gatedformer.fused import fuse, is_fused
 from gatedformer.kernels import cross_entropy as _cross_entropy_kernel
 from gatedformer.kernels import dropout as _dropout_kernel
-from gatedformer.models.convs2s import ConvGLU
+from gatedformer.models.bert import BertForMaskedLM
+from gatedformer.models.convs2s import ConvGLU, ConvS2S
+from gatedformer.models.seq2seq import Seq2SeqTransformer
+from gatedformer.models.sru import SRULanguageModel
+from gatedformer.models.transformer import TransformerLM
 from gatedformer.nn.dropout import Dropout
 from gatedformer.nn.embedding import TokenEmbedding
 from gatedformer.nn.output import OutputLayer
@@ -131,3 +136,47 @@ def test_fused_convs2s_convolution_is_the_reference_in_value_and_gradients(causa
         with torch.no_grad():
             steps = torch.cat([fused.step(x[:, t: t + 1], cache) for t in range(7)], dim=1)
             torch.testing.assert_close(steps, fused(x), rtol=1e-5, atol=1e-6)
+
+
+def _whole_models() -> dict[str, Callable[[], nn.Module]]:
+    return {
+        "transformer": lambda: TransformerLM(23, d_model=16, n_layers=2, n_heads=2, d_ffn=32, dropout=0.0,
+                                             tie_embeddings=True),
+        "sru": lambda: SRULanguageModel(23, 16, 2),
+        "seq2seq": lambda: Seq2SeqTransformer(23, 23, layers=2, d_model=16, ffn=32, heads=2, max_len=16, dropout=0.0,
+                                              tie_embeddings=True, share_embeddings=True),
+        "convs2s": lambda: ConvS2S(23, 23, embed_dim=16, encoder_layers=[(16, 3)] * 2, max_len=16, dropout=0.0),
+        "bert": lambda: BertForMaskedLM(23, d_model=16, n_layers=2, n_heads=2, d_ffn=32, dropout=0.0,
+                                        attn_dropout=0.0, max_positions=16),
+    }
+
+
+@pytest.mark.parametrize("name", list(_whole_models()))
+def test_a_fused_model_keeps_its_weights_and_computes_its_references_loss(name: str) -> None:
+    """Fusing changes no parameter, tie or state-dict key, and the loss and every gradient are the reference's up to
+    float rounding."""
+    torch.manual_seed(0)
+    reference = _whole_models()[name]()
+    fused = fuse(copy.deepcopy(reference))
+    assert list(fused.state_dict()) == list(reference.state_dict())
+    output = fused.head.decoder if name == "bert" else fused.output
+    assert is_fused(output) and not any(is_fused(m) for m in reference.modules())
+    if name in ("transformer", "seq2seq"):
+        table = fused.embedding if name == "transformer" else fused.embed_tgt
+        assert fused.output.weight is table.weight
+    tokens, targets = torch.randint(4, 23, (3, 9)), torch.randint(4, 23, (3, 9))
+    targets[0, -2:] = 1
+    results = []
+    for model in (reference, fused):
+        model.train()
+        if name in ("transformer", "sru"):
+            out = model(tokens, targets=targets)
+        elif name == "bert":
+            out = model(tokens, positions=torch.tensor([[1, 4]] * 3), targets=targets[:, :2], ignore_index=1)
+        else:
+            out = model(tokens, tokens, targets=targets, ignore_index=1)
+        assert out.logits is None
+        params = [p for p in model.parameters() if p.requires_grad]
+        results.append((out.loss, *torch.autograd.grad(out.loss, params)))
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
