@@ -196,7 +196,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     from gatedformer.analysis.gates import analyze_run
+    from gatedformer.analysis.measurements import analyze_measurements, check_spike_factor
 
+    check_spike_factor(args.spike_factor)
     if len(args.run) > 1:
         if not args.out:
             raise GatedformerError("analyze with several --run needs --out FOLDER for the figures")
@@ -213,6 +215,10 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             figures, notes = analyze_attention(run, args.out, args.data_dir, prefix)
             analysis.figures += figures
             analysis.notes += notes
+    text, figures, notes = analyze_measurements(args.run, args.out, args.data_dir, args.spike_factor)
+    print(text)
+    analysis.figures += figures
+    analysis.notes += notes
     for note in analysis.notes:
         print(note)
     for figure in analysis.figures:
@@ -300,6 +306,34 @@ def cmd_classify(args: argparse.Namespace) -> int:
     model = load(args.run, args.device, args.data_dir)
     for line in classify_lines(model, lines, batch_size, args.probabilities):
         print(line, flush=True)  # a batch's lines as soon as it is classified
+    return 0
+
+
+def cmd_answer(args: argparse.Namespace) -> int:
+    from gatedformer.io import input_lines
+    from gatedformer.pretrained import load
+    from gatedformer.tasks.qa import answer_lines, check_question, read_context
+
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    single = args.context is not None or args.question is not None
+    if single == (args.input is not None) or (single and (args.context is None or args.question is None)):
+        raise ConfigError("give --context and --question, or --input FILE of JSON lines (- for standard input), "
+                          "not both")
+    if args.input is None:
+        pairs = [check_question(read_context(args.context), args.question)]  # before the model is loaded
+        lines: Iterable[str] = [json.dumps({"context": pairs[0][0], "question": pairs[0][1]})]
+    else:
+        lines = input_lines(None if args.input == "-" else args.input,
+                            'give one JSON object a line: {"context": "...", "question": "..."}')
+    typed = args.input == "-" and sys.stdin.isatty()
+    batch_size = args.batch_size or (1 if typed else 32)
+    model = load(args.run, args.device)
+    if model.task.name != "qa":  # before a line is read
+        raise ConfigError(f"{args.run} is a {model.task.title} run ({model.config.data.corpus}), not a "
+                          "question-answering one; answer with a run of a squad recipe")
+    for line in answer_lines(model.model, model.config, model.data, lines, model.device, batch_size):
+        print(line, flush=True)  # a batch's answers as soon as they are found
     return 0
 
 
@@ -418,13 +452,17 @@ def build_parser() -> argparse.ArgumentParser:
     compare.set_defaults(handler=cmd_compare)
 
     analyze = commands.add_parser("analyze", help="gate figures of a run: bias heatmap, t-SNE of the biases, "
-                                  "gate activation during training; for a translation run, its decoder attention")
+                                  "gate activation during training; attention sink, largest activation and gate "
+                                  "sparsity per layer, loss spikes; for a translation run, its decoder attention")
     analyze.add_argument("--run", required=True, action="append",
                          help="a run directory written by train (or compare); repeat it to draw several runs' gate "
                               "biases side by side")
     analyze.add_argument("--out", help="folder for the figures (default: the run directory)")
-    analyze.add_argument("--data-dir", help="corpus folder, for a translation run's attention figure (its first test "
-                                            "sentence)")
+    analyze.add_argument("--data-dir", help="corpus folder, for the measurements on validation text and a translation "
+                                            "run's attention figure (its first test sentence)")
+    analyze.add_argument("--spike-factor", type=float, default=1.25, metavar="F",
+                         help="a training-loss record above F × the mean of the 10 before it counts as a loss spike "
+                              "(default 1.25)")
     analyze.set_defaults(handler=cmd_analyze)
 
     init_check = commands.add_parser("init-check", help="per-layer forward/backward variance ratios at "
@@ -470,6 +508,19 @@ def build_parser() -> argparse.ArgumentParser:
     classify.add_argument("--data-dir", help="corpus folder, needed only if the run has no vocab.json")
     classify.add_argument("--device", default="auto")
     classify.set_defaults(handler=cmd_classify)
+
+    answer = commands.add_parser("answer", help="answer a question about a paragraph with a trained question-"
+                                 "answering run: one JSON line of the answer, its characters in the paragraph and its "
+                                 "probability")
+    answer.add_argument("--run", required=True, help="a question-answering (qa) run directory written by train")
+    answer.add_argument("--context", metavar="FILE_OR_TEXT", help="the paragraph: a UTF-8 file, or the text itself")
+    answer.add_argument("--question", metavar="TEXT", help="the question about the paragraph")
+    answer.add_argument("--input", metavar="FILE", help='JSON lines instead, {"context": ..., "question": ...} each '
+                        "(an \"id\" is copied to its answer; - for standard input); an answer line for each")
+    answer.add_argument("--batch-size", type=int, metavar="N",
+                        help="questions answered together (default: 32; 1 when typing at a terminal)")
+    answer.add_argument("--device", default="auto")
+    answer.set_defaults(handler=cmd_answer)
 
     fill = commands.add_parser("fill-mask", help="the likeliest pieces for each [MASK] of a text, with a trained "
                                "masked-language-model run (a line each: the mask's number, the piece, its probability)")

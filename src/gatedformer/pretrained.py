@@ -176,6 +176,24 @@ class Pretrained:
             results = [names[i] for i in out.argmax(-1).tolist()]
         return results[0] if single else results
 
+    def answer(self, context: str | Sequence[str], question: str | Sequence[str], batch_size: int = 32) -> Any:
+        """The answer to ``question`` about ``context`` (a paragraph), by a question-answering model: a dictionary of
+        the answer's text (``"answer"``, a span of the context), its characters in the context (``"start"``,
+        ``"end"``: ``context[start:end]``) and its ``"score"``, the model's probability of that span; for a list of
+        contexts and a list of questions, as many of each, a list of such. Bad text (empty, too long, not UTF-8) is
+        one :class:`~gatedformer.errors.DataError` (see :func:`gatedformer.tasks.qa.check_question`)."""
+        from gatedformer.tasks.qa import answer_questions
+
+        self._require("qa", "answer")
+        if isinstance(context, str) and isinstance(question, str):
+            return answer_questions(self.model, self.config, self.data, [(context, question)], self.device)[0]
+        lists = all(isinstance(x, Sequence) and not isinstance(x, str) for x in (context, question))
+        if not lists or len(context) != len(question):
+            raise ConfigError("answer() takes a context and a question, or two lists of as many contexts and "
+                              "questions")
+        return answer_questions(self.model, self.config, self.data, list(zip(context, question, strict=True)),
+                                self.device, batch_size)
+
     # ---- sharing it ------------------------------------------------------------------------------------------
 
     def save_pretrained(self, folder: str | Path) -> Path:
@@ -408,6 +426,8 @@ def _usage(task: str) -> str:
         return 'print(model.classify("A gripping, funny film."), model.labels)'
     if task == "glue":  # a pair task takes ("first sentence", "second sentence")
         return 'print(model.classify("A gripping, funny film."), model.labels)  # a pair: ("...", "...")'
+    if task == "qa":
+        return 'print(model.answer("The Normans gave their name to Normandy.", "What is named after the Normans?"))'
     return "model.model  # the network, in eval mode"
 
 

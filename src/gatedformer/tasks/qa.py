@@ -17,14 +17,19 @@ official v1.1 exact match and F1 (:mod:`gatedformer.tasks.squad_eval`, in percen
 kept: ``predictions.json`` (the official format, ``{question id: answer}``) and ``best_model.safetensors``, its
 weights. SQuAD's test set is hidden, so the run reports the dev set as the papers do: ``results.json`` holds the best
 evaluation's ``exact_match`` and ``f1``, and its ``valid_*`` and ``test_*`` are both that evaluation's dev scores.
+
+A trained reader answers users' questions (:func:`answer_questions`, which ``Pretrained.answer`` and
+``gatedformer answer`` call): each a span of its paragraph of at most ``qa.max_span + 1`` words, with its characters
+in the paragraph and its probability.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +41,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from gatedformer.config import RunConfig, get_backbone
-from gatedformer.data.squad import SQUAD_CORPORA, SQUAD_JSON_PREFIX, Paragraph, load_squad, tokenize_with_offsets
+from gatedformer.data.squad import (
+    SQUAD_CORPORA,
+    SQUAD_JSON_PREFIX,
+    Paragraph,
+    Question,
+    load_squad,
+    tokenize_with_offsets,
+)
 from gatedformer.devices import autocast
 from gatedformer.errors import CheckpointError, ConfigError, DataError
 from gatedformer.fused import fuse
@@ -47,7 +59,9 @@ from gatedformer.tasks.best import BestEvaluation
 from gatedformer.tasks.sentclass import read_word_vectors
 from gatedformer.tasks.squad_eval import best_spans, score_predictions
 
-__all__ = ["PREDICTIONS_FILE", "QAData", "QASplit", "QuestionAnsweringTask", "encode_split"]
+__all__ = ["MAX_CONTEXT_CHARS", "MAX_QUESTION_CHARS", "PREDICTIONS_FILE", "QAData", "QASplit",
+           "QuestionAnsweringTask", "answer_lines", "answer_questions", "check_question", "encode_split",
+           "read_context"]
 
 PAD, UNK = "<pad>", "<unk>"
 VOCAB_FILE = "vocab.json"
@@ -55,6 +69,12 @@ VOCAB_FILE = "vocab.json"
 PREDICTIONS_FILE = "predictions.json"
 BEST_WEIGHTS_FILE = "best_model.safetensors"
 _ORDER_STREAM = 7
+MAX_CONTEXT_CHARS = 1 << 16
+"""The longest paragraph a reader answers about at once (SQuAD's are under 4,000 characters): a whole book would
+take minutes and answer nothing a paragraph would not."""
+MAX_QUESTION_CHARS = 1 << 12
+_INPUT_FIX = ('give one JSON object a line, {"context": "the paragraph", "question": "the question"} (an "id" is '
+              "copied to the answer)")
 
 
 @dataclass
@@ -99,6 +119,18 @@ class QAData:
     vectors: dict[str, np.ndarray] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     best: BestEvaluation = field(default_factory=lambda: BestEvaluation("valid_f1"))
+    _index: dict[str, int] | None = field(default=None, repr=False)
+
+    @property
+    def vocab(self) -> list[str]:
+        """The words, in the order of the embedding's rows."""
+        return self.words
+
+    def index(self) -> dict[str, int]:
+        """Each word's row (built once: answering reads it for every question)."""
+        if self._index is None or len(self._index) != len(self.words):
+            self._index = {w: i for i, w in enumerate(self.words)}
+        return self._index
 
 
 def _words(text: str) -> list[tuple[str, int, int]]:
@@ -175,9 +207,120 @@ def predict(model: nn.Module, split: QASplit, config: RunConfig, device: torch.d
             starts, ends, _ = best_spans(logits, config.qa.max_span)
             for i, start, end in zip(chosen, starts.tolist(), ends.tolist(), strict=True):
                 example = split.examples[i]
-                p = split.paragraphs[example.paragraph]
-                answers[example.qid] = p.context[p.offsets[start][0]: p.offsets[end][1]]
+                first, last = _characters(split.paragraphs[example.paragraph], start, end)
+                answers[example.qid] = split.paragraphs[example.paragraph].context[first:last]
     return answers, total / counted if counted else math.nan
+
+
+def _characters(paragraph: EncodedParagraph, start: int, end: int) -> tuple[int, int]:
+    """The characters ``[first, last)`` of the paragraph that its words ``start`` to ``end`` cover."""
+    return paragraph.offsets[start][0], paragraph.offsets[end][1]
+
+
+def check_question(context: Any, question: Any, where: str = "") -> tuple[str, str]:
+    """``(context, question)`` if a reader can answer them: both text (no unpaired surrogates, the mark of bytes
+    that were not UTF-8), neither empty, the context at most :data:`MAX_CONTEXT_CHARS` and the question
+    :data:`MAX_QUESTION_CHARS` characters; else one :class:`DataError` saying which and what to give, ``where``
+    (``input line 3: ``) before it. A question longer than its context is answered: with a span of the context."""
+    for name, text, limit, fix in (
+            ("context", context, MAX_CONTEXT_CHARS, "split it into paragraphs and ask each"),
+            ("question", question, MAX_QUESTION_CHARS, "ask it in fewer words")):
+        if not isinstance(text, str):
+            raise DataError(f"{where}the {name} is {type(text).__name__}, not text; give the {name} as a string")
+        if not text.strip():
+            raise DataError(f"{where}the {name} is empty; give the "
+                            + ("paragraph the answer is in" if name == "context" else "question to answer"))
+        if len(text) > limit:
+            raise DataError(f"{where}the {name} is {len(text):,} characters, more than the {limit:,} a reader "
+                            f"reads at once; {fix}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise DataError(f"{where}the {name} is not UTF-8 text (character {err.start} is an unpaired surrogate, "
+                            "what undecodable bytes become); give it as UTF-8") from None
+    return context, question
+
+
+def answer_questions(model: nn.Module, config: RunConfig, data: QAData, pairs: Sequence[tuple[str, str]],
+                     device: torch.device, batch_size: int = 32) -> list[dict[str, Any]]:
+    """The answer to each ``(context, question)`` of ``pairs`` (each checked by :func:`check_question`): the span
+    of the context with the best score, of at most ``qa.max_span + 1`` words, as ``{"answer": text, "start": first
+    character, "end": last character + 1, "score": the span's probability}`` (``context[start:end]`` is the
+    answer; the probability, to 6 digits, is the start's times the end's, as DrQA scores spans). Paragraphs of like
+    lengths are read together, ``batch_size`` at a time; padding changes no answer."""
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
+    pairs = [check_question(context, question) for context, question in pairs]
+    split = encode_split([Paragraph(context, [Question(str(i), question, [])])
+                          for i, (context, question) in enumerate(pairs)], data.index())
+    answers: list[dict[str, Any]] = [{} for _ in pairs]
+    with evaluating(model):
+        for chosen in by_length([len(p.ids) for p in split.paragraphs], batch_size):
+            paragraph, features, question, _ = (t.to(device) for t in collate(split, chosen))
+            with torch.no_grad(), autocast(device, config.train.precision):
+                logits = model(paragraph, features, question).logits.float()
+            starts, ends, scores = best_spans(logits, config.qa.max_span)
+            for i, start, end, score in zip(chosen, starts.tolist(), ends.tolist(), scores.tolist(), strict=True):
+                first, last = _characters(split.paragraphs[i], start, end)  # one paragraph a question
+                answers[i] = {"answer": pairs[i][0][first:last], "start": first, "end": last,
+                              "score": float(f"{math.exp(score):.6g}")}
+    return answers
+
+
+def read_context(value: str) -> str:
+    """``gatedformer answer --context``'s paragraph: the UTF-8 text of the file ``value`` names, else ``value``
+    itself. A value that looks like a file's path (one word with a ``/`` or a ``.txt``) but names none is refused,
+    not answered about."""
+    path = Path(value).expanduser()
+    try:
+        kind = "file" if path.is_file() else "folder" if path.is_dir() else None
+    except (OSError, ValueError):  # a text too long for a file's name, or with a NUL: no file
+        kind = None
+    if kind == "file":
+        try:
+            return read_limited(path, 4 * MAX_CONTEXT_CHARS).decode("utf-8")
+        except ValueError as err:  # over the bound, or not UTF-8 (UnicodeDecodeError is a ValueError)
+            reason = (f"byte {err.start} is not UTF-8" if isinstance(err, UnicodeDecodeError)
+                      else f"it is {str(err)}")
+            raise DataError(f"--context {value}: {reason}; give a UTF-8 file of one paragraph (at most "
+                            f"{MAX_CONTEXT_CHARS:,} characters)") from None
+        except OSError as err:
+            raise DataError(f"--context {value}: cannot read it ({err.strerror or err}); give a readable file or "
+                            "the paragraph's text") from None
+    if kind == "folder" or (len(value.split()) == 1 and ("/" in value or value.endswith((".txt", ".json")))):
+        raise DataError(f"--context {value}: no such file; give an existing file, or the paragraph's text itself")
+    return value
+
+
+def answer_lines(model: nn.Module, config: RunConfig, data: QAData, lines: Iterable[str], device: torch.device,
+                 batch_size: int = 32) -> Iterator[str]:
+    """``gatedformer answer --input``: a JSON line of :func:`answer_questions`'s answer (after the input's ``id``,
+    where it has one) for each line ``{"context": ..., "question": ...}`` of ``lines``, ``batch_size`` lines at a
+    time, and an empty line for an empty one. A line that is not such an object is one :class:`DataError` naming
+    it (the answers before it are out by then)."""
+
+    def parsed(number: int, line: str) -> tuple[dict[str, Any], tuple[str, str]]:
+        where = f"input line {number}: "
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            raise DataError(f"{where}not JSON ({str(err)[:80]}); {_INPUT_FIX}") from None
+        if not isinstance(record, dict) or not {"context", "question"} <= record.keys():
+            raise DataError(f"{where}not an object with \"context\" and \"question\"; {_INPUT_FIX}")
+        head = {"id": record["id"]} if "id" in record else {}
+        return head, check_question(record["context"], record["question"], where)
+
+    chunk: list[tuple[int, str]] = []
+    for number, line in enumerate(itertools.chain(lines, [None]), start=1):
+        if line is not None:
+            chunk.append((number, line))
+        if chunk and (line is None or len(chunk) >= batch_size):
+            wanted = {n: parsed(n, text) for n, text in chunk if text.strip()}
+            found = iter(answer_questions(model, config, data, [pair for _, pair in wanted.values()], device,
+                                          batch_size) if wanted else [])
+            for n, _ in chunk:
+                yield json.dumps({**wanted[n][0], **next(found)}, ensure_ascii=False) if n in wanted else ""
+            chunk = []
 
 
 def _references(split: QASplit) -> list[tuple[str, list[str]]]:
