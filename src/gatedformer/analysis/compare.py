@@ -280,6 +280,7 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
                      "seed-to-seed variation; `--seeds 3` pairs each change with its spread over seeds.")
     convergence = _convergence(summaries, metric, out_dir, notes)
     gate_figures = _gate_figures(summaries, out_dir, notes)
+    measured, measure_figures = _measurements(summaries, out_dir, data_dir, shared, notes)
     base_config = build_config(recipe, overrides)
     setup = (f"Corpus `{base_config.data.corpus}`, backbone `{base_config.model.backbone}`, "
              f"{base_config.model.n_layers} layers, d_model {base_config.model.d_model}, "
@@ -288,9 +289,9 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
     report_path = out_dir / "report.md"
     text = render_report(recipe, summaries, table, metric=metric, corpus=base_config.data.corpus, setup=setup,
                          convergence=convergence, gate_figures=gate_figures, notes=notes, out_dir=out_dir,
-                         step_times=step_times)
+                         step_times=step_times, measurements=measured)
     atomic_write_text(report_path, text)
-    figures = convergence + [f for group in gate_figures.values() for f in group]
+    figures = convergence + [f for group in gate_figures.values() for f in group] + measure_figures
     return ComparisonReport(table, report_path, figures, summaries, notes)
 
 
@@ -349,3 +350,24 @@ def _gate_figures(summaries: list[VariantSummary], out_dir: Path, notes: list[st
         figures[s.name] = analysis.figures
         notes += [f"{s.name}: {note}" for note in analysis.notes]
     return figures
+
+
+def _measurements(summaries: list[VariantSummary], out_dir: Path, data_dir: str | Path | None, shared: Any,
+                  notes: list[str]) -> tuple[list[str], list[Path]]:
+    """The gated-attention papers' measurements of every seed of every variant
+    (:mod:`~gatedformer.analysis.measurements`): the report's lines (tables, figures) and the figures drawn."""
+    from gatedformer.analysis.measurements import measure_run, measurement_tables, plot_loss_spikes, plot_measurements
+
+    measured = {s.name: [measure_run(r.run_dir, data_dir, corpus=shared) for r in s.results] for s in summaries}
+    notes += list(dict.fromkeys(note for runs in measured.values() for m in runs for note in m.notes))
+    parts = measurement_tables(measured)
+    figures: list[Path] = []
+    try:
+        drawn = [plot_measurements(measured, out_dir / "measurements.png"),
+                 plot_loss_spikes({name: runs[0] for name, runs in measured.items()}, out_dir / "loss_spikes.png",
+                                  title="first seed")]
+        figures = [f for f in drawn if f is not None]
+    except ImportError:
+        notes.append("measurement figures skipped: matplotlib is missing (pip install 'gatedformer[plot]')")
+    parts += [f"![{f.stem}]({f.relative_to(out_dir).as_posix()})" for f in figures]
+    return parts, figures

@@ -239,8 +239,11 @@ def parameter_table(summaries: list[VariantSummary]) -> str | None:
 
 def render_report(recipe: Recipe, summaries: list[VariantSummary], table: str, *, metric: str, corpus: str,
                   setup: str, convergence: list[Path], gate_figures: dict[str, list[Path]],
-                  notes: list[str], out_dir: Path, step_times: dict[str, Any] | None = None) -> str:
-    """The whole ``report.md``: results, published numbers, time, parameters and figures."""
+                  notes: list[str], out_dir: Path, step_times: dict[str, Any] | None = None,
+                  measurements: list[str] | None = None) -> str:
+    """The whole ``report.md``: results, published numbers, time, parameters, figures and (``measurements``: the
+    lines :func:`~gatedformer.analysis.measurements.measurement_tables` writes) the gated-attention papers'
+    measurements."""
     better = "higher" if metric == "bleu" else "lower"
     parts = [f"# {recipe.name}: comparison", "", recipe.description, "", setup,
              "Mean ± standard deviation over seeds. Δ is the relative change against the first variant "
@@ -290,6 +293,11 @@ def render_report(recipe: Recipe, summaries: list[VariantSummary], table: str, *
         for name, figures in gate_figures.items():
             parts += [f"### {name}", ""] + [f"![{f.stem}]({f.relative_to(out_dir).as_posix()})" for f in figures]
             parts.append("")
+    if measurements:
+        parts += ["## Attention sink, activations, gate scores and loss spikes", "",
+                  "What the gated-attention paper (Qiu et al. 2025) measures, for every variant: forward hooks on "
+                  "the trained model as it reads a few validation sequences, and the training log.", "",
+                  *measurements, ""]
     if notes:
         parts += ["## Notes", ""] + [f"- {note}" for note in notes] + [""]
     return "\n".join(parts)
