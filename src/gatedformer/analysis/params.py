@@ -18,9 +18,9 @@ from gatedformer.config import (
     load_recipe,
     task_of,
 )
-from gatedformer.errors import ConfigError
+from gatedformer.errors import ConfigError, DataError
 from gatedformer.gates.kinds import kind_in_name
-from gatedformer.models import build_model
+from gatedformer.tasks import task_for
 
 # The recurrent parts' module names: the R-Transformer's LocalRNN, and the SRU alone or inside a Transformer's
 # feed-forward sublayer.
@@ -84,9 +84,9 @@ def parameter_report(recipe_name: str, overrides: list[str], data_dir: str | Non
     rows = []
     for variant in recipe.variants:
         config = matched_config(recipe, overrides, variant)
-        size = vocab_size or _vocab_size(config.data.corpus, data_dir)
+        size = vocab_size or _vocab_size(config, data_dir)
         with torch.device("meta"):  # shapes only: counting needs no memory for the weights
-            components = count_by_component(build_model(config.model, size))
+            components = count_by_component(task_for(config).nominal_model(config, size))
         rows.append({"variant": variant.name, "total": sum(components.values()), "components": components,
                      "vocab_size": size})
     base = rows[0]["total"]
@@ -99,10 +99,17 @@ def parameter_report(recipe_name: str, overrides: list[str], data_dir: str | Non
     return {"recipe": recipe.name, "variants": rows, "text": "\n".join(lines)}
 
 
-def _vocab_size(corpus: str, data_dir: str | None) -> int:
-    from gatedformer.data import load_corpus
+def _vocab_size(config: RunConfig, data_dir: str | None) -> int:
+    """The vocabulary's size: a language model's corpus's, else (question answering) the words the task reads from
+    its training data."""
+    if task_of(config) == "lm":
+        from gatedformer.data import load_corpus
 
-    return len(load_corpus(corpus, data_dir).vocab)
+        return len(load_corpus(config.data.corpus, data_dir).vocab)
+    try:
+        return len(task_for(config).load_data(config, data_dir).vocab)
+    except DataError as err:
+        raise DataError(f"{err}; or give the vocabulary's size with --vocab-size N") from None
 
 
 # The three model sizes of the EAU/GRC paper's translation experiments: (l, n, k, f).

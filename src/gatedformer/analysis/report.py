@@ -237,6 +237,15 @@ def parameter_table(summaries: list[VariantSummary]) -> str | None:
     return markdown_table(header, rows)
 
 
+LOSS_METRICS = frozenset({"bpc", "ppl", "loss"})
+"""The metrics that are losses (bits per character, perplexity), lower better; every other metric a task reports
+(BLEU, accuracy, F1, exact match, Matthews, Pearson, Spearman) is a score, higher better."""
+
+
+def higher_is_better(metric: str) -> bool:
+    return metric not in LOSS_METRICS
+
+
 def render_report(recipe: Recipe, summaries: list[VariantSummary], table: str, *, metric: str, corpus: str,
                   setup: str, convergence: list[Path], gate_figures: dict[str, list[Path]],
                   notes: list[str], out_dir: Path, step_times: dict[str, Any] | None = None,
@@ -244,7 +253,7 @@ def render_report(recipe: Recipe, summaries: list[VariantSummary], table: str, *
     """The whole ``report.md``: results, published numbers, time, parameters, figures and (``measurements``: the
     lines :func:`~gatedformer.analysis.measurements.measurement_tables` writes) the gated-attention papers'
     measurements."""
-    better = "higher" if metric == "bleu" else "lower"
+    better = "higher" if higher_is_better(metric) else "lower"
     parts = [f"# {recipe.name}: comparison", "", recipe.description, "", setup,
              "Mean ± standard deviation over seeds. Δ is the relative change against the first variant "
              f"({better} is better), paired by seed: the mean ± standard deviation of each seed's change against the "
