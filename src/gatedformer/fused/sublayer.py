@@ -48,12 +48,18 @@ def _plan(sub: Sublayer) -> None:
     unit = next((u for role in ("branch", "blend", "stream") for _, u in by_role[role]), None)
     sub._fused_gates = (next((u for _, u in by_role["residual"]), None), unit,
                         next((u for _, u in by_role["output"]), None))
-    roles = {GATE_KINDS[name].role for name in sub.kinds}
+    # A body kind (a GLU-variant feed-forward) is the body itself, no gate between it and the residual add.
+    roles = {GATE_KINDS[name].role for name in sub.kinds} - {"body"}
     body = sub.body
     # With no gate between the body's last linear layer and the residual add (a gate on the stream only changes
     # what is added to), the two can be one pass.
     splits = hasattr(body, "features") and hasattr(body, "output_projection")
     sub.fuse_linear = roles <= {"stream"} and splits
+    # An attention output gate sits between the heads and the output projection: no fused path here computes it, so
+    # the sublayer runs its body as the reference does (Sublayer.run_body), the gate included.
+    heads = [name for name in sub.kinds if GATE_KINDS[name].role == "heads"]
+    sub._heads_why = (f"an attention output gate ({heads[0]}) sits between the heads and the output projection"
+                      if heads and splits else None)
     # With post-LN, a body whose fused implementation offers add_norm computes the whole sublayer in one autograd
     # function (the residual's gradient then joins x's inside the matrix products), with the gates that function
     # lists; the body's add_norm may still return None for a case it declines.
@@ -91,12 +97,14 @@ def sublayer_forward(self: Sublayer, x: Tensor, *body_args: object) -> Tensor:
         if self.pre_norm:
             return linear_dropout_add(stream, features, projection, self.dropout.p, self.training)
         return linear_dropout_add_norm(stream, features, projection, self.dropout.p, self.norm, self.training)
+    if self._heads_why is not None and explaining():
+        declined("nn.Sublayer (output projection, dropout and residual add as one pass)", self._heads_why)
     residual = next(iter(self._by_role["residual"]), None)
     if self.fuse_dropout:
         dropped = linear_dropout(self.body.features(h, *body_args), self.body.output_projection, self.dropout.p,
                                  self.training)
         return fused_gates.apply_residual(*residual, stream, dropped)
-    s = self.body(h, *body_args)
+    s = self.run_body(h, *body_args)  # with an attention output gate, W_O (Y ⊙ σ(h W_θ)) as the reference has it
     for kind, unit in self._by_role["output"]:
         s = fused_gates.apply_output(kind, unit, s)
     for kind, unit in self._by_role["branch"]:

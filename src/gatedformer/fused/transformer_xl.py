@@ -26,8 +26,8 @@ from gatedformer.ops.layer_stack import layer_stack
 from gatedformer.ops.relative_attention import relative_attention
 from gatedformer.ops.relative_sublayer import relative_attention_add_norm
 
-__all__ = ["relative_attention_cached", "relative_attention_forward", "relative_attention_add_norm_method",
-           "transformer_xl_layers"]
+__all__ = ["relative_attention_add_norm_method", "relative_attention_cached", "relative_attention_features",
+           "relative_attention_forward", "transformer_xl_layers"]
 
 
 @implements(RelativeMultiHeadAttention, "forward")
@@ -48,6 +48,23 @@ def relative_attention_forward(self: RelativeMultiHeadAttention, h: Tensor, memo
     weights = self.dropout(self.attention_scores(q, k, r).softmax(dim=-1))
     attended = torch.matmul(weights, v)
     return self.out(attended.transpose(1, 2).reshape(batch, q_len, self.d_model))
+
+
+@implements(RelativeMultiHeadAttention, "features")
+def relative_attention_features(self: RelativeMultiHeadAttention, h: Tensor, memory: Tensor | None, pos: Tensor,
+                                cache: dict[str, Tensor] | None = None) -> Tensor:
+    """The heads' outputs before ``out`` (what a sublayer with an attention output gate reads) by the compiled
+    kernel where it applies, else the reference's."""
+    if cache is not None:
+        return reference(self, "features")(h, memory, pos, cache)
+    batch, q_len, _ = h.shape
+    q, kv, memory_kv, r = self._projections_apart(h, memory, pos)
+    taken = (q, kv, r, self.u, self.v) + (() if memory_kv is None else (memory_kv,))
+    if kernel_takes(taken, self.n_heads, self.dropout.p if self.training else 0.0):
+        return relative_attention(q, kv, r, self.u, self.v, self.n_heads, memory_kv)
+    q, k, v, r = self._heads(q, kv if memory_kv is None else torch.cat([memory_kv, kv], dim=1), r)
+    weights = self.dropout(self.attention_scores(q, k, r).softmax(dim=-1))
+    return torch.matmul(weights, v).transpose(1, 2).reshape(batch, q_len, self.d_model)
 
 
 @implements(RelativeMultiHeadAttention, "_cached")

@@ -11,8 +11,14 @@ A spec is a ``+``-separated list of items, so that the papers' own names parse a
     "+EAU+GRC"               EAU after every attention, GRC in place of every residual
     "sdu tanh L1,3 /attn"    tanh SDU on layers 1 and 3, attention sublayers only
     "eau /cross"             EAU after the decoder's cross-attention only (encoder-decoder models)
+    "+SDPA gate"             attention output gate Y ⊙ σ(X W_θ) on every attention (Qiu et al. 2025)
+    "+SDPA gate headwise"    the same with one score per head
+    "+SwiGLU"                SwiGLU feed-forwards (also GLU, Bilinear, ReGLU, GEGLU; Shazeer 2020)
+    "+GRU gate"              GTrXL's GRU-type gating in place of every residual connection
+    "+ReZero"                x + α F(x), α = 0 at first, on every residual connection
 
-Words inside an item: a unit (``sdu``, ``highway [gate]``, ``gated mhdpa``, ``eau``, ``grc``); a gate
+Words inside an item: a unit (``sdu``, ``highway [gate]``, ``gated mhdpa``, ``eau``, ``grc``, ``sdpa gate
+[headwise]``, ``glu``, ``bilinear``, ``reglu``, ``geglu``, ``swiglu``, ``gru [gate]``, ``rezero``); a gate
 function (``σ``/``sigmoid``, ``tanh``; alone it implies ``sdu``); layers (``L1-2``, ``L1,3,5``,
 ``Lall``); sublayers kept (``/attn``, ``/ffn``, ``/cross``) or dropped (``\\FFN``, ``\\attn``, ``\\cross``,
 ``no FFN``).
@@ -38,7 +44,8 @@ _SUBLAYER_WORDS = {"attn": "attn", "att": "attn", "attention": "attn", "mhdpa": 
                    "cross": "cross", "cross-attn": "cross", "xattn": "cross"}
 # More layers than any model has: a spec or model naming more is refused before anything is materialised.
 MAX_LAYERS = 10_000
-_HELP = "write e.g. '+σ SDU', '+tanh L1-3', '+σ L1-6\\FFN', '+highway gate', '+gated MHDPA' or '+EAU+GRC'"
+_HELP = ("write e.g. '+σ SDU', '+tanh L1-3', '+σ L1-6\\FFN', '+highway gate', '+gated MHDPA', '+EAU+GRC', "
+         "'+SDPA gate', '+SwiGLU', '+GRU gate' or '+ReZero'")
 _EXCLUSIVE = ", ".join(kind.label for kind in GATE_KINDS.values() if kind.exclusive)
 
 
@@ -120,6 +127,8 @@ def _tokenise(item: str) -> list[str]:
     item = item.strip().lower()
     item = re.sub(r"\bhighway\s+gate\b", "highway-gate", item)
     item = re.sub(r"\bgated\s+mhdpa\b", "gated-mhdpa", item)
+    item = re.sub(r"\bsdpa\s+gate(\s+headwise)?\b", lambda m: "sdpa-gate" + "-headwise" * bool(m.group(1)), item)
+    item = re.sub(r"\bgru\s+gate\b", "gru-gate", item)
     item = re.sub(r"\bno\s+(ffn|attn|att|attention)\b", r"\\\1", item)
     # "\FFN" and "/attn" may be glued to a layer word: split them off.
     item = re.sub(r"([\\/])", r" \1", item)
@@ -236,6 +245,10 @@ def _add(site: SublayerGates, item: GateItem, where: str, spec: str) -> None:
         if kind.exclusive and other.exclusive:
             raise ConfigError(f"gate spec {spec!r} puts both {other.name} and {kind.name} on {where}; "
                               f"choose one of {_EXCLUSIVE} per sublayer")
+        if kind.role in ("body", "heads") and other.role == kind.role:
+            raise ConfigError(f"gate spec {spec!r} puts both {other.label} and {kind.label} on {where}: "
+                              f"{'both replace the feed-forward' if kind.role == 'body' else 'both gate the heads'}; "
+                              "use one of them there")
         if kind.replaces_residual and other.replaces_residual:
             raise ConfigError(f"gate spec {spec!r} combines {other.label} with {kind.label} on {where}: both replace "
                               "the residual connection; use one of them there")

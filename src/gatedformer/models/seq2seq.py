@@ -87,6 +87,12 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: Tensor, key_mask: Tensor | None = None, causal: bool = False,
                 cache: dict[str, Tensor] | None = None) -> Tensor:
+        return self.out(self.features(x, key_mask, causal, cache))
+
+    def features(self, x: Tensor, key_mask: Tensor | None = None, causal: bool = False,
+                 cache: dict[str, Tensor] | None = None) -> Tensor:
+        """The heads' outputs side by side, before the output projection ``out`` (where an attention output gate
+        goes)."""
         q, k, v = (_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))
         if cache is not None:
             if "k" in cache:
@@ -98,7 +104,7 @@ class SelfAttention(nn.Module):
         mask = None if key_mask is None else key_mask[:, None, None, :]
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                                   dropout_p=self.dropout if self.training else 0.0)
-        return self.out(_merge(attended))
+        return _merge(attended)
 
 
 class CrossAttention(nn.Module):
@@ -120,6 +126,11 @@ class CrossAttention(nn.Module):
 
     def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None,
                 cache: dict[str, Tensor] | None = None) -> Tensor:
+        return self.out(self.features(x, memory, memory_mask, cache))
+
+    def features(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None,
+                 cache: dict[str, Tensor] | None = None) -> Tensor:
+        """The heads' outputs side by side, before the output projection ``out``."""
         q = _heads(self.q(x), self.n_heads)
         if cache is not None and "k" in cache:
             k, v = cache["k"], cache["v"]
@@ -130,7 +141,7 @@ class CrossAttention(nn.Module):
         mask = None if memory_mask is None else memory_mask[:, None, None, :]
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                   dropout_p=self.dropout if self.training else 0.0)
-        return self.out(_merge(attended))
+        return _merge(attended)
 
     def probabilities(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None) -> Tensor:
         """The attention weights ``(B, heads, T, S)`` of every query over the memory (what ``forward`` averages the

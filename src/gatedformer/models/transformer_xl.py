@@ -176,16 +176,29 @@ class RelativeMultiHeadAttention(nn.Module):
     def forward(self, h: Tensor, memory: Tensor | None, pos: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
         if cache is not None:
             return self._cached(h, memory, pos, cache)
+        return self.out(self.features(h, memory, pos))
+
+    def features(self, h: Tensor, memory: Tensor | None, pos: Tensor,
+                 cache: dict[str, Tensor] | None = None) -> Tensor:
+        """The heads' outputs side by side, before the output projection ``out``: ``(B, L, d)`` (where an attention
+        output gate goes)."""
+        if cache is not None:
+            return self._cached_features(h, memory, pos, cache)
         batch, q_len, _ = h.shape
         q, k, v, r = self.project(h, memory, pos)
         # Written out rather than through scaled_dot_product_attention: with the positional terms as an
         # additive mask it would fall back to this same computation on CPU, with two more copies.
         weights = self.dropout(self.attention_scores(q, k, r).softmax(dim=-1))
         attended = torch.matmul(weights, v)
-        return self.out(attended.transpose(1, 2).reshape(batch, q_len, self.d_model))
+        return attended.transpose(1, 2).reshape(batch, q_len, self.d_model)
 
     def _cached(self, h: Tensor, memory: Tensor | None, pos: Tensor, cache: dict[str, Tensor]) -> Tensor:
-        """``forward`` for positions that follow those of earlier calls in the same segment: ``cache["kv"]`` keeps
+        """``forward`` for positions that follow those of earlier calls in the same segment (see
+        :meth:`_cached_features`)."""
+        return self.out(self._cached_features(h, memory, pos, cache))
+
+    def _cached_features(self, h: Tensor, memory: Tensor | None, pos: Tensor, cache: dict[str, Tensor]) -> Tensor:
+        """``features`` for positions that follow those of earlier calls in the same segment: ``cache["kv"]`` keeps
         the keys and values of the memory and of the segment so far, ``cache["r"]`` the position keys of every
         distance ``pos`` holds (``pos`` may span more than the keys: its last rows are used)."""
         batch, q_len, _ = h.shape
@@ -201,7 +214,7 @@ class RelativeMultiHeadAttention(nn.Module):
         cache["kv"] = kv if past is None else torch.cat([past, kv], dim=1)
         q, k, v, r = self._heads(q, cache["kv"], cache["r"][cache["r"].shape[0] - k_len :])
         weights = self.dropout(self.attention_scores(q, k, r).softmax(dim=-1))
-        return self.out(torch.matmul(weights, v).transpose(1, 2).reshape(batch, q_len, self.d_model))
+        return torch.matmul(weights, v).transpose(1, 2).reshape(batch, q_len, self.d_model)
 
     def scores(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> Tensor:
         """:meth:`attention_scores` for inputs ``h``, ``memory``, ``pos`` (for inspection and tests)."""

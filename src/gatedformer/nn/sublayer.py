@@ -10,10 +10,17 @@ LayerNorm and whatever gates the placement spec puts there. With post-LN (the pa
 * gated MHDPA:    ``Y = LN(o + X)``, ``o = (1-T(X))⊙F(X) + T(X)⊙f(X)``
 * EAU:            ``F(X) ← EAU(F(X))`` on attention outputs                (Dhayalkar 2024)
 * GRC:            ``X + S ← X + σ(Wg X + bg)⊙S`` for the residual sum
+* SDPA gate:      ``F(X) = W_O (Y ⊙ σ(X W_θ))``, ``Y`` the heads' outputs    (Qiu et al. 2025; headwise: a score per
+  head)
+* GLU variants:   ``F(X) = (act(XW) ⊙ XV) W2`` in place of the ReLU/GELU FFN (Shazeer 2020: SwiGLU, GEGLU, ...)
+* GRU gate:       ``X + S ← (1-z)⊙X + z⊙ĥ`` of ``X`` and ``ReLU(S)``          (Parisotto et al. 2019, GTrXL)
+* ReZero:         ``X + S ← X + α S``, ``α`` a scalar that starts at 0     (Bachlechner et al. 2020)
 
 With pre-LN the body reads ``LN(X)`` while the residual stream stays ``X``: ``Y = X + F(LN(X))``. SDU and
 gated MHDPA read ``LN(X)`` too; the highway gate carries the residual stream itself, so ``T``, ``f`` and the
-carry read the raw ``X``: ``Y = o(X) + F(LN(X))``.
+carry read the raw ``X``: ``Y = o(X) + F(LN(X))``. Pre-LN with the GRU gate is GTrXL's identity map reordering,
+``Y = g(X, ReLU(F(LN(X))))``; pre-LN with ReZero is ReZero's ``Y = X + α F(LN(X))`` (the paper drops the LayerNorm
+altogether; here the branch keeps it on its input).
 Sublayers that carry no gate hold no gate parameters.
 """
 
@@ -102,20 +109,26 @@ class Sublayer(nn.Module):
     equations).
 
     Each gate kind of :data:`~gatedformer.gates.kinds.GATE_KINDS` the placement names is a child module named after
-    the kind (``self.sdu``, ``self.highway``, ``self.gated_mhdpa``, ``self.eau``, ``self.grc``; ``None`` where the
-    sublayer has none), applied where its role says (see :mod:`gatedformer.gates.kinds`).
+    the kind (``self.sdu``, ``self.highway``, ``self.gated_mhdpa``, ``self.eau``, ``self.grc``, ...; ``None`` where
+    the sublayer has none), applied where its role says (see :mod:`gatedformer.gates.kinds`). A kind whose role is
+    ``body`` (a GLU-variant feed-forward) is no unit beside the body but the body itself: it replaces the body the
+    model passed, at its width, and its slot stays ``None``.
     """
 
     def __init__(self, body: nn.Module, d_model: int, gates: SublayerGates, dropout: float = 0.0,
                  norm: str = "post") -> None:
         super().__init__()
+        for name in gates.kinds:
+            if GATE_KINDS[name].role == "body":  # SwiGLU & co. in place of the model's feed-forward
+                body = GATE_KINDS[name].build(d_model, body=body)
         self.body = body
         self.pre_norm = norm == "pre"
         self.norm = nn.LayerNorm(d_model)
         self.dropout = Dropout(dropout)
         # Only the gates the placement names exist, so an ungated sublayer has no gate parameters.
         for name, kind in GATE_KINDS.items():
-            setattr(self, name, kind.build(d_model, gates.kinds[name]) if gates.has(name) else None)
+            unit = gates.has(name) and kind.role != "body"
+            setattr(self, name, kind.build(d_model, gates.kinds[name], body) if unit else None)
         self.kinds = tuple(gates.kinds)
         """The names of the gate kinds it carries, in the table's order."""
 
@@ -129,7 +142,7 @@ class Sublayer(nn.Module):
         carry = x
         for gate in self._gates("stream"):  # highway gate: o(X) = (1-T)⊙X + T⊙f(X) in place of X
             carry = gate(carry)
-        s = self.body(h, *body_args)  # F(X)
+        s = self.run_body(h, *body_args)  # F(X)
         for gate in self._gates("output"):  # EAU(F(X))
             s = gate(s)
         for gate in self._gates("branch"):  # F(X) + SDU(X)
@@ -138,5 +151,13 @@ class Sublayer(nn.Module):
             s = gate(h, s)
         s = self.dropout(s)
         residual = self._gates("residual")
-        y = residual[0](carry, s) if residual else carry + s  # GRC: X + σ(Wg X + bg)⊙S, else X + S
+        y = residual[0](carry, s) if residual else carry + s  # GRC: X + σ(Wg X + bg)⊙S (GRU gate, ReZero), else X + S
         return y if self.pre_norm else self.norm(y)
+
+    def run_body(self, h: Tensor, *body_args: object) -> Tensor:
+        """``F(h)``: the body on ``h``. With an attention output gate, ``W_O · gate(h, Y)``: the gate between the
+        attention body's ``features`` (``Y``, the heads' outputs side by side) and its output projection ``out``."""
+        heads = self._gates("heads")
+        if not heads:
+            return self.body(h, *body_args)
+        return self.body.out(heads[0](h, self.body.features(h, *body_args)))  # W_O (Y ⊙ σ(h W_θ))
