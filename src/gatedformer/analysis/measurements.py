@@ -509,7 +509,9 @@ def measurement_tables(runs: dict[str, list[RunMeasurements]], first: str = "var
                   f"Mean gate score per layer, then the share of scores under {SPARSE_BELOW} (a closed gate), on the "
                   f"same batch{over}: the gates whose scores lie in [0, 1] (σ SDU, highway and gated-MHDPA T, "
                   "EAU's evaluator, GRC's σ, the attention output gate).", "",
+                  "Mean gate score:", "",
                   _layer_table([(n, s, v) for (n, s), v in means.items()], percent=False, first=first), "",
+                  f"Share of scores under {SPARSE_BELOW}:", "",
                   _layer_table([(n, s, v) for (n, s), v in sparse.items()], percent=True, first=first), ""]
     parts += spike_section(runs, first, spike_factor)
     return parts
