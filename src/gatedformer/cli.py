@@ -310,9 +310,8 @@ def cmd_classify(args: argparse.Namespace) -> int:
 
 
 def cmd_answer(args: argparse.Namespace) -> int:
-    from gatedformer.io import input_lines
     from gatedformer.pretrained import load
-    from gatedformer.tasks.qa import answer_lines, check_question, read_context
+    from gatedformer.tasks.qa import answer_lines, check_question, question_lines, read_context
 
     if args.batch_size is not None and args.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -324,8 +323,7 @@ def cmd_answer(args: argparse.Namespace) -> int:
         pairs = [check_question(read_context(args.context), args.question)]  # before the model is loaded
         lines: Iterable[str] = [json.dumps({"context": pairs[0][0], "question": pairs[0][1]})]
     else:
-        lines = input_lines(None if args.input == "-" else args.input,
-                            'give one JSON object a line: {"context": "...", "question": "..."}')
+        lines = question_lines(None if args.input == "-" else args.input)
     typed = args.input == "-" and sys.stdin.isatty()
     batch_size = args.batch_size or (1 if typed else 32)
     model = load(args.run, args.device)

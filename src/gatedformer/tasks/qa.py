@@ -52,7 +52,7 @@ from gatedformer.data.squad import (
 from gatedformer.devices import autocast
 from gatedformer.errors import CheckpointError, ConfigError, DataError
 from gatedformer.fused import fuse
-from gatedformer.io import atomic_write, read_limited
+from gatedformer.io import atomic_write, input_lines, read_limited
 from gatedformer.models.reader import FEATURES
 from gatedformer.tasks.base import Task, TrainBatch, by_length, evaluating, register_task, rng
 from gatedformer.tasks.best import BestEvaluation
@@ -61,7 +61,7 @@ from gatedformer.tasks.squad_eval import best_spans, score_predictions
 
 __all__ = ["MAX_CONTEXT_CHARS", "MAX_QUESTION_CHARS", "PREDICTIONS_FILE", "QAData", "QASplit",
            "QuestionAnsweringTask", "answer_lines", "answer_questions", "check_question", "encode_split",
-           "read_context"]
+           "question_lines", "read_context"]
 
 PAD, UNK = "<pad>", "<unk>"
 VOCAB_FILE = "vocab.json"
@@ -290,6 +290,12 @@ def read_context(value: str) -> str:
     if kind == "folder" or (len(value.split()) == 1 and ("/" in value or value.endswith((".txt", ".json")))):
         raise DataError(f"--context {value}: no such file; give an existing file, or the paragraph's text itself")
     return value
+
+
+def question_lines(path: str | Path | None) -> Iterator[str]:
+    """The JSON lines ``gatedformer answer --input`` reads, from the file ``path`` (``None``: standard input), as
+    they come, each at most :data:`~gatedformer.io.MAX_INPUT_LINE_BYTES` long."""
+    return input_lines(path, _INPUT_FIX)
 
 
 def answer_lines(model: nn.Module, config: RunConfig, data: QAData, lines: Iterable[str], device: torch.device,
