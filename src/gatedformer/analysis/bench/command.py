@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--rnn-type", choices=("gru", "lstm", "rnn"), default=size.rnn_type,
                        help="R-Transformer LocalRNN cell")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(DEFAULT_SECTIONS),
-                        help=f"default: {' '.join(DEFAULT_SECTIONS)} (sampling: by name)")
+                        help=f"default: {' '.join(DEFAULT_SECTIONS)} (sampling, qa: by name)")
     parser.add_argument("--backbones", nargs="+", help=f"default: all ({', '.join(backbone_names())})")
     parser.add_argument("--variants", nargs="+",
                         help=f"gate variants by name ({', '.join(GATE_VARIANTS)}) or any gate spec; default: all")

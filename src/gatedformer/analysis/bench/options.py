@@ -24,10 +24,10 @@ GATE_VARIANTS: dict[str, str] = {
 """Variant name -> gate placement spec; any other spec string is accepted as a variant of its own."""
 
 
-SECTIONS = ("models", "transformer-peers", "rnn-peers", "memory", "bert", "translation", "sampling")
-DEFAULT_SECTIONS = tuple(section for section in SECTIONS if section != "sampling")
-"""What ``bench`` runs unless ``--sections`` says otherwise: ``sampling`` (minutes of full recomputation) is asked
-for by name."""
+SECTIONS = ("models", "transformer-peers", "rnn-peers", "memory", "bert", "translation", "sampling", "qa")
+DEFAULT_SECTIONS = tuple(section for section in SECTIONS if section not in ("sampling", "qa"))
+"""What ``bench`` runs unless ``--sections`` says otherwise: ``sampling`` (minutes of full recomputation) and ``qa``
+(readers of the paper's size) are asked for by name."""
 OPTIMIZERS = ("adamw-grouped", "adamw-fused", "adamw", "none")
 MEMORY_METHODS = ("auto", "tensors", "rss", "cuda", "none")
 RNN_TYPES = ("gru", "lstm", "rnn")

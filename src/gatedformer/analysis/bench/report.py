@@ -239,6 +239,17 @@ def _sampling_part(sampling: list[dict[str, Any]]) -> str:
                       "speed-up", "same tokens"], lines))
 
 
+def _qa_part(qa: list[dict[str, Any]]) -> str:
+    """The document readers' training steps, SRU beside the bi-LSTM."""
+    lines = [[r["name"], r["status"], *[""] * 6] if r.get("status") != "ok" else
+             [r["name"], r["recurrence"], f"{r['params']:,}", _ms(r, "train"), f"{r['train_questions_per_s']:,.1f}",
+              f"{r['epoch_s'] / 60:,.1f}", f"{r['speedup_vs_lstm']:.2f}x" if "speedup_vs_lstm" in r else ""]
+             for r in qa]
+    return (f"\n== question answering: the document reader's training step, SRU vs bi-LSTM (shape: {qa[0]['shape']}; "
+            "speed-up = the LSTM's time over the reader's, paired by round, >1: faster than the LSTM)\n"
+            + _table(["reader", "recurrence", "params", "train ms (IQR)", "questions/s", "epoch min",
+                      "vs bi-LSTM"], lines))
+
 
 def format_report(report: BenchReport) -> str:
     """The report as plain-text tables, one a section."""
@@ -258,6 +269,7 @@ def format_report(report: BenchReport) -> str:
         report.section("bert") and _bert_part(report.section("bert"), size),
         report.section("translation") and _translation_part(report.section("translation"), size),
         report.section("sampling") and _sampling_part(report.section("sampling")),
+        report.section("qa") and _qa_part(report.section("qa")),
     ]
     parts.extend(table for table in tables if table)
     notes = report.notes + extra_notes

@@ -437,6 +437,10 @@ def run_bench(size: BenchSize | None = None, options: BenchOptions | None = None
                 from gatedformer.analysis.bench.sampling import bench_sampling
 
                 bench_sampling(report, size, options, device, backbones, progress)
+            if "qa" in sections:
+                from gatedformer.analysis.bench.qa import bench_qa
+
+                bench_qa(report, options, device, progress)
     finally:
         if flushing:
             torch.set_flush_denormal(False)
