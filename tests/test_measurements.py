@@ -179,3 +179,24 @@ def test_a_masked_lm_run_is_measured_on_its_validation_windows(text_corpus: str,
 def test_a_bad_spike_factor_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["analyze", "--run", str(tmp_path), "--spike-factor", "1"]) == 2
     assert "--spike-factor must be a number above 1" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("gate", ["+SDPA gate", "+SDPA gate headwise"])
+def test_attention_under_an_output_gate_and_its_scores_are_measured(gate: str) -> None:
+    # The gated sublayer runs its attention's features and output projection apart, never the attention's forward:
+    # the sink is still measured, from the sublayer's input.
+    torch.manual_seed(4)
+    model = TransformerLM(30, d_model=16, n_layers=2, n_heads=2, d_ffn=32, gates=gate, norm="pre").eval()
+    tokens = torch.randint(0, 30, (2, 9))
+    result = measure_model(model, lambda m: m(tokens), RunMeasurements(Path(".")))
+    sublayer = model.layers[0].attn
+    h = sublayer.norm(model.embedding(tokens, math.sqrt(16), model.positions[:9]))
+    q, k, _ = (_heads(t, 2) for t in sublayer.body.qkv(h).chunk(3, dim=-1))
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1),
+                                                                   -math.inf)
+    assert result.sink["attention"][0] == pytest.approx(scores.softmax(-1)[..., 0].mean().item(), rel=1e-5)
+    unit = sublayer.sdpa_gate if gate == "+SDPA gate" else sublayer.sdpa_gate_headwise
+    score = torch.sigmoid(unit.proj(h))  # σ(X W_θ), X the normalised input (Qiu et al. 2025)
+    label = "attention (SDPA gate)" if gate == "+SDPA gate" else "attention (SDPA gate headwise)"
+    assert result.gate_mean[label][0] == pytest.approx(score.mean().item(), rel=1e-5)
+    assert result.gate_sparse[label][0] == pytest.approx((score < 0.1).float().mean().item(), abs=1e-6)

@@ -9,14 +9,17 @@ Sparsity, and Attention-Sink-Free", §4 and its figures; the massive activations
 - **largest activation**: per layer, the largest ``|h|`` of the hidden state that layer hands on (its output);
 - **gate-score sparsity**: per gate and layer, the mean gate score and the share of scores under 0.1, for the gates
   whose scores lie in [0, 1] (the σ of the SDU, the highway gate's and gated MHDPA's T, the GRC's σ, the EAU's
-  evaluator, and every later unit whose ``gate_activation`` is a sigmoid); a tanh SDU's scores are not a share;
+  evaluator, the attention output gate's σ(X W_θ): every unit of the gate table with a ``gate_activation``); a tanh
+  SDU's scores are not a share;
 - **loss spikes**: the ``train`` records of ``log.jsonl`` whose loss exceeds :data:`SPIKE_FACTOR` times the mean of
   the :data:`SPIKE_WINDOW` records before it.
 
 The first three come from forward hooks on the model as it reads a small batch of the run's validation data
 (:data:`MEASURE_ROWS` sequences), the model unfused (:func:`gatedformer.fused.unfuse`) so that every attention body
-runs its reference forward: the attention weights are worked out from each attention module's own inputs and its
-query and key projections, as its forward computes them; the model is not changed. The figures need matplotlib.
+runs its reference forward: the attention weights are worked out from each attention sublayer's input (its body's,
+``LN(X)`` pre-LN) and the attention's own query and key projections, as its forward computes them, so an attention
+output gate, which runs the body's parts apart, is measured as well; the model is not changed. The figures need
+matplotlib.
 """
 
 from __future__ import annotations
@@ -239,10 +242,24 @@ class _Accumulator:
 
 
 def _score_gate(module: nn.Module) -> bool:
-    """Whether ``module`` is a gate unit whose scores lie in [0, 1] (a tanh SDU's lie in (-1, 1))."""
-    from gatedformer.gates import GateUnit
+    """Whether ``module`` is a gate unit of the table whose scores lie in [0, 1]: it offers ``gate_activation`` (its
+    scores for its first input), and is not a tanh SDU (whose scores lie in (-1, 1))."""
+    from gatedformer.gates.kinds import kind_of
 
-    return isinstance(module, GateUnit) and getattr(module, "gate", "sigmoid") != "tanh"
+    return (kind_of(module) is not None and callable(getattr(module, "gate_activation", None))
+            and getattr(module, "gate", "sigmoid") != "tanh")
+
+
+def _attention_call(module: nn.Module, args: tuple, kwargs: dict) -> tuple[nn.Module, dict[str, Any]]:
+    """The attention and the arguments of its forward that a call of ``module`` made (or, for a
+    :class:`~gatedformer.nn.sublayer.Sublayer`, would make: its body on ``LN(X)`` pre-LN, ``X`` post-LN)."""
+    from gatedformer.nn.sublayer import Sublayer
+
+    if isinstance(module, Sublayer):
+        x, *body_args = args
+        h = module.norm(x) if module.pre_norm else x
+        module, args = module.body, (h, *body_args)
+    return module, dict(inspect.signature(module.forward).bind(*args, **kwargs).arguments)
 
 
 class MeasurementHooks:
@@ -261,6 +278,9 @@ class MeasurementHooks:
         self._plan: list[tuple[nn.Module, Callable[..., None]]] = []
         stacks = {s[0] for name, _ in model.named_modules() if (s := _site(name)) is not None}
         one_stack = len(stacks) <= 1  # "layers" alone, or BERT's "bert.layers": no stack worth naming
+        from gatedformer.models.convs2s import MultiStepAttention
+        from gatedformer.nn.sublayer import Sublayer
+
         attentions = _attention_classes()
         for name, module in model.named_modules():
             where = _site(name)
@@ -268,8 +288,14 @@ class MeasurementHooks:
                 continue
             stack, layer, sublayer = where
             stack = "" if one_stack else stack
-            if isinstance(module, attentions):
+            if isinstance(module, Sublayer) and isinstance(module.body, attentions):
+                # On the sublayer, not its body: a sublayer with an attention output gate runs the body's features
+                # and output projection apart, never its forward.
                 self._plan.append((module, self._sink_hook(_label(stack, sublayer), layer)))
+            elif isinstance(module, MultiStepAttention):  # ConvS2S's, in no sublayer; it returns its weights
+                self._plan.append((module, self._sink_hook(_label(stack, sublayer), layer)))
+            elif isinstance(module, attentions):
+                continue  # measured from its sublayer
             elif _score_gate(module):
                 panel = parse_site(name).panel
                 self._plan.append((module, self._gate_hook(_strip_stack(panel) if one_stack else panel, layer)))
@@ -278,11 +304,7 @@ class MeasurementHooks:
 
     def _sink_hook(self, site: str, layer: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            try:
-                bound = inspect.signature(module.forward).bind(*args, **kwargs)
-            except TypeError:
-                return
-            found = attention_weights(module, dict(bound.arguments), output)
+            found = attention_weights(*_attention_call(module, args, kwargs), output)
             if found is None:
                 return
             weights, rows = found
