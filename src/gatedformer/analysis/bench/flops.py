@@ -35,8 +35,15 @@ def _mm(m: int, k: int, n: int) -> int:
     return 2 * m * k * n
 
 
-def _gate_flops(site: SublayerGates, tokens: int, d: int) -> int:
-    return sum(tokens * GATE_KINDS[name].matmul_flops(d) for name in site.kinds)
+def _gate_flops(site: SublayerGates, tokens: int, d: int, f: int, heads: int) -> int:
+    """The gates' products beside a sublayer's body (a GLU-variant feed-forward is the body: :func:`_body_kind`)."""
+    return sum(tokens * GATE_KINDS[name].matmul_flops(d, f, heads) for name in site.kinds
+               if GATE_KINDS[name].role != "body")
+
+
+def _body_kind(site: SublayerGates) -> str | None:
+    """The kind that is a sublayer's body (a GLU-variant feed-forward), if any."""
+    return next((name for name in site.kinds if GATE_KINDS[name].role == "body"), None)
 
 
 def count_flops(cfg: ModelConfig, vocab: int, batch: int, seq_len: int, memory_len: int | None = None) -> FlopCount:
@@ -76,9 +83,12 @@ def count_flops(cfg: ModelConfig, vocab: int, batch: int, seq_len: int, memory_l
                 # the SRU in place of the hidden layer: [W x, W_f x, W_r x] in one product, then W2
                 add("sru.proj", _mm(n, d, 3 * f))
                 add("ffn", _mm(n, f, d))
+            elif _body_kind(placement.at(i, "ffn")) is not None:  # SwiGLU & co. in place of the feed-forward
+                add("ffn", n * GATE_KINDS[_body_kind(placement.at(i, "ffn"))].matmul_flops(d, f, cfg.n_heads))
             else:
                 add("ffn", _mm(n, d, 2 * f) + _mm(n, f, d) if cfg.ffn == "glu" else _mm(n, d, f) + _mm(n, f, d))
-            gates = _gate_flops(placement.at(i, "attn"), n, d) + _gate_flops(placement.at(i, "ffn"), n, d)
+            gates = (_gate_flops(placement.at(i, "attn"), n, d, f, cfg.n_heads)
+                     + _gate_flops(placement.at(i, "ffn"), n, d, f, cfg.n_heads))
             if gates:
                 add("gates", gates)
     elif cfg.backbone == "gcnn":
