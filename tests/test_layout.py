@@ -22,7 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "nn": {"ops", "kernels", "gates", "errors"},
     "data": {"errors", "io"},
     "config": {"data", "gates", "errors"},
-    "models": {"nn", "ops", "kernels", "gates", "config", "errors"},
+    "models": {"nn", "gates", "config", "errors"},
     "fused": {"models", "nn", "ops", "kernels", "gates", "config", "errors"},
     "tasks": {"fused", "models", "data", "config", "devices", "io", "errors"},
     "train": {"tasks", "kernels", "config", "data", "gates", "devices", "io", "errors", "version", "__init__"},
