@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from gatedformer import Seq2SeqTransformer, TransformerLM, TransformerXLLM
+from gatedformer.analysis.bench import GATE_VARIANTS, BenchOptions, BenchSize, run_bench
 from gatedformer.analysis.bench.flops import count_flops
 from gatedformer.config import ModelConfig, RunConfig, apply_overrides, validate
 from gatedformer.errors import ConfigError
@@ -326,3 +327,19 @@ def test_the_gru_gate_and_rezero_train_on_transformer_xl() -> None:
     assert isinstance(model.layers[0].ffn.body, FFNSwiGLU)
     assert isinstance(TransformerXLLM(23, d_model=16, n_layers=1, n_heads=2, d_ffn=32, gates="+GRU gate")
                       .layers[0].attn.gru_gate, GRUGate)
+
+
+def test_the_benchs_gate_overhead_rows_include_the_new_gates() -> None:
+    new = ["+SDPA gate", "+SDPA gate headwise", "+SwiGLU", "+GRU gate", "+ReZero"]
+    assert set(new) <= set(GATE_VARIANTS)
+    size = BenchSize(d_model=16, n_layers=2, n_heads=2, d_ffn=32, seq_len=8, batch=2, vocab=11, mem_len=8)
+    report = run_bench(size, BenchOptions(repeats=1, warmup=1, memory="none", threads=1), sections=["models"],
+                       backbones=["transformer", "transformer-xl"], variants=new)
+    rows = {(r["backbone"], r["variant"]): r for r in report.section("models")}
+    for backbone in ("transformer", "transformer-xl"):
+        for variant in new:
+            row = rows[(backbone, variant)]
+            assert row["status"] == "ok" and "extra_time_paired_pct" in row, row
+        # the SDPA gate's d x d product per layer; SwiGLU's three d x 2/3 d_ffn in place of the ReLU FFN's two
+        assert rows[(backbone, "+SDPA gate")]["extra_flops_pct"] > 0
+        assert rows[(backbone, "+ReZero")]["extra_flops_pct"] == 0

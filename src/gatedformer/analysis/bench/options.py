@@ -20,8 +20,14 @@ GATE_VARIANTS: dict[str, str] = {
     "+EAU": "+EAU",
     "+GRC": "+GRC",
     "+EAU+GRC": "+EAU+GRC",
+    "+SDPA gate": "+SDPA gate",
+    "+SDPA gate headwise": "+SDPA gate headwise",
+    "+SwiGLU": "+SwiGLU",
+    "+GRU gate": "+GRU gate",
+    "+ReZero": "+ReZero",
 }
-"""Variant name -> gate placement spec; any other spec string is accepted as a variant of its own."""
+"""Variant name -> gate placement spec; any other spec string is accepted as a variant of its own (the other GLU
+variants, ``+GLU``, ``+Bilinear``, ``+ReGLU``, ``+GEGLU``, cost what ``+SwiGLU`` costs with another activation)."""
 
 
 SECTIONS = ("models", "transformer-peers", "rnn-peers", "memory", "bert", "translation", "sampling", "qa")
