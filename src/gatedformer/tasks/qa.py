@@ -11,7 +11,10 @@ does the same); the first answer is the target.
 
 Batches: ``data.batch_size`` questions of paragraphs of like lengths (each epoch, a fresh random order, sorted by
 paragraph length and cut into batches, whose order is shuffled too), so little is padding; the loss is the start's
-plus the end's cross-entropy. Every evaluation decodes the whole dev set — the best span with
+plus the end's cross-entropy, a mean over the batch. Under data parallelism (``torchrun``) rank ``r`` of ``W`` takes
+the batch's questions ``r, r + W, ...`` and weighs each by ``W / batch``, so that the ranks' gradients, averaged,
+are the whole batch's (a rank left without a question by the epoch's last, shorter batch reads one at weight 0).
+Every evaluation decodes the whole dev set — the best span with
 ``start <= end <= start + qa.max_span`` words, mapped back to the paragraph's own characters — and scores it with the
 official v1.1 exact match and F1 (:mod:`gatedformer.tasks.squad_eval`, in percent). The best evaluation by F1 is
 kept: ``predictions.json`` (the official format, ``{question id: answer}``) and ``best_model.safetensors``, its
@@ -118,6 +121,8 @@ class QAData:
     """The first embedding row that does not train (``None``: all train)."""
     vectors: dict[str, np.ndarray] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
+    shard: tuple[int, int] = (0, 1)
+    """``(rank, world)`` of a data-parallel run: this rank trains on its share of each batch."""
     best: BestEvaluation = field(default_factory=lambda: BestEvaluation("valid_f1"))
     _index: dict[str, int] | None = field(default=None, repr=False)
 
@@ -371,6 +376,7 @@ class QuestionAnsweringTask(Task[QAData, QAData]):
     """Extractive question answering on SQuAD v1.1 (``squad``) or a user's SQuAD-format data (``squad-json:DIR``)."""
 
     title = "question-answering"
+    supports_ddp = True
     optional_modules = (("tokenizers", "bert"),)
 
     def load_data(self, config: RunConfig, data_dir: str | Path | None, shard: tuple[int, int] = (0, 1),
@@ -392,7 +398,7 @@ class QuestionAnsweringTask(Task[QAData, QAData]):
             raise ConfigError(f"{splits.sources['train']}: no training question has an answer that covers whole "
                               "words; check the file (or raise qa.max_articles)")
         return QAData(words, encoded, encode_split(dev, index), size or qa.embedding_dim, fixed_from, vectors,
-                      splits.sources)
+                      splits.sources, shard)
 
     def build_model(self, config: RunConfig, data: QAData) -> nn.Module:
         return fuse(self._build(config, len(data.words), data.embedding_dim, data.fixed_from))
@@ -451,20 +457,41 @@ class QuestionAnsweringTask(Task[QAData, QAData]):
             if step // per_epoch != epoch:
                 epoch = step // per_epoch
                 batches = self._order(data, config, epoch)
-            batch = collate(data.train, batches[step % per_epoch])
-            yield TrainBatch(batch, int((batch[0] != 0).sum() + (batch[2] != 0).sum()),
-                             new_epoch=step % per_epoch == 0, position={"epoch": epoch})
+            chosen = batches[step % per_epoch]
+            tokens = sum(len(data.train.paragraphs[data.train.examples[i].paragraph].ids)
+                         + len(data.train.examples[i].question) for i in chosen)
+            yield TrainBatch(self._share(data, chosen), tokens, new_epoch=step % per_epoch == 0,
+                             position={"epoch": epoch})
             step += 1
+
+    @staticmethod
+    def _share(data: QAData, chosen: list[int]) -> tuple[torch.Tensor, ...]:
+        """This rank's part of the batch ``chosen``: the whole batch in one process; else its questions and the
+        weight of each (see the module docstring)."""
+        rank, world = data.shard
+        if world == 1:
+            return collate(data.train, chosen)
+        mine = chosen[rank::world]
+        weights = torch.full((len(mine),), world / len(chosen))
+        if not mine:  # every rank runs the step (DDP's gradient exchange): one question that counts for nothing
+            mine, weights = chosen[:1], torch.zeros(1)
+        return (*collate(data.train, mine), weights)
 
     def steps_per_epoch(self, data: QAData, config: RunConfig, meta: dict[str, Any] | None) -> int:
         return math.ceil(len(data.train) / config.data.batch_size)
 
     def loss(self, model: nn.Module, batch: TrainBatch, carry: Any, config: RunConfig,
              device: torch.device) -> tuple[torch.Tensor, Any]:
-        paragraph, features, question, targets = (t.to(device) for t in batch.inputs)
+        paragraph, features, question, targets = (t.to(device) for t in batch.inputs[:4])
+        if len(batch.inputs) == 4:
+            with autocast(device, config.train.precision):
+                out = model(paragraph, features, question, targets)
+            return out.loss.float(), None
         with autocast(device, config.train.precision):
-            out = model(paragraph, features, question, targets)
-        return out.loss.float(), None
+            logits = model(paragraph, features, question).logits.float()
+        rows = (F.cross_entropy(logits[:, 0], targets[:, 0], reduction="none")
+                + F.cross_entropy(logits[:, 1], targets[:, 1], reduction="none"))
+        return (rows * batch.inputs[4].to(device)).sum(), None
 
     def _scores(self, model: nn.Module, data: QAData, config: RunConfig, device: torch.device
                 ) -> tuple[dict[str, Any], dict[str, str]]:
