@@ -14,7 +14,8 @@ from gatedformer.analysis.matching import TOLERANCE, matched_config, parameter_c
 from gatedformer.config import build_config, load_recipe
 
 GATES_RECIPES = ("gates-tiny", "gates-wikitext2-tiny")
-EVERY_GATE = ["+σ SDU", "+tanh SDU", "+highway gate", "+gated MHDPA", "+EAU+GRC"]
+EVERY_GATE = ["+σ SDU", "+tanh SDU", "+highway gate", "+gated MHDPA", "+EAU+GRC", "+SDPA gate", "+SDPA gate headwise",
+              "+SwiGLU", "+GRU gate", "+ReZero"]
 """The gates the table compares (the spec of each variant, which is also its name)."""
 
 
