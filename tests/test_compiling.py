@@ -14,6 +14,7 @@ from conftest import for_backbone, tiny_overrides
 from torch import nn
 
 from gatedformer.config import ModelConfig, RunConfig, apply_overrides, validate
+from gatedformer.fused import fuse
 from gatedformer.kernels.build import prepare_compile
 from gatedformer.models import build_model
 from gatedformer.ops import sru as sru_ops
@@ -119,7 +120,7 @@ def test_every_backbone_compiles_into_one_graph(backbone: str, extra: dict, fres
     # A graph break splits the step into several compiled graphs with eager code between them (or, inside a loop,
     # gives the whole frame up to eager): the SRU's kernels and the LocalRNN's weights used to cause them.
     cfg = ModelConfig(backbone=backbone, d_model=16, n_layers=2, n_heads=2, d_ffn=32, mem_len=4, **extra)
-    model = build_model(cfg, 20).train()
+    model = fuse(build_model(cfg, 20)).train()  # as a run trains it: the fused paths are what must compile
     tokens = torch.randint(0, 20, (2, 8))
     explained = torch._dynamo.explain(model)(tokens, None, targets=tokens)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
@@ -160,7 +161,7 @@ def test_a_compiled_step_equals_the_eager_one(backbone: str, fresh_dynamo: None)
     cfg = ModelConfig(backbone=backbone, d_model=16, n_layers=1, n_heads=2, d_ffn=32, dropout=0.0, gates="+σ SDU",
                       rnn_window=3)
     torch.manual_seed(0)
-    model = build_model(cfg, 20).train()
+    model = fuse(build_model(cfg, 20)).train()
     tokens = torch.randint(0, 20, (3, 12))
     results = []
     for forward in (model, torch.compile(model)):
@@ -180,10 +181,11 @@ def test_eager_use_never_loads_dynamo_and_compiled_code_still_sees_the_constant_
     script = """
 import sys, torch
 from gatedformer.config import ModelConfig
+from gatedformer.fused import fuse
 from gatedformer.models import build_model
 import gatedformer, gatedformer.cli
-model = build_model(ModelConfig(backbone="transformer-xl", d_model=16, n_layers=2, n_heads=2, d_ffn=32, mem_len=4,
-                                gates="+σ SDU"), 20).train()
+model = fuse(build_model(ModelConfig(backbone="transformer-xl", d_model=16, n_layers=2, n_heads=2, d_ffn=32,
+                                     mem_len=4, gates="+σ SDU"), 20)).train()
 tokens = torch.randint(0, 20, (2, 8))
 model(tokens, None, targets=tokens).loss.backward()
 assert "torch._dynamo" not in sys.modules, "eager use imported torch._dynamo"
