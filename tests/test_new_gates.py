@@ -5,6 +5,7 @@ each parsed, placed, counted and trained on the models it goes on."""
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import re
 from pathlib import Path
@@ -29,6 +30,7 @@ from gatedformer.gates.spec import SublayerGates, parse_gate_spec, resolve_place
 from gatedformer.models import BertForMaskedLM, build_model
 from gatedformer.nn.attention import CausalSelfAttention
 from gatedformer.nn.sublayer import FeedForward, GELUFeedForward, Sublayer
+from gatedformer.ops import explain
 from gatedformer.train.loop import train
 from gatedformer.train.runlog import read_log, series
 
@@ -343,3 +345,21 @@ def test_the_benchs_gate_overhead_rows_include_the_new_gates() -> None:
         # the SDPA gate's d x d product per layer; SwiGLU's three d x 2/3 d_ffn in place of the ReLU FFN's two
         assert rows[(backbone, "+SDPA gate")]["extra_flops_pct"] > 0
         assert rows[(backbone, "+ReZero")]["extra_flops_pct"] == 0
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_the_fused_paths_decline_the_new_gates_saying_why(norm: str, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(explain.ENV_VAR, "1")
+    monkeypatch.setattr(explain, "_SAID", set())
+    caplog.set_level(logging.INFO, logger="gatedformer.ops")
+    for spec in ("+SDPA gate headwise+GRU gate", "+ReZero", "+SwiGLU"):
+        model = fuse(TransformerLM(11, d_model=16, n_layers=1, n_heads=2, d_ffn=32, gates=spec, norm=norm)).train()
+        tokens = torch.randint(0, 11, (2, 9))
+        model(tokens, targets=tokens).loss.backward()
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "an attention output gate (sdpa_gate_headwise) sits between the heads and the output projection" in text
+    assert "no fused tail is listed for gru_gate (FUSED_KINDS)" in text
+    assert "no fused tail is listed for rezero (FUSED_KINDS)" in text
+    assert not fuse(TransformerLM(11, d_model=16, n_layers=1, n_heads=2, d_ffn=32, gates="+SDPA gate")
+                    ).layers[0].attn.fuse_sublayer
