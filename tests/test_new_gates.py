@@ -207,13 +207,25 @@ def test_the_attention_output_gate_sits_on_transformer_xl_bert_and_translation_a
                                _gated_by_hand(decoder.cross_attn, name, x, memory, src_mask), rtol=1e-5, atol=1e-5)
 
 
-def test_the_gated_attention_decodes_incrementally_as_it_computes_whole_sequences() -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+def test_the_gated_attention_decodes_incrementally_as_it_computes_whole_sequences(fused: bool) -> None:
     torch.manual_seed(0)
-    model = TransformerLM(23, d_model=16, n_layers=2, n_heads=2, d_ffn=32, dropout=0.0, gates="+SDPA gate").eval()
-    tokens = torch.randint(0, 23, (2, 6))
-    cache = model.new_cache()
-    steps = torch.cat([model.step(tokens[:, i : i + 1], cache) for i in range(6)], dim=1)
-    torch.testing.assert_close(steps, model(tokens).logits, rtol=1e-5, atol=1e-5)
+    tokens = torch.randint(2, 19, (2, 6))
+    for model in (TransformerLM(23, d_model=16, n_layers=2, n_heads=2, d_ffn=32, dropout=0.0, gates="+SDPA gate"),
+                  TransformerXLLM(23, d_model=16, n_layers=2, n_heads=2, d_ffn=32, dropout=0.0, mem_len=4,
+                                  gates="+SDPA gate headwise+SwiGLU+GRU gate")):
+        model = fuse(model.eval()) if fused else model.eval()
+        state = model(tokens).state  # Transformer-XL: the next window after a memory
+        cache = model.new_cache(state) if state is not None else model.new_cache()
+        steps = torch.cat([model.step(tokens[:, i : i + 1], cache) for i in range(6)], dim=1)
+        torch.testing.assert_close(steps, model(tokens, state).logits, rtol=1e-5, atol=1e-5)
+    mt = Seq2SeqTransformer(23, 19, layers=2, d_model=16, ffn=32, heads=2, max_len=16, dropout=0.0,
+                            gates="+SDPA gate", pad_id=1).eval()
+    mt = fuse(mt) if fused else mt
+    memory, src_mask = mt.encode(tokens)
+    cache = mt.new_cache()
+    steps = torch.stack([mt.decode_step(tokens[:, i], i, memory, src_mask, cache) for i in range(6)], dim=1)
+    torch.testing.assert_close(steps, mt.decode(tokens, memory, src_mask), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
