@@ -156,7 +156,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe)
     compare_tasks = comparison_for(recipe)  # pretraining and GLUE (Table 2), or sentence classification's folds
-    if compare_tasks is not None:
+    if args.lr_sweep is not None:
+        from gatedformer.analysis.lr_sweep import parse_rates, run_lr_sweep
+
+        rates = parse_rates(args.lr_sweep)
+        if compare_tasks is not None:
+            raise ConfigError(f"--lr-sweep does not apply to {recipe.name}'s comparison (pretraining and fine-tuning, "
+                              "or cross-validation); leave it out")
+        report = run_lr_sweep(recipe, Path(args.out), rates, seeds=args.seeds, overrides=_overrides(args),
+                              data_dir=args.data_dir, progress=not args.quiet, only=args.variants,
+                              matched_baseline=args.matched_baseline, step_timing=args.step_timing)
+    elif compare_tasks is not None:
         if args.matched_baseline is not None:
             raise ConfigError(f"--matched-baseline does not apply to {recipe.name}'s comparison (pretraining and "
                               "fine-tuning, or cross-validation); leave it out")
@@ -442,6 +452,10 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--matched-baseline", nargs="?", const="", default=None, metavar="VARIANT",
                          help="add the first variant at the parameter count of VARIANT (default: the largest), its "
                               "feed-forward width solved for")
+    compare.add_argument("--lr-sweep", metavar="RATES",
+                         help="train every variant at each of these learning rates (comma-separated, e.g. "
+                              "1e-3,3e-3,1e-2), each rate in OUT/lr-<rate>; OUT/report.md sets the final loss and the "
+                              "diverged runs per rate side by side (a diverged run is recorded and the sweep goes on)")
     compare.add_argument("--no-step-timing", dest="step_timing", action="store_false",
                          help="skip timing every variant's step interleaved for the training-time table")
     compare.add_argument("--quiet", action="store_true")

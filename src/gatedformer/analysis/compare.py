@@ -8,6 +8,7 @@ the convergence figure and, for gated variants, the gate figures of their first 
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -31,12 +32,13 @@ from gatedformer.config import (
     build_config,
     check_overrides_spare_variants,
 )
-from gatedformer.errors import ConfigError, GatedformerError
-from gatedformer.io import atomic_write_text
+from gatedformer.errors import CheckpointError, ConfigError, GatedformerError
+from gatedformer.io import atomic_write_json, atomic_write_text, read_limited
 from gatedformer.tasks import task_for
 from gatedformer.train.checkpoint import latest_checkpoint
 from gatedformer.train.loop import (
     FINISHED_RUN_CHANGES,
+    NonFiniteLoss,
     RunResult,
     TrainingInterrupted,
     saved_config_differences,
@@ -169,6 +171,57 @@ class _Progress:
         self.say(f"{self._tag(index)}: done in {duration(took)}{score}{self.eta()}")
 
 
+DIVERGED_FILE = "diverged.json"
+"""Where a comparison that goes on past divergences (``compare --lr-sweep``) records them."""
+
+
+class Divergences:
+    """The runs of a comparison folder whose loss stopped being finite, in ``OUT/diverged.json``: ``{run folder
+    relative to OUT: {"step": the step, "error": the error's line}}``, written as each is recorded (a comparison
+    stopped later keeps them)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.path = out_dir / DIVERGED_FILE
+        self.runs: dict[str, dict[str, Any]] = {}
+        if self.path.is_file():
+            try:
+                data = json.loads(read_limited(self.path, 1 << 22))
+                self.runs = {str(k): dict(v) for k, v in data.items()}
+            except (OSError, ValueError, TypeError, AttributeError):
+                raise CheckpointError(f"{self.path} is damaged; delete it (and the run folders it names) to train "
+                                      "those runs again") from None
+
+    def _key(self, run_dir: Path) -> str:
+        return run_dir.relative_to(self.out_dir).as_posix()
+
+    def has(self, run_dir: Path) -> bool:
+        return self._key(run_dir) in self.runs
+
+    def step(self, run_dir: Path) -> int:
+        return int(self.runs[self._key(run_dir)]["step"])
+
+    def record(self, run_dir: Path, error: Exception) -> None:
+        found = re.search(r"at step (\d+)", str(error))
+        self.runs[self._key(run_dir)] = {"step": int(found.group(1)) if found else 0, "error": str(error)}
+        atomic_write_json(self.path, self.runs)
+
+    def check(self, plans: list[tuple[Variant, int, RunConfig, Path]]) -> None:
+        """Refuse a recorded divergence whose run was trained with other settings than these (as a finished run)."""
+        for _, _, config, run_dir in plans:
+            if self.has(run_dir) and (run_dir / "config.json").is_file():
+                differences = saved_config_differences(run_dir, config, FINISHED_RUN_CHANGES)
+                if differences:
+                    raise ConfigError(f"{run_dir} diverged with other settings: {'; '.join(differences[:3])}; "
+                                      f"delete it and its entry in {self.path} to train it with these, or choose "
+                                      "another --out")
+
+    def describe(self, name: str, plans: list[tuple[Variant, int, RunConfig, Path]]) -> str:
+        """Which seeds of variant ``name`` diverged, and at which step."""
+        return ", ".join(f"seed {seed} at step {self.step(d)}" for v, seed, _, d in plans
+                         if v.name == name and self.has(d))
+
+
 class ComparisonInterrupted(GatedformerError):
     """A signal stopped a comparison; its current run kept a checkpoint."""
 
@@ -195,13 +248,19 @@ def _plan_runs(recipe: Recipe, variants: list[Variant], seeds: int, overrides: l
 
 
 def _train_plans(plans: list[tuple[Variant, int, RunConfig, Path]], data_dir: str | Path | None, progress: bool,
-                 shared: Any) -> _Progress:
-    """Train every planned run that has not finished (an interrupted one resumes), one after another."""
+                 shared: Any, diverged: Divergences | None = None) -> _Progress:
+    """Train every planned run that has not finished (an interrupted one resumes), one after another. With
+    ``diverged``, a run whose loss stops being finite is recorded there as diverged and the others go on (a run
+    recorded so earlier is kept as it is); without it, it stops the comparison."""
     tracker = _Progress(progress, plans)
     trained = 0
     for index, (_, _, config, run_dir) in enumerate(plans):
         if (run_dir / "results.json").is_file():
             tracker.kept(index)
+            continue
+        if diverged is not None and diverged.has(run_dir):
+            tracker.done[index] = config.train.steps
+            tracker.say(f"{tracker._tag(index)}: diverged earlier at step {diverged.step(run_dir)}, kept as diverged")
             continue
         resuming = run_dir.exists() and latest_checkpoint(run_dir) is not None
         tracker.start(index, resuming)
@@ -214,6 +273,13 @@ def _train_plans(plans: list[tuple[Variant, int, RunConfig, Path]], data_dir: st
                 "compare command again to continue: finished runs are kept and this one resumes")
             interrupted.exit_code = stop.exit_code  # 128 + the signal, as for train
             raise interrupted from None
+        except NonFiniteLoss as err:
+            if diverged is None:
+                raise
+            diverged.record(run_dir, err)
+            tracker.done[index] = config.train.steps  # nothing left of it for the time estimate
+            tracker.say(f"{tracker._tag(index)}: diverged at step {diverged.step(run_dir)}; recorded, going on")
+            continue
         tracker.finish(index, result)
         trained += 1
     if trained:
@@ -225,10 +291,13 @@ def _train_plans(plans: list[tuple[Variant, int, RunConfig, Path]], data_dir: st
 def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: list[str] | None = None,
                    data_dir: str | Path | None = None, progress: bool = True,
                    only: list[str] | None = None, tensorboard: bool = False, matched_baseline: str | None = None,
-                   step_timing: bool = True) -> ComparisonReport:
+                   step_timing: bool = True, diverging: bool = False, shared: Any = None) -> ComparisonReport:
     """Train (or pick up) every variant × seed, then write ``report.md`` and its figures. ``matched_baseline`` (a
     variant's name, or ``""`` for the largest) adds a baseline of that variant's size; ``step_timing`` times every
-    variant's training step interleaved in this process for the training-time table."""
+    variant's training step interleaved in this process for the training-time table. ``diverging`` records a run
+    whose loss stops being finite in ``OUT/diverged.json`` and goes on (the report leaves out the variants with a
+    diverged seed, naming them), where without it such a run stops the comparison (exit 3); ``shared`` is the
+    task's shared data where the caller has read it (:meth:`~gatedformer.tasks.base.Task.shared_data`)."""
     if seeds < 1:
         raise ConfigError(f"--seeds must be at least 1, got {seeds}")
     check_overrides_spare_variants(recipe, list(overrides or []))
@@ -247,10 +316,27 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
         require_tensorboard()
 
     # Runs on one corpus share what their task lets them (a language model's corpus is read once for all).
-    shared = task_for(plans[0][2]).shared_data(plans[0][2], data_dir)
+    if shared is None:
+        shared = task_for(plans[0][2]).shared_data(plans[0][2], data_dir)
     claim_comparison_folder(out_dir)
-    tracker = _train_plans(plans, data_dir, progress, shared)
+    diverged = Divergences(out_dir) if diverging else None
+    if diverged is not None:
+        diverged.check(plans)
+    tracker = _train_plans(plans, data_dir, progress, shared, diverged)
 
+    notes: list[str] = []
+    if diverged is not None:
+        lost = [v for v in variants if any(diverged.has(d) for p, _, _, d in plans if p is v)]
+        notes += [f"{v.name} diverged ({diverged.describe(v.name, plans)}): left out of the tables"
+                  for v in lost]
+        variants = [v for v in variants if v not in lost]
+        if not variants:
+            report_path = out_dir / "report.md"
+            atomic_write_text(report_path, f"# {recipe.name}: comparison\n\nEvery variant diverged: "
+                              + "; ".join(notes) + "\n")
+            return ComparisonReport("", report_path, [], [], notes)
+        if lost and lost[0] is _select(recipe, only)[0]:
+            notes.append(f"the baseline diverged: the changes are against {variants[0].name}")
     summaries = []
     for variant in variants:
         _, _, config, first_dir = next(p for p in plans if p[0] is variant)
@@ -259,7 +345,6 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
                                         _steps_per_epoch(config, results, shared),
                                         _components(config, first_dir, data_dir, shared)))
     metric = summaries[0].results[0].metric
-    notes: list[str] = []
     step_times = None
     if step_timing:
         firsts = {v.name: next(c for p, _, c, _ in plans if p is v) for v in variants}
