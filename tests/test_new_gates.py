@@ -375,3 +375,28 @@ def test_the_fused_paths_decline_the_new_gates_saying_why(norm: str, monkeypatch
     assert "no fused tail is listed for rezero (FUSED_KINDS)" in text
     assert not fuse(TransformerLM(11, d_model=16, n_layers=1, n_heads=2, d_ffn=32, gates="+SDPA gate")
                     ).layers[0].attn.fuse_sublayer
+
+
+def test_bert_starts_from_a_hugging_face_checkpoint_with_fresh_new_gates_but_not_with_a_glu_variant(
+        tmp_path: Path, text_corpus: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    from gatedformer.config import build_config, load_recipe
+    from gatedformer.data.wordpiece import encode_corpus
+
+    torch.manual_seed(0)
+    tokenizer, _ = encode_corpus(text_corpus, None, None, 80)
+    folder = tmp_path / "hf"
+    transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=32)).save_pretrained(folder)
+    (folder / "vocab.txt").write_text(tokenizer.vocab_txt(), encoding="utf-8")
+    overrides = [f"data.corpus={text_corpus}", "data.seq_len=24", "data.batch_size=4", "data.eval_batch_size=8",
+                 "model.d_model=16", "model.n_heads=2", "model.d_ffn=32", "model.max_positions=32",
+                 "tokenizer.vocab_size=80", "train.steps=1", "train.eval_every=1", "train.eval_windows=1",
+                 "train.threads=1", f"model.init_from_hf={folder}"]
+    recipe = load_recipe("bert-mlm-tiny")
+    train(build_config(recipe, [*overrides, "model.gates=+SDPA gate headwise+GRU gate /attn+ReZero /ffn"]), tmp_path / "run",
+          progress=False)
+    assert (tmp_path / "run" / "results.json").is_file()
+    with pytest.raises(ConfigError, match="holds no weights for the SwiGLU feed-forward; drop it from model.gates"):
+        train(build_config(recipe, [*overrides, "model.gates=+SwiGLU"]), tmp_path / "glu", progress=False)

@@ -35,6 +35,7 @@ from torch.nn import functional as F
 
 from gatedformer.config import ModelConfig, register_backbone
 from gatedformer.errors import CheckpointError, ConfigError
+from gatedformer.gates.kinds import GATE_KINDS, kind_in_name
 from gatedformer.gates.spec import SublayerGates, resolve_placement
 from gatedformer.nn.attention import BidirectionalSelfAttention
 from gatedformer.nn.dropout import Dropout
@@ -300,10 +301,14 @@ def load_hf_checkpoint(model: nn.Module, folder: str | Path, cfg: ModelConfig) -
     if differences:
         raise ConfigError(f"model.init_from_hf: {folder} is another model size ({'; '.join(differences[:3])}); set "
                           "the model fields to the checkpoint's")
+    bodies = {GATE_KINDS[name].label for site in resolve_placement(cfg.gates, cfg.n_layers).sites.values()
+              for name in site.kinds if GATE_KINDS[name].role == "body"}
+    if bodies:  # a GLU variant is another feed-forward than BERT's, with weights of other shapes
+        raise ConfigError(f"model.init_from_hf: a BERT checkpoint holds no weights for the {', '.join(sorted(bodies))} "
+                          "feed-forward; drop it from model.gates, or train from scratch without model.init_from_hf")
     state = hf_to_ours(_hf_weights(folder), len(bert.layers))
     expected = model.state_dict()
-    encoder = [k for k in expected if k.startswith("bert.") and ".pooler." not in f".{k}"
-               and not any(f".{gate}." in k for gate in ("sdu", "highway", "gated_mhdpa", "eau", "grc"))]
+    encoder = [k for k in expected if k.startswith("bert.") and ".pooler." not in f".{k}" and kind_in_name(k) is None]
     missing = [k for k in encoder if k not in state]
     if missing:
         raise CheckpointError(f"model.init_from_hf: {folder} lacks encoder weights ({', '.join(missing[:3])}); give a "
