@@ -69,3 +69,23 @@ def test_gates_tiny_in_miniature_writes_the_one_table(text_corpus: str, tmp_path
     assert "spikes per seed" in spikes and all(f"| {v} |" in spikes for v in variants)
     assert (tmp_path / "cmp" / "measurements.png").stat().st_size > 5000
     assert (tmp_path / "cmp" / "loss_spikes.png") in report.figures
+
+
+def test_gates_paper_sets_the_papers_gate_beside_its_baseline_and_trains(text_corpus: str, tmp_path: Path) -> None:
+    from gatedformer.train.loop import train
+
+    recipe = load_recipe("gates-paper")
+    specs = {v.name: build_config(recipe, [], v).model.gates for v in recipe.variants}
+    assert specs == {"baseline": "+SwiGLU", "+SDPA gate": "+SwiGLU+SDPA gate",
+                     "+SDPA gate headwise": "+SwiGLU+SDPA gate headwise", "baseline, params of +SDPA gate": "+SwiGLU"}
+    config = build_config(recipe)
+    assert (config.model.n_layers, config.model.norm, config.init.scheme, config.init.scale) == (28, "pre", "normal",
+                                                                                                  0.02)
+    assert config.model.dropout == config.model.attn_dropout == 0.0
+    small = [f"data.corpus={text_corpus}", "data.batch_size=2", "data.seq_len=16", "data.eval_batch_size=2",
+             "data.eval_seq_len=16", "model.d_model=16", "model.n_heads=2", "model.d_ffn=48", "train.steps=1",
+             "train.eval_every=1", "train.eval_windows=1", "train.precision=fp32"]
+    for variant in recipe.variants[:3]:  # the paper's shape (28 layers, pre-LN, SwiGLU), a step each
+        result = train(matched_config(recipe, small, variant), tmp_path / variant.name.replace(" ", "-"),
+                       progress=False)
+        assert result.steps == 1 and result.valid_loss > 0

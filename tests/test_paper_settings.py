@@ -251,6 +251,24 @@ NOT_FROM_THE_PAPER: dict[str, list[tuple[str, Any, str] | tuple[str, Any, str, s
         ("optim.clip", 10.0, "gradient clipping at norm 10"),
         ("", None, "no lemma exact-match, part-of-speech or entity features"),
     ],
+    "gates-paper": [  # Qiu et al. 2025's dense models scaled to one GPU
+        ("model.d_model", 512, "d_model 512 and 8 heads of 64"),
+        ("model.n_heads", 8, "d_model 512 and 8 heads of 64"),
+        ("model.d_ffn", 2304, "the SwiGLU hidden width 3 d (d_ffn 2304"),
+        ("data.corpus", "wikitext103", "the corpus and its word vocabulary"),
+        ("data.seq_len", 512, "the windows of 512"),
+        ("optim.lr", 1e-3, "AdamW at 1e-3 with 1,000 warm-up steps"),
+        ("optim.warmup_steps", 1000, "AdamW at 1e-3 with 1,000 warm-up steps"),
+        ("optim.min_lr_ratio", 0.1, "cosine decay to a tenth"),
+        ("optim.beta2", 0.95, "β2 0.95"),
+        ("optim.weight_decay", 0.1, "weight decay 0.1"),
+        ("optim.clip", 1.0, "gradients clipped at 1.0"),
+        ("train.steps", 20000, "the steps and the batch of 32"),
+        ("data.batch_size", 32, "the steps and the batch of 32"),
+        ("model.tie_embeddings", True, "tied input and output embeddings"),
+        ("train.precision", "bf16", "bf16 autocast"),
+        ("", None, "LayerNorm for RMSNorm, sinusoidal positions for RoPE"),
+    ],
 }
 
 

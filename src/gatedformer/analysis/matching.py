@@ -42,11 +42,14 @@ def matched_ffn(config: RunConfig, target: int, vocab_size: int = _NOMINAL_VOCAB
         return parameter_count(sized, vocab_size)
 
     width = config.model.d_ffn
-    here, slope = count(width), count(width + 1) - count(width)
+    # Over 3 widths: a GLU-variant feed-forward's hidden width is round(2/3 · d_ffn), which steps 2 of every 3.
+    here = count(width)
+    slope = (count(width + 3) - here) / 3
     if slope <= 0:
         raise ConfigError(f"model.backbone={config.model.backbone} has no feed-forward width that changes its size; "
                           "a parameter-matched baseline needs one (a Transformer-style backbone)")
-    matched = max(1, round(width + (target - here) / slope))
+    guess = round(width + (target - here) / slope)
+    matched = min((w for w in range(max(1, guess - 1), guess + 2)), key=lambda w: abs(count(w) - target))
     reached = count(matched)
     if abs(reached - target) > TOLERANCE * target:
         raise ConfigError(f"no feed-forward width matches {target:,} parameters within {TOLERANCE:.1%} (d_ffn "
