@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import os
 import re
 import tempfile
@@ -27,7 +28,7 @@ from torch import nn
 from gatedformer.config import RunConfig, config_from_dict, task_of
 from gatedformer.data.verify import FILES_KEY, check_files, files_checksums
 from gatedformer.devices import resolve_device
-from gatedformer.errors import CheckpointError, ConfigError, DataError, InUseError, OutputError
+from gatedformer.errors import CheckpointError, ConfigError, DataError, GatedformerError, InUseError, OutputError
 from gatedformer.io import (
     FolderLock,
     atomic_write_text,
@@ -322,7 +323,9 @@ def model_card(model: Pretrained, record: dict[str, Any]) -> str:
     results = record["results"]
     scores = [(key, value) for key, value in results.items()
               if isinstance(value, int | float) and not isinstance(value, bool)]
-    rows = "\n".join(f"| {key} | {value:.6g} |" for key, value in scores) or "| (no results.json) | |"
+    metric = results.get("metric") if isinstance(results.get("metric"), str) else None
+    rows = "\n".join(f"| {_score_name(key, metric)} (`{key}`) | {_number(value)} |" for key, value in scores) \
+        or "| (no results.json) | |"
     sizes = ", ".join(f"{key} {value:,}" for key, value in record["vocab_sizes"].items()) or "in its files"
     return f"""---
 library_name: gatedformer
@@ -343,11 +346,11 @@ A gatedformer model exported by `save_pretrained` (format {EXPORT_FORMAT} versio
 | gates | `{cfg.model.gates or "none (baseline)"}` |
 | corpus | `{cfg.data.corpus}` |
 | vocabulary | {sizes} |
-| parameters | {record["parameters"]:,} |
+| parameters | {record["parameters"]:,} ({record["parameters"] / 1e6:.2f}M) |
 
 ## Results (the run's `results.json`)
 
-| metric | value |
+| score | value |
 |---|---|
 {rows}
 
@@ -357,7 +360,7 @@ A gatedformer model exported by `save_pretrained` (format {EXPORT_FORMAT} versio
 import gatedformer
 
 model = gatedformer.from_pretrained("THIS_FOLDER_OR_REPO_ID")
-{_usage(model.task.name)}
+{_usage(model)}
 ```
 
 The whole run config is in `config.json`; the weights in `model.safetensors` carry a SHA-256 checksum that
@@ -415,17 +418,69 @@ def classify_lines(model: Pretrained, lines: Iterable[str], batch_size: int = 64
     return outputs()
 
 
-def _usage(task: str) -> str:
+def _score_name(key: str, metric: str | None) -> str:
+    """A results.json field as a reader names it: ``valid_metric`` of a character model is its valid bpc."""
+    if metric and key.endswith("_metric"):
+        return f"{key.removesuffix('_metric').replace('_', ' ')} {metric}"
+    return "parameters" if key == "params" else key.replace("_", " ")
+
+
+def _number(value: float) -> str:
+    # Counts with their thousands (2,748,940, never 2.74894e+06); scores to four decimals.
+    if isinstance(value, int):
+        return f"{value:,}"
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:,.1f}" if abs(value) >= 1000 else f"{value:.4f}"
+
+
+EXAMPLE_PROMPTS = ("The ", "the ", "a ", "A ")
+"""The card's ``generate`` prompt: the first of these the model's vocabulary spells (ptb-char has no capitals, a
+word-level vocabulary may not know "The"), else none."""
+
+EXAMPLE_INPUTS: dict[str, str] = {
+    "trec": "How tall is the Sears Building ?",
+    "subj": "The film follows a young woman who moves to Paris.",
+    "cr": "The battery lasts all day and the screen is sharp.",
+    "mpqa": "strongly opposes the plan",
+    "glue-cola": "The book was written by her.",
+    "glue-mrpc": ("He said the deal was done.", "The deal was done, he said."),
+    "glue-stsb": ("A man is playing a guitar.", "A man plays the guitar."),
+    "glue-rte": ("A cat sat on the mat.", "An animal sat on the mat."),
+    "glue-wnli": ("The trophy did not fit in the suitcase because it was too big.", "The trophy was too big."),
+    "glue-qnli": ("Where is the Eiffel Tower?", "The Eiffel Tower stands in Paris."),
+}
+"""The card's ``classify`` example for each classification set, in its own kind of text (a question for TREC, a
+pair for a pair task); sentiment sets (MR, SST, SST-2) read a review's sentence."""
+
+
+def _example_prompt(vocab: Any) -> str | None:
+    for prompt in EXAMPLE_PROMPTS:
+        try:
+            ids = vocab.encode(prompt)
+        except (GatedformerError, KeyError, ValueError):
+            continue
+        if ids and (vocab.unk_id is None or vocab.unk_id not in ids):
+            return prompt
+    return None
+
+
+def _usage(model: Pretrained) -> str:
+    task, corpus = model.task.name, model.config.data.corpus
     if task == "lm":
-        return 'print(model.generate("The ", max_tokens=200, seed=0))'
+        prompt = _example_prompt(model.data.vocab)
+        if prompt is None:
+            return "print(model.generate(max_tokens=200, seed=0))  # a prompt must use the vocabulary's characters"
+        return f"print(model.generate({prompt!r}, max_tokens=200, seed=0))"
     if task == "translation":
         return 'print(model.translate("A man is riding a bike."))'
     if task == "mlm":
         return 'print(model.fill_mask("the cat sat on the [MASK] ."))'
-    if task == "sentclass":
-        return 'print(model.classify("A gripping, funny film."), model.labels)'
-    if task == "glue":  # a pair task takes ("first sentence", "second sentence")
-        return 'print(model.classify("A gripping, funny film."), model.labels)  # a pair: ("...", "...")'
+    if task in ("sentclass", "glue"):
+        example = EXAMPLE_INPUTS.get(corpus, "A gripping, funny film.")
+        if model.labels is None:  # STS-B scores a pair
+            return f"print(model.classify({example!r}))  # a similarity score"
+        return f"print(model.classify({example!r}), model.labels)"
     if task == "qa":
         return 'print(model.answer("The Normans gave their name to Normandy.", "What is named after the Normans?"))'
     return "model.model  # the network, in eval mode"
