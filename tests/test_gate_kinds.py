@@ -115,7 +115,7 @@ def _train_two_steps(build: Callable[[str], nn.Module], gates: str, fused: bool)
 def test_every_kind_trains_on_every_path_as_its_module_computes_it(path: str, name: str, spec: str) -> None:
     if GATE_KINDS[name].role == "body" and "sru" in path:
         # A GLU-variant feed-forward stands in for a ReLU or GELU one: with the SRU's it is refused, not merged.
-        with pytest.raises(ValueError, match="stands in for the ReLU or GELU feed-forward, but this one is sru"):
+        with pytest.raises(ConfigError, match="in place of a ReLU or GELU one, not of an SRU one"):
             PATHS[path](spec)
         return
     fused = _train_two_steps(PATHS[path], spec, fused=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import one_error_line, tiny_overrides
 from torch import Tensor
 from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
@@ -20,6 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from gatedformer import Seq2SeqTransformer, TransformerLM, TransformerXLLM
 from gatedformer.analysis.bench import GATE_VARIANTS, BenchOptions, BenchSize, run_bench
 from gatedformer.analysis.bench.flops import count_flops
+from gatedformer.cli import main as cli_main
 from gatedformer.config import ModelConfig, RunConfig, apply_overrides, validate
 from gatedformer.errors import ConfigError
 from gatedformer.fused import fuse
@@ -257,11 +258,19 @@ def test_conflicting_or_misplaced_new_gates_are_refused_with_the_fix(spec: str, 
         resolve_placement(spec, 2)
 
 
-def test_a_glu_variant_on_an_sru_feed_forward_is_one_error_naming_the_fix() -> None:
+def test_a_glu_variant_on_an_sru_or_glu_feed_forward_is_one_error_naming_the_fix(
+        capsys: pytest.CaptureFixture[str]) -> None:
     cfg = ModelConfig(backbone="sru-transformer", d_model=8, n_layers=1, n_heads=2, d_ffn=16, gates="+SwiGLU")
-    with pytest.raises(ConfigError, match="stands in for the ReLU or GELU feed-forward, but this one is sru; use "
-                                          "model.ffn=relu"):
+    with pytest.raises(ConfigError, match=r"\+SwiGLU is a feed-forward of its own, in place of a ReLU or GELU one, not "
+                                          r"of an SRU one \(model.ffn=sru, or the sru-transformer backbone\); drop "
+                                          r"\+SwiGLU from model.gates"):
         build_model(cfg, 11)
+    with pytest.raises(ConfigError, match=r"\+GEGLU .* not of a GLU one \(model.ffn=glu\)"):
+        TransformerLM(11, d_model=8, n_layers=1, n_heads=2, d_ffn=16, ffn="glu", gates="+GEGLU")
+    # the translation model's SRU feed-forward too, from the command line: one line, no traceback
+    assert cli_main(["params", "--recipe", "multi30k-sru-tiny", "--set", "model.gates=+SwiGLU", "--vocab-size",
+                     "100"]) != 0
+    assert "in place of a ReLU or GELU one, not of an SRU one" in one_error_line(capsys)
 
 
 @pytest.mark.parametrize("spec", list(NEW_SPECS))
@@ -395,8 +404,8 @@ def test_bert_starts_from_a_hugging_face_checkpoint_with_fresh_new_gates_but_not
                  "tokenizer.vocab_size=80", "train.steps=1", "train.eval_every=1", "train.eval_windows=1",
                  "train.threads=1", f"model.init_from_hf={folder}"]
     recipe = load_recipe("bert-mlm-tiny")
-    train(build_config(recipe, [*overrides, "model.gates=+SDPA gate headwise+GRU gate /attn+ReZero /ffn"]), tmp_path / "run",
-          progress=False)
+    gates = "model.gates=+SDPA gate headwise+GRU gate /attn+ReZero /ffn"
+    train(build_config(recipe, [*overrides, gates]), tmp_path / "run", progress=False)
     assert (tmp_path / "run" / "results.json").is_file()
     with pytest.raises(ConfigError, match="holds no weights for the SwiGLU feed-forward; drop it from model.gates"):
         train(build_config(recipe, [*overrides, "model.gates=+SwiGLU"]), tmp_path / "glu", progress=False)

@@ -33,8 +33,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from gatedformer.errors import ConfigError
+
 from .eau import EAU
 from .gated_mhdpa import GatedMHDPA
+from .glu import GLUFeedForward
 from .glu_variants import FFNGEGLU, FFNGLU, FFNBilinear, FFNReGLU, FFNSwiGLU, glu_hidden
 from .grc import GatedResidual
 from .gru_gate import GRUGate
@@ -110,14 +113,16 @@ def _heads_of(body: nn.Module) -> dict[str, object]:
     return {"n_heads": body.n_heads}
 
 
-def _feed_forward_of(body: nn.Module) -> dict[str, object]:
+def _feed_forward_of(body: nn.Module, label: str) -> dict[str, object]:
     """A GLU variant's ``d_ffn`` and dropout: those of the position-wise feed-forward it stands in for. A body that
     is not one (an SRU or a GLU feed-forward: ``model.ffn`` sru or glu) is refused, as both would replace it."""
     activation = getattr(body, "activation", None)
     if activation not in ("relu", "gelu"):
-        raise ValueError(f"a GLU-variant feed-forward (+SwiGLU, +GEGLU, ...) stands in for the ReLU or GELU "
-                         f"feed-forward, but this one is {activation or type(body).__name__}; use model.ffn=relu "
-                         "(or gelu) with it")
+        what = ("a GLU one (model.ffn=glu)" if isinstance(body, GLUFeedForward)
+                else "an SRU one (model.ffn=sru, or the sru-transformer backbone)" if activation == "sru"
+                else f"a {type(body).__name__}")
+        raise ConfigError(f"+{label} is a feed-forward of its own, in place of a ReLU or GELU one, not of {what}; "
+                          f"drop +{label} from model.gates or use the ReLU feed-forward (model.ffn=relu)")
     return {"d_ffn": body.inner.out_features, "dropout": body.dropout.p}
 
 
@@ -126,7 +131,7 @@ def _glu_variant(cls: type[nn.Module], label: str, words: tuple[str, ...], act: 
         cls.kind, label, cls, words, "body", ("ffn",), "Shazeer, GLU Variants Improve Transformer, 2020",
         f"FFN_{label}(x) = ({act}(xW) ⊙ xV) W2, W, V: d × 2/3·d_ffn", where="on feed-forward sublayers",
         parameters=lambda d, f, h: 3 * d * glu_hidden(f), matmul_flops=lambda d, f, h: 6 * d * glu_hidden(f),
-        sized_by=_feed_forward_of)
+        sized_by=lambda body: _feed_forward_of(body, label))
 
 
 GATE_KINDS: dict[str, GateKind] = {kind.name: kind for kind in (
