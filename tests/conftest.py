@@ -22,6 +22,9 @@ os.environ.setdefault("GATEDFORMER_KERNEL_CACHE", str(REPO / ".pytest_cache" / "
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     # Token caches and verification stamps go to a per-session folder, never the user's home.
     monkeypatch.setenv("GATEDFORMER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    # A corpus a test hides is missing on purpose: never fetched on first use (tests/test_first_use_fetch.py turns
+    # fetching back on against a local server).
+    monkeypatch.setenv("GATEDFORMER_OFFLINE", "1")
 
 
 @pytest.fixture(autouse=True)

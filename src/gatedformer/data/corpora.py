@@ -17,6 +17,7 @@ from .paths import (
     fetch_target_dir,
     find_file,
     holds,
+    locate,
     missing_error,
 )
 from .registry import (
@@ -91,7 +92,7 @@ def _locate(spec: CorpusSpec, data_dir: str | Path | None) -> Path:
     for root in candidates:
         if holds(root, spec):
             return root
-    raise missing_error(spec, candidates)
+    raise missing_error(spec, candidates)  # checking: what is missing is the answer, not a reason to fetch
 
 
 def load_corpus(name: str, data_dir: str | Path | None = None) -> Corpus:
@@ -115,7 +116,7 @@ def _load(name: str, data_dir: str | Path | None) -> Corpus:
     if spec.tokenizer not in LM_TOKENIZERS:
         raise DataError(f"{spec.name} is a {spec.tokenizer} corpus of labelled sentences, not text to model; train "
                         f"on it with its own task (leave data.task empty)")
-    root = _locate(spec, data_dir)
+    root = locate(spec, data_dir)
     paths: dict[str, Path] = {}
     sources: list[dict] = []
     for f in spec.files:

@@ -6,7 +6,9 @@ import contextlib
 import gzip
 import hashlib
 import os
+import sys
 import tempfile
+import time
 import urllib.parse
 import urllib.request
 import zlib
@@ -16,7 +18,7 @@ from gatedformer.io import FolderLock, publish, remove_stale_temp_files
 
 from ..errors import DataError, InUseError, OutputError
 from .archives import fetch_special
-from .paths import ENV_MIRROR, fetch_target_dir, find_file
+from .paths import ENV_MIRROR, ENV_OFFLINE, fetch_target_dir, find_file, register_first_use_fetch
 from .registry import CORPORA, CorpusSpec, FileSpec, get_spec, is_text_corpus
 from .squad import is_squad_json
 from .verify import MANIFEST, decoded_facts, read_manifest, record_facts, verify_file
@@ -224,3 +226,31 @@ def fetch_corpus(
     finally:
         lock.release()
     return dest
+
+
+FIRST_USE_WAIT_S = 2.0
+"""How often a run that needs a corpus another process is fetching looks whether that fetch has ended."""
+
+
+def fetch_on_first_use(name: str, data_dir: str | Path | None, searched: list[Path]) -> Path:
+    """Fetch the missing corpus ``name`` as ``data fetch`` does (verified, with a progress bar, moved into place
+    atomically) and return the data root it went to; said on stderr first, since a run that was expected to start
+    downloads instead. Where another process is fetching into the same folder (the ranks of a torchrun job, two
+    runs started together), wait for it and use what it fetched."""
+    dest = fetch_target_dir(data_dir)
+    dirs = ", ".join(str(p) for p in searched)
+    print(f"gatedformer: corpus {name!r} is not in {dirs}; fetching it into {dest} (what `gatedformer data fetch "
+          f"{name}` does; {ENV_OFFLINE}=1 turns this off)", file=sys.stderr, flush=True)
+    told = False
+    while True:
+        try:
+            return fetch_corpus(name, data_dir, progress=True)
+        except InUseError:
+            if not told:
+                print(f"gatedformer: another process is fetching into {dest}; waiting for it", file=sys.stderr,
+                      flush=True)
+                told = True
+            time.sleep(FIRST_USE_WAIT_S)
+
+
+register_first_use_fetch(fetch_on_first_use)

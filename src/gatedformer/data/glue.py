@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DataError
-from .paths import data_dir_candidates, find_file, holds, missing_error
+from .paths import find_file, locate
 from .registry import CorpusSpec, FileSpec
 from .verify import verify_file
 
@@ -220,14 +220,11 @@ def _label(task: GlueTask, text: str, path: Path, line: int, fix: str) -> int | 
 def locate_glue(task: GlueTask, data_dir: str | Path | None = None) -> tuple[Path, dict[str, Path]]:
     """The data root holding the task's files (searched like every corpus's, each verified) and their paths."""
     spec = GLUE_CORPORA[task.corpus]
-    candidates = data_dir_candidates(data_dir)
-    root = next((r for r in candidates if holds(r, spec)), None)
-    if root is None:
-        raise missing_error(spec, candidates)
+    root = locate(spec, data_dir)
     paths = {}
     for f in spec.files:
         path = find_file(root, f.candidates)
-        assert path is not None  # holds() checked
+        assert path is not None  # locate() checked
         verify_file(path, f, root, spec.name)
         paths[f.split] = path
     return root, paths

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import DataError
@@ -11,6 +12,12 @@ from .registry import CorpusSpec, get_spec
 ENV_DATA = "GATEDFORMER_DATA"
 ENV_CACHE = "GATEDFORMER_CACHE"
 ENV_MIRROR = "GATEDFORMER_MIRROR"
+ENV_OFFLINE = "GATEDFORMER_OFFLINE"
+HF_OFFLINE = "HF_HUB_OFFLINE"
+"""Hugging Face's own switch, honoured where ``GATEDFORMER_OFFLINE`` is unset: a machine set up to stay off the
+network for the Hub stays off it for corpora too."""
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
 
 FIX_HINT = "pass --data-dir, set GATEDFORMER_DATA, or run `gatedformer data fetch {name}`"
 
@@ -76,8 +83,30 @@ def holds(root: Path, spec: CorpusSpec) -> bool:
     return all(find_file(root, f.candidates) is not None for f in spec.files)
 
 
-def missing_error(spec: CorpusSpec, searched: list[Path]) -> DataError:
-    """The one-line error for a corpus found in none of ``searched``."""
+def offline_switch() -> str | None:
+    """The variable that keeps corpora from being fetched on first use (``GATEDFORMER_OFFLINE=1``, else
+    ``HF_HUB_OFFLINE=1``), as ``NAME=value``; ``None`` where fetching is allowed.
+
+    The values are huggingface_hub's: ``1``, ``true``, ``yes``, ``on`` (any case) turn it on, ``0``, ``false``,
+    ``no``, ``off`` and empty off, so ``GATEDFORMER_OFFLINE=0`` fetches even under ``HF_HUB_OFFLINE=1``. Any other
+    value is refused rather than guessed at."""
+    for name in (ENV_OFFLINE, HF_OFFLINE):
+        value = os.environ.get(name)
+        if value is None:
+            continue
+        word = value.strip().lower()
+        if word in _ON:
+            return f"{name}={value}"
+        if word in _OFF:
+            return None
+        raise DataError(f"{name}={value!r} is neither on nor off; set it to 1 (no downloads) or 0 (fetch a missing "
+                        "corpus on first use)")
+    return None
+
+
+def missing_error(spec: CorpusSpec, searched: list[Path], switch: str | None = None) -> DataError:
+    """The one-line error for a corpus found in none of ``searched`` (``switch``: the offline setting that kept it
+    from being fetched)."""
     # Name the exact missing file in the most promising root: the first one holding part of the corpus.
     partial = next((r for r in searched if any(find_file(r, f.candidates) for f in spec.files)), None)
     if partial is not None:
@@ -86,24 +115,56 @@ def missing_error(spec: CorpusSpec, searched: list[Path]) -> DataError:
     else:
         where = " / ".join(f.path for f in spec.files)
     dirs = ", ".join(str(p) for p in searched) or "(none)"
-    return DataError(
-        f"corpus {spec.name!r} not found: missing {where} (data dirs searched: {dirs}); "
-        + FIX_HINT.format(name=spec.name)
-    )
+    fix = FIX_HINT.format(name=spec.name)
+    if switch is not None:
+        fix = (f"{switch} keeps it from being fetched on first use: run `gatedformer data fetch {spec.name}` where "
+               "there is a network, pass --data-dir, or set GATEDFORMER_DATA")
+    return DataError(f"corpus {spec.name!r} not found: missing {where} (data dirs searched: {dirs}); {fix}")
+
+
+def locate(spec: CorpusSpec, data_dir: str | Path | None = None, fetch_as: str | None = None) -> Path:
+    """The first data root holding every file of ``spec``; where none does, the corpus is fetched on first use
+    (``fetch_as``: the name ``data fetch`` knows it by, default ``spec.name``) into the folder ``data fetch``
+    writes to, unless :func:`offline_switch` says not to."""
+    candidates = data_dir_candidates(data_dir)
+    for root in candidates:
+        if holds(root, spec):
+            return root
+    switch = offline_switch()
+    if switch is not None:
+        raise missing_error(spec, candidates, switch)
+    root = fetch_missing(fetch_as or spec.name, data_dir, candidates)
+    if root is not None and holds(root, spec):
+        return root
+    raise missing_error(spec, candidates)
+
+
+FirstUseFetch = Callable[[str, "str | Path | None", list[Path]], Path]
+_first_use_fetch: list[FirstUseFetch] = []
+"""How a missing corpus is fetched on first use: :func:`gatedformer.data.fetch.fetch_on_first_use`, which registers
+itself here when ``gatedformer.data`` imports it (the fetch reads these paths and the loaders that call
+:func:`locate`, so neither may import it)."""
+
+
+def register_first_use_fetch(fetch: FirstUseFetch) -> None:
+    _first_use_fetch[:] = [fetch]
+
+
+def fetch_missing(name: str, data_dir: str | Path | None, searched: list[Path]) -> Path | None:
+    """Fetch the corpus ``name``, missing from every folder of ``searched``, into the folder ``data fetch`` writes
+    to; the data root it went to (``None`` where no fetch is registered)."""
+    return _first_use_fetch[0](name, data_dir, searched) if _first_use_fetch else None
 
 
 def resolve_data_dir(explicit: str | Path | None = None, corpus: str | None = None) -> Path:
     """The data root to read from.
 
-    With ``corpus``: the first candidate holding all of its files. Without: the first existing candidate.
+    With ``corpus``: the first candidate holding all of its files (fetched on first use, see :func:`locate`).
+    Without: the first existing candidate.
     """
     candidates = data_dir_candidates(explicit)
     if corpus is not None:
-        spec = get_spec(corpus)
-        for root in candidates:
-            if holds(root, spec):
-                return root
-        raise missing_error(spec, candidates)
+        return locate(get_spec(corpus), explicit)
     for root in candidates:
         if root.is_dir():
             return root

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError
-from .paths import data_dir_candidates, find_file, holds, missing_error
+from .paths import find_file, locate
 from .registry import CorpusSpec, FileSpec
 from .verify import verify_file
 
@@ -169,15 +169,12 @@ def load_sentences(name: str, data_dir: str | Path | None = None, folds: int = 1
     """The splits of the set ``name``: as given, or fold ``fold`` of ``folds`` (see the module docstring)."""
     s = sentence_set(name)
     spec = SENTCLASS_CORPORA[s.name]
-    candidates = data_dir_candidates(data_dir)
-    root = next((r for r in candidates if holds(r, spec)), None)
-    if root is None:
-        raise missing_error(spec, candidates)
+    root = locate(spec, data_dir)
     fix = f"fetch it again with `gatedformer data fetch {s.name}`"
     read = {}
     for f, (split, _, _, _, encoding) in zip(spec.files, s.files, strict=True):
         path = find_file(root, f.candidates)
-        assert path is not None  # holds() checked
+        assert path is not None  # locate() checked
         verify_file(path, f, root, spec.name)
         try:
             read[split] = read_examples(path, encoding, s.classes, s.lowercase, fix)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
-from .paths import data_dir_candidates, find_file, holds, missing_error
+from .paths import find_file, locate
 from .registry import CorpusSpec, FileSpec, get_spec
 from .verify import verify_file
 
@@ -193,14 +193,11 @@ def load_squad(name: str, data_dir: str | Path | None = None) -> SquadSplits:
         files = _squad_json_files(name)
     else:
         spec = get_spec("squad")  # the registry's entry (CORPORA holds SQUAD_CORPORA's)
-        candidates = data_dir_candidates(data_dir)
-        root = next((r for r in candidates if holds(r, spec)), None)
-        if root is None:
-            raise missing_error(spec, candidates)
+        root = locate(spec, data_dir)
         files = {}
         for f in spec.files:
             path = find_file(root, f.candidates)
-            assert path is not None  # holds() checked
+            assert path is not None  # locate() checked
             verify_file(path, f, root, spec.name)
             files["train" if f.split == "train" else "dev"] = path
     return SquadSplits(read_squad_file(files["train"]), read_squad_file(files["dev"]),

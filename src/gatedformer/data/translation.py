@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DataError
-from .paths import data_dir_candidates, find_file, holds
+from .paths import data_dir_candidates, fetch_missing, find_file, holds, offline_switch
 from .registry import CorpusSpec, FileSpec
 from .verify import verify_file
 from .vocab import Vocab
@@ -267,6 +267,11 @@ def locate_multi30k(src_lang: str, tgt_lang: str, data_dir: str | Path | None = 
     for root in candidates:
         if holds(root, spec):
             return root, spec
+    switch = offline_switch()
+    if switch is None:  # fetched on first use, as every corpus with a download address is
+        root = fetch_missing(CORPUS, data_dir, candidates)
+        if root is not None and holds(root, spec):
+            return root, spec
     partial = next((r for r in candidates if any(find_file(r, f.candidates) for f in spec.files)), None)
     if partial is not None:
         absent = next(f for f in spec.files if find_file(partial, f.candidates) is None)
@@ -274,11 +279,12 @@ def locate_multi30k(src_lang: str, tgt_lang: str, data_dir: str | Path | None = 
     else:
         where = f"{tok_file('train', src_lang)} and the other {CORPUS} files"
     dirs = ", ".join(str(p) for p in candidates)
-    raise DataError(
-        f"corpus {CORPUS!r} not found: missing {where} (data dirs searched: {dirs}); "
-        "pass --data-dir, set GATEDFORMER_DATA to the folder holding multi30k/, "
-        "or run `gatedformer data fetch multi30k`"
-    )
+    fix = ("pass --data-dir, set GATEDFORMER_DATA to the folder holding multi30k/, or run `gatedformer data fetch "
+           "multi30k`")
+    if switch is not None:
+        fix = (f"{switch} keeps it from being fetched on first use: run `gatedformer data fetch multi30k` where there "
+               "is a network, pass --data-dir, or set GATEDFORMER_DATA to the folder holding multi30k/")
+    raise DataError(f"corpus {CORPUS!r} not found: missing {where} (data dirs searched: {dirs}); {fix}")
 
 
 def _read_lines(path: Path) -> list[str]:

@@ -28,7 +28,7 @@ from gatedformer.io import atomic_open
 
 from ..errors import DataError, GatedformerError
 from .corpora import _find_text_file
-from .paths import cache_root, data_dir_candidates, find_file, holds, missing_error
+from .paths import cache_root, find_file, locate
 from .registry import SPLITS, TEXT_PREFIX, get_spec, is_text_corpus
 from .tokenize import damaged_cache, decode_utf8, ids_checksum
 from .verify import read_decoded, verify_file
@@ -191,15 +191,12 @@ def corpus_text(name: str, data_dir: str | Path | None = None) -> tuple[dict[str
     if spec.split_by_position:
         raise DataError(f"{spec.name} is one file of bytes, not text in lines; pick a word-level corpus such as "
                         "wikitext2 or wikitext103 for masked language modelling")
-    candidates = data_dir_candidates(data_dir)
-    root = next((r for r in candidates if holds(r, spec)), None)
-    if root is None:
-        raise missing_error(spec, candidates)
+    root = locate(spec, data_dir)
     texts, sources = {}, []
     fix = f"re-download with `gatedformer data fetch {spec.name}`"
     for f in spec.files:
         path = find_file(root, f.candidates)
-        assert path is not None  # holds() checked
+        assert path is not None  # locate() checked
         facts = verify_file(path, f, root, spec.name)
         texts[f.split] = decode_utf8(read_decoded(path, spec.name), path, fix)
         sources.append({"split": f.split, "sha256": facts["sha256"]})
