@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -356,10 +357,79 @@ def cmd_fill_mask(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_recipes(args: argparse.Namespace) -> int:
+    import gatedformer.tasks  # noqa: F401  (each task claims its corpora as it registers: the recipe's task)
+    from gatedformer.config import load_recipe, recipe_names, task_of
+
+    rows = []
+    for name in recipe_names():
+        recipe = load_recipe(name)
+        rows.append({"name": name, "task": task_of(recipe.config), "corpus": recipe.config.data.corpus,
+                     "variants": len(recipe.variants), "mirrors": recipe.published_source})
+    if args.json:
+        print(json.dumps(rows, indent=2, ensure_ascii=False))
+        return 0
+    print(f"{'recipe':<34} {'task':<12} {'corpus':<14} {'variants':>8}  mirrors")
+    for row in rows:
+        print(f"{row['name']:<34} {row['task']:<12} {row['corpus']:<14} {row['variants']:>8}  {row['mirrors']}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from gatedformer.analysis.bench import run_from_args
 
     return run_from_args(args)
+
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("train a recipe into a run folder",
+              "gatedformer train --recipe ptb-char-tiny --out runs/sdu --set model.gates='+σ SDU' \\\n"
+              "    --set train.steps=300"),
+    "eval": ("score a trained run on valid or test (one JSON line)", "gatedformer eval --run runs/sdu --split test"),
+    "generate": ("sample text from a trained language model",
+                 "gatedformer generate --run runs/sdu --prompt 'the ' --tokens 200 --temperature 0.8"),
+    "export": ("write a trained run as a Hugging Face Hub folder",
+               "gatedformer export --run runs/sdu --out export/sdu"),
+    "data": ("list, check or fetch corpora", "gatedformer data fetch ptb-char\ngatedformer data check"),
+    "params": ("count a recipe's parameters, total and per component",
+               "gatedformer params --recipe ptb-char-tiny --matched-baseline"),
+    "finetune": ("fine-tune a pretrained BERT run on a GLUE task",
+                 "gatedformer finetune --run runs/mlm --task mrpc --out runs/mlm-mrpc"),
+    "compare": ("train every variant of a recipe and write the paper-style report",
+                "gatedformer compare --recipe ptb-char-tiny --out runs/ptb-char-tiny --seeds 3"),
+    "analyze": ("gate figures and per-layer measurements of trained runs", "gatedformer analyze --run runs/sdu"),
+    "init-check": ("variance ratios at initialisation beside theory's",
+                   "gatedformer init-check --recipe multi30k-convs2s-tiny --no-dropout"),
+    "translate": ("translate sentences with a trained translation run",
+                  "echo 'a man rides a bike .' | gatedformer translate --run runs/multi30k --beam 4"),
+    "classify": ("classify sentences with a sentence-classification or GLUE run",
+                 "echo 'How tall is the Sears Building ?' | gatedformer classify --run runs/trec"),
+    "answer": ("answer a question about a paragraph (question answering)",
+               "gatedformer answer --run runs/squad --context paragraph.txt --question 'Who founded it?'"),
+    "fill-mask": ("the likeliest pieces for each [MASK] of a text (masked LM run)",
+                  "gatedformer fill-mask --run runs/mlm --text 'the [MASK] of the river' --top-k 3"),
+    "bench": ("time every backbone and gate beside other libraries' models",
+              "gatedformer bench --threads 2 --sections models --backbones transformer"),
+    "recipes": ("list the recipes and the paper table each mirrors",
+                "gatedformer recipes\ngatedformer recipes --json"),
+}
+"""Each command's line in ``gatedformer --help`` and the example its own ``--help`` ends with."""
+
+
+def _listing() -> str:
+    # Written out rather than argparse's list of subcommands, which wraps a long name's line onto two.
+    lines = [f"  {name:<11} {summary}" for name, (summary, _) in COMMANDS.items()]
+    return "commands:\n" + "\n".join(lines)
+
+
+def _command(commands: argparse._SubParsersAction, name: str, detail: str) -> argparse.ArgumentParser:
+    """A subcommand listed by its one line, described in full by its own ``--help`` and ending with an example."""
+    example = COMMANDS[name][1]
+    # Raw, so that the example keeps its lines; the description is wrapped here instead.
+    return commands.add_parser(name, description=textwrap.fill(detail[:1].upper() + detail[1:] + ".",
+                                                                             width=100),
+                               epilog="example:\n" + textwrap.indent(example, "  "),
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -367,11 +437,16 @@ def build_parser() -> argparse.ArgumentParser:
     from gatedformer import __version__
 
     parser = argparse.ArgumentParser(prog="gatedformer", description="Gated sequence models: train, compare, "
-                                     "evaluate and generate.")
+                                     "evaluate and generate.\n\n" + _listing(),
+                                     epilog="example:\n  gatedformer compare --recipe ptb-char-tiny --out "
+                                            "runs/ptb-char-tiny\n\n`gatedformer COMMAND --help` shows a command's "
+                                            "options and an example.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"gatedformer {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     help="one of the commands above")
 
-    train = commands.add_parser("train", help="train a recipe into a run directory")
+    train = _command(commands, "train", detail="train a recipe into a run directory")
     _add_config_args(train)
     train.add_argument("--out", required=True, help="run directory to create (or continue with --resume)")
     train.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
@@ -384,14 +459,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "(same as --set train.tensorboard=true; needs the tensorboard package)")
     train.set_defaults(handler=cmd_train)
 
-    evaluate = commands.add_parser("eval", help="score a trained run on valid or test; prints one JSON line")
+    evaluate = _command(commands, "eval", detail="score a trained run on valid or test; prints one JSON line")
     evaluate.add_argument("--run", required=True, help="a run directory written by train")
     evaluate.add_argument("--split", choices=("valid", "test"), default="valid")
     evaluate.add_argument("--data-dir")
     evaluate.add_argument("--device", default="auto")
     evaluate.set_defaults(handler=cmd_eval)
 
-    generate = commands.add_parser("generate", help="sample text from a trained run")
+    generate = _command(commands, "generate", detail="sample text from a trained run")
     generate.add_argument("--run", required=True)
     generate.add_argument("--prompt", default="")
     generate.add_argument("--tokens", type=int, default=200, help="how many tokens to sample")
@@ -407,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--device", default="auto")
     generate.set_defaults(handler=cmd_generate)
 
-    export = commands.add_parser("export", help="write a trained run as a Hugging Face Hub folder (config.json, "
+    export = _command(commands, "export", detail="write a trained run as a Hugging Face Hub folder (config.json, "
                                                 "model.safetensors, vocabulary, model card)")
     export.add_argument("--run", required=True)
     export.add_argument("--out", required=True, help="a new or empty folder (or an earlier export, overwritten)")
@@ -415,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--device", default="cpu")
     export.set_defaults(handler=cmd_export)
 
-    data = commands.add_parser("data", help="list, check or fetch corpora")
+    data = _command(commands, "data", detail="list, check or fetch corpora")
     data.add_argument("action", choices=("list", "check", "fetch"))
     data.add_argument("name", nargs="?", help="corpus to fetch, or to check alone")
     data.add_argument("--data-dir")
@@ -423,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--quiet", action="store_true")
     data.set_defaults(handler=cmd_data)
 
-    params = commands.add_parser("params", help="parameter counts, total and per component")
+    params = _command(commands, "params", detail="parameter counts, total and per component")
     _add_config_args(params)
     params.add_argument("--vocab-size", type=int, metavar="N",
                         help="count for this vocabulary size instead of reading the corpus")
@@ -432,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("--json", action="store_true")
     params.set_defaults(handler=cmd_params)
 
-    finetune = commands.add_parser("finetune", help="fine-tune a pretrained BERT run on a GLUE task (best validation "
+    finetune = _command(commands, "finetune", detail="fine-tune a pretrained BERT run on a GLUE task (best validation "
                                    "evaluation in results.json, dev predictions and the GLUE submission file)")
     finetune.add_argument("--run", required=True, help="a finished masked-LM pretraining run (gatedformer train)")
     finetune.add_argument("--task", required=True, choices=("cola", "sst2", "mrpc", "stsb", "rte", "wnli", "qnli"))
@@ -444,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_argument("--quiet", action="store_true", help="no progress bar")
     finetune.set_defaults(handler=cmd_finetune)
 
-    compare = commands.add_parser("compare", help="train every variant of a recipe and report them side by side")
+    compare = _command(commands, "compare", detail="train every variant of a recipe and report them side by side")
     _add_config_args(compare)
     compare.add_argument("--out", required=True, help="folder for the runs, report.md and figures")
     compare.add_argument("--seeds", type=int, default=1, help="seeds per variant")
@@ -463,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "OUT/<variant>/seed-<k>/tensorboard (needs the tensorboard package)")
     compare.set_defaults(handler=cmd_compare)
 
-    analyze = commands.add_parser("analyze", help="gate figures of a run: bias heatmap, t-SNE of the biases, "
+    analyze = _command(commands, "analyze", detail="gate figures of a run: bias heatmap, t-SNE of the biases, "
                                   "gate activation during training; attention sink, largest activation and gate "
                                   "sparsity per layer, loss spikes; for a translation run, its decoder attention")
     analyze.add_argument("--run", required=True, action="append",
@@ -477,7 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "(default 1.25)")
     analyze.set_defaults(handler=cmd_analyze)
 
-    init_check = commands.add_parser("init-check", help="per-layer forward/backward variance ratios at "
+    init_check = _command(commands, "init-check", detail="per-layer forward/backward variance ratios at "
                                      "initialisation, beside what theory predicts")
     _add_config_args(init_check)
     init_check.add_argument("--batches", type=int, default=4, help="training windows to measure over")
@@ -490,7 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
     init_check.add_argument("--json", action="store_true")
     init_check.set_defaults(handler=cmd_init_check)
 
-    translate = commands.add_parser("translate", help="translate sentences (one a line; an empty line gives an "
+    translate = _command(commands, "translate", detail="translate sentences (one a line; an empty line gives an "
                                     "empty line) with a trained translation run")
     translate.add_argument("--run", required=True, help="a translation run directory written by train")
     translate.add_argument("--input", help="UTF-8 file of source sentences, one a line (default: stdin)")
@@ -508,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
     translate.add_argument("--device", default="auto")
     translate.set_defaults(handler=cmd_translate)
 
-    classify = commands.add_parser("classify", help="classify sentences (one a line, or two with a tab between for "
+    classify = _command(commands, "classify", detail="classify sentences (one a line, or two with a tab between for "
                                    "a GLUE pair task; an empty line gives an empty line) with a trained "
                                    "sentence-classification or GLUE run")
     classify.add_argument("--run", required=True, help="a sentence-classification or GLUE fine-tuning run directory")
@@ -521,7 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     classify.add_argument("--device", default="auto")
     classify.set_defaults(handler=cmd_classify)
 
-    answer = commands.add_parser("answer", help="answer a question about a paragraph with a trained question-"
+    answer = _command(commands, "answer", detail="answer a question about a paragraph with a trained question-"
                                  "answering run: one JSON line of the answer, its characters in the paragraph and its "
                                  "probability")
     answer.add_argument("--run", required=True, help="a question-answering (qa) run directory written by train")
@@ -534,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
     answer.add_argument("--device", default="auto")
     answer.set_defaults(handler=cmd_answer)
 
-    fill = commands.add_parser("fill-mask", help="the likeliest pieces for each [MASK] of a text, with a trained "
+    fill = _command(commands, "fill-mask", detail="the likeliest pieces for each [MASK] of a text, with a trained "
                                "masked-language-model run (a line each: the mask's number, the piece, its probability)")
     fill.add_argument("--run", required=True, help="a masked-language-model run directory written by train")
     fill.add_argument("--text", required=True, help="text with one or more [MASK], e.g. 'the cat sat on the [MASK] .'")
@@ -542,9 +617,16 @@ def build_parser() -> argparse.ArgumentParser:
     fill.add_argument("--device", default="auto")
     fill.set_defaults(handler=cmd_fill_mask)
 
+    recipes = _command(commands, "recipes", detail="list the shipped recipes (src/gatedformer/recipes/*.toml), each "
+                       "with its task, corpus, number of variants and the published table it mirrors (its "
+                       "published_source); train one with `gatedformer train --recipe NAME`, or all its variants "
+                       "with `gatedformer compare --recipe NAME`")
+    recipes.add_argument("--json", action="store_true", help="one JSON list of the recipes instead of the table")
+    recipes.set_defaults(handler=cmd_recipes)
+
     from gatedformer.analysis.bench import add_arguments as add_bench_arguments
 
-    bench = commands.add_parser("bench", help="training/eval throughput, MFU and peak memory of every backbone and "
+    bench = _command(commands, "bench", detail="training/eval throughput, MFU and peak memory of every backbone and "
                                 "gate variant, beside plain-PyTorch, x-transformers, sru, LSTM and GRU peers")
     add_bench_arguments(bench)
     bench.set_defaults(handler=cmd_bench)
