@@ -23,7 +23,8 @@ in that order, after the two that act inside the body:
 * ``body``: the unit is the body (the GLU-variant feed-forwards, in place of the model's ReLU or GELU one);
 * ``heads``: ``S ← W_O · unit(h, Y)``, ``Y`` the heads' attention outputs before the output projection ``W_O``
   (the attention output gate: ``Y ⊙ σ(h W_θ)``).
- Gates are leaves: this module imports nothing of the package outside ``gates``.
+
+Gates are leaves: this module imports nothing of the package outside ``gates`` but its errors.
 """
 
 from __future__ import annotations
