@@ -200,3 +200,17 @@ def test_attention_under_an_output_gate_and_its_scores_are_measured(gate: str) -
     label = "attention (SDPA gate)" if gate == "+SDPA gate" else "attention (SDPA gate headwise)"
     assert result.gate_mean[label][0] == pytest.approx(score.mean().item(), rel=1e-5)
     assert result.gate_sparse[label][0] == pytest.approx((score < 0.1).float().mean().item(), abs=1e-6)
+
+
+def test_runs_of_the_same_data_share_one_validation_batch(text_corpus: str, tmp_path: Path) -> None:
+    recipe = load_recipe("ptb-char-tiny")
+    for name, gates in (("a", ""), ("b", "+σ SDU")):
+        train(build_config(recipe, [*tiny_overrides(text_corpus, steps=2), f"model.gates={gates}"]), tmp_path / name,
+              progress=False)
+    batches: dict = {}
+    first = measure_run(tmp_path / "a", batches=batches)
+    second = measure_run(tmp_path / "b", batches=batches)
+    assert len(batches) == 1  # a comparison reads its corpus once for the measurements of all its runs
+    assert first.query_length == second.query_length == 16 and set(second.gate_mean) == {"attention (SDU)",
+                                                                                         "FFN (SDU)"}
+    assert measure_run(tmp_path / "b").sink == second.sink  # the same batch as a run measured alone reads

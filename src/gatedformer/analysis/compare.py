@@ -443,7 +443,9 @@ def _measurements(summaries: list[VariantSummary], out_dir: Path, data_dir: str 
     (:mod:`~gatedformer.analysis.measurements`): the report's lines (tables, figures) and the figures drawn."""
     from gatedformer.analysis.measurements import measure_run, measurement_tables, plot_loss_spikes, plot_measurements
 
-    measured = {s.name: [measure_run(r.run_dir, data_dir, corpus=shared) for r in s.results] for s in summaries}
+    batches: dict[str, Any] = {}  # one validation batch for every run of the same data settings
+    measured = {s.name: [measure_run(r.run_dir, data_dir, corpus=shared, batches=batches) for r in s.results]
+                for s in summaries}
     notes += list(dict.fromkeys(note for runs in measured.values() for m in runs for note in m.notes))
     parts = measurement_tables(measured)
     figures: list[Path] = []

@@ -25,6 +25,7 @@ matplotlib.
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import statistics
 from collections.abc import Callable
@@ -418,10 +419,13 @@ def measure_model(model: nn.Module, forward: Callable[[nn.Module], Any], result:
 
 
 def measure_run(run_dir: str | Path, data_dir: str | Path | None = None, corpus: Any = None,
-                spike_factor: float = SPIKE_FACTOR, device: str = "cpu") -> RunMeasurements:
+                spike_factor: float = SPIKE_FACTOR, device: str = "cpu",
+                batches: dict[str, Callable[[nn.Module], Any]] | None = None) -> RunMeasurements:
     """The measurements of the run in ``run_dir``: the loss spikes of its log, and, for a language-model, masked-LM
     or translation run with weights, the hooks' measurements on a batch of its validation split (``corpus``: a
-    language model's corpus already read, as ``compare`` shares it). What cannot be measured is said in ``notes``."""
+    language model's corpus already read, as ``compare`` shares it; ``batches``: the validation batches read so far,
+    by the data settings that gave them, which the runs of one comparison share rather than each reading its corpus).
+    What cannot be measured is said in ``notes``."""
     from gatedformer.runs import load_trained
 
     run_dir = Path(run_dir)
@@ -442,13 +446,19 @@ def measure_run(run_dir: str | Path, data_dir: str | Path | None = None, corpus:
     if run.task.name == "lm" and not len(getattr(corpus, "valid", ())):
         result.notes.append(f"{run_dir}: no validation text to measure on (read the corpus: pass --data-dir)")
         return result
+    # Everything but the network and its training decides the batch
+    settings = {k: v for k, v in run.config.to_dict().items() if k not in ("model", "optim", "init", "train")}
+    key = json.dumps(settings, sort_keys=True, default=str)
+    batches = {} if batches is None else batches
     try:
-        if run.task.name == "lm":
-            forward = _lm_batch(run, corpus)
-        elif run.task.name == "mlm":
-            forward = _mlm_batch(run, data_dir)
-        else:
-            forward = _translation_batch(run, data_dir)
+        if key not in batches:
+            if run.task.name == "lm":
+                batches[key] = _lm_batch(run, corpus)
+            elif run.task.name == "mlm":
+                batches[key] = _mlm_batch(run, data_dir)
+            else:
+                batches[key] = _translation_batch(run, data_dir)
+        forward = batches[key]
     except (DataError, ConfigError) as err:
         result.notes.append(f"attention, activation and gate measurements skipped: {err}")
         return result
