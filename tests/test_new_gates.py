@@ -382,6 +382,7 @@ def test_the_fused_paths_decline_the_new_gates_saying_why(norm: str, monkeypatch
     assert "an attention output gate (sdpa_gate_headwise) sits between the heads and the output projection" in text
     assert "no fused tail is listed for gru_gate (FUSED_KINDS)" in text
     assert "no fused tail is listed for rezero (FUSED_KINDS)" in text
+    assert "nn.Sublayer (its body) declined: no fused function computes the ffn_swiglu feed-forward" in text
     assert not fuse(TransformerLM(11, d_model=16, n_layers=1, n_heads=2, d_ffn=32, gates="+SDPA gate")
                     ).layers[0].attn.fuse_sublayer
 

@@ -60,6 +60,10 @@ def _plan(sub: Sublayer) -> None:
     heads = [name for name in sub.kinds if GATE_KINDS[name].role == "heads"]
     sub._heads_why = (f"an attention output gate ({heads[0]}) sits between the heads and the output projection"
                       if heads and splits else None)
+    # A GLU-variant body has no fused function of its own: its products run as written (its output projection, which
+    # has no bias, then goes with the dropout and residual add where the fused tail takes it).
+    bodies = [name for name in sub.kinds if GATE_KINDS[name].role == "body"]
+    sub._body_why = f"no fused function computes the {bodies[0]} feed-forward; it runs as written" if bodies else None
     # With post-LN, a body whose fused implementation offers add_norm computes the whole sublayer in one autograd
     # function (the residual's gradient then joins x's inside the matrix products), with the gates that function
     # lists; the body's add_norm may still return None for a case it declines.
@@ -87,6 +91,8 @@ def sublayer_forward(self: Sublayer, x: Tensor, *body_args: object) -> Tensor:
             return whole
     elif self._unfused_why is not None and explaining():
         declined("nn.Sublayer (as one function)", self._unfused_why)
+    if self._body_why is not None and explaining():
+        declined("nn.Sublayer (its body)", self._body_why)
     h = self.norm(x) if self.pre_norm else x
     stream = x
     for kind, unit in self._by_role["stream"]:
