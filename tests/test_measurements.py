@@ -214,3 +214,18 @@ def test_runs_of_the_same_data_share_one_validation_batch(text_corpus: str, tmp_
     assert first.query_length == second.query_length == 16 and set(second.gate_mean) == {"attention (SDU)",
                                                                                          "FFN (SDU)"}
     assert measure_run(tmp_path / "b").sink == second.sink  # the same batch as a run measured alone reads
+
+
+def test_a_translation_run_is_measured_on_its_validation_pairs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_translation import _config, _write_corpus
+
+    from gatedformer.data import translation as mt
+
+    monkeypatch.setattr(mt, "MULTI30K_SHA256", {})
+    data_dir = _write_corpus(tmp_path / "data")
+    train(_config("train.steps=2", "train.eval_every=2"), tmp_path / "run", data_dir=data_dir, progress=False)
+    result = measure_run(tmp_path / "run", data_dir)
+    assert set(result.sink) == {"encoder attention", "decoder attention", "decoder cross-attention"}
+    assert set(result.max_activation) == {"encoder", "decoder"}
+    assert {"encoder attention (EAU)", "decoder cross-attention (EAU)"} <= set(result.gate_mean)
+    assert not result.notes
