@@ -33,6 +33,11 @@ class GLUVariantFeedForward(nn.Module):
     ``2 d d_ffn`` of the ReLU feed-forward it replaces. Dropout, where the model has it, falls on the gated hidden
     layer, as the ReLU feed-forward's falls on its hidden layer.
 
+    A spec places them (``+SwiGLU``, ``+GEGLU L1-2``), not ``model.ffn``: so they are variants of one comparison
+    beside the other gates, combine with them (``+SwiGLU+SDPA gate``) and may go on some layers only; on a sublayer
+    the unit is the body, in place of the ReLU or GELU feed-forward the model built (role ``body`` in
+    :mod:`gatedformer.gates.kinds`).
+
     ``W`` and ``V`` are one projection ``inner`` ``(d -> 2h)``, ``W`` its first half; ``outer`` is ``W_2``. Like
     :class:`~gatedformer.nn.sublayer.FeedForward` it offers ``features`` (everything before ``W_2``) and
     ``output_projection``. Works on tensors of shape ``(..., d_model)``.
