@@ -383,8 +383,10 @@ def test_the_fused_paths_decline_the_new_gates_saying_why(norm: str, monkeypatch
     assert "no fused tail is listed for gru_gate (FUSED_KINDS)" in text
     assert "no fused tail is listed for rezero (FUSED_KINDS)" in text
     assert "nn.Sublayer (its body) declined: no fused function computes the ffn_swiglu feed-forward" in text
-    assert not fuse(TransformerLM(11, d_model=16, n_layers=1, n_heads=2, d_ffn=32, gates="+SDPA gate")
-                    ).layers[0].attn.fuse_sublayer
+    # alone on its sublayer, the attention output gate is taken by the path that joins W_O to the dropout, the
+    # residual add and the LayerNorm (it acts before W_O); not by the whole-sublayer function
+    gated = fuse(TransformerLM(11, d_model=16, n_layers=1, n_heads=2, d_ffn=32, gates="+SDPA gate")).layers[0].attn
+    assert gated.fuse_linear and not gated.fuse_sublayer
 
 
 def test_bert_starts_from_a_hugging_face_checkpoint_with_fresh_new_gates_but_not_with_a_glu_variant(

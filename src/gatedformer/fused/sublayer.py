@@ -43,7 +43,7 @@ def _plan(sub: Sublayer) -> None:
     """Work out once, from the sublayer's structure, which of the paths above can apply (forward passes them on
     several times per step)."""
     by_role = {role: [(GATE_KINDS[name], getattr(sub, name)) for name in sub.kinds if GATE_KINDS[name].role == role]
-               for role in ("output", "branch", "blend", "stream", "residual")}
+               for role in ("heads", "output", "branch", "blend", "stream", "residual")}
     sub._by_role = by_role
     unit = next((u for role in ("branch", "blend", "stream") for _, u in by_role[role]), None)
     sub._fused_gates = (next((u for _, u in by_role["residual"]), None), unit,
@@ -52,14 +52,13 @@ def _plan(sub: Sublayer) -> None:
     roles = {GATE_KINDS[name].role for name in sub.kinds} - {"body"}
     body = sub.body
     # With no gate between the body's last linear layer and the residual add (a gate on the stream only changes
-    # what is added to), the two can be one pass.
+    # what is added to; an attention output gate acts on the heads, before that layer), the two can be one pass.
     splits = hasattr(body, "features") and hasattr(body, "output_projection")
-    sub.fuse_linear = roles <= {"stream"} and splits
-    # An attention output gate sits between the heads and the output projection: no fused path here computes it, so
-    # the sublayer runs its body as the reference does (Sublayer.run_body), the gate included.
+    sub.fuse_linear = roles <= {"stream", "heads"} and splits
+    # Elsewhere an attention output gate runs with the body as the reference has it (Sublayer.run_body).
     heads = [name for name in sub.kinds if GATE_KINDS[name].role == "heads"]
-    sub._heads_why = (f"an attention output gate ({heads[0]}) sits between the heads and the output projection"
-                      if heads and splits else None)
+    sub._heads_why = (f"an attention output gate ({heads[0]}) sits between the heads and the output projection, and "
+                      "a gate other than a stream gate after it" if heads and splits and not sub.fuse_linear else None)
     # A GLU-variant body has no fused function of its own: its products run as written (its output projection, which
     # has no bias, then goes with the dropout and residual add where the fused tail takes it).
     bodies = [name for name in sub.kinds if GATE_KINDS[name].role == "body"]
@@ -99,6 +98,8 @@ def sublayer_forward(self: Sublayer, x: Tensor, *body_args: object) -> Tensor:
         stream = fused_gates.apply_stream(kind, unit, stream)
     if self.fuse_linear:  # stream + dropout(W f(h) + b), then the LayerNorm with post-LN
         features = self.body.features(h, *body_args)
+        for _, gate in self._by_role["heads"]:  # the attention output gate on the heads' outputs, before W_O
+            features = gate(h, features)
         projection = self.body.output_projection
         if self.pre_norm:
             return linear_dropout_add(stream, features, projection, self.dropout.p, self.training)
