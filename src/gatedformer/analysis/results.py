@@ -138,7 +138,8 @@ def render_page(comparisons: list[Comparison], figure_prefix: str = "results/") 
              "published numbers where the recipe mirrors a published table) and its figures. The `-tiny` recipes "
              "are miniatures on 2 CPU cores, not the papers' scale: read the changes between variants, not the "
              "absolute numbers against the papers'. This page is generated; to regenerate it:", "",
-             "```bash", f"{COMMAND} {' '.join(str(c.folder) for c in comparisons) or 'DIR ...'} --out docs/results.md",
+             "<!-- not run: regenerates this page from the compare folders named -->", "```bash",
+             f"{COMMAND} {' '.join(str(c.folder) for c in comparisons) or 'DIR ...'} --out docs/results.md",
              "```"]
     if comparisons:
         lines += ["", "| recipe | report written | machine | commit |", "|---|---|---|---|"]
@@ -148,7 +149,8 @@ def render_page(comparisons: list[Comparison], figure_prefix: str = "results/") 
     if missing:
         lines += ["", "## Not yet run here", "",
                   "These `-tiny` comparisons have no report on this page yet; each line produces one (then stamp "
-                  "its folder and regenerate the page):", "", "```bash"]
+                  "its folder and regenerate the page):", "",
+                  "<!-- not run: each line trains a whole comparison -->", "```bash"]
         lines += [f"gatedformer compare --recipe {name} --out runs/{name} && {COMMAND} --stamp runs/{name}"
                   for name in missing]
         lines += ["```"]
