@@ -65,8 +65,9 @@ def test_gated_run_draws_heatmap_tsne_and_activations(runs: dict[str, Path], tmp
 
     assert main(["analyze", "--run", str(runs["gated"]), "--out", str(tmp_path / "figs")]) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert printed == [f"figure: {tmp_path / 'figs' / name}"
-                       for name in ("gate_biases.png", "gate_tsne.png", "gate_activation.png")]
+    assert [line for line in printed if line.startswith("figure: ")] == [
+        f"figure: {tmp_path / 'figs' / name}" for name in ("gate_biases.png", "gate_tsne.png", "gate_activation.png",
+                                                          "measurements.png", "loss_spikes.png")]
     assert all((tmp_path / "figs" / name).stat().st_size > 5000 for name in ("gate_biases.png", "gate_tsne.png",
                                                                             "gate_activation.png"))
 
@@ -81,8 +82,10 @@ def test_run_without_gates_has_nothing_to_draw(runs: dict[str, Path], capsys: py
     assert analyze_run(runs["plain"]).figures == []
     assert main(["analyze", "--run", str(runs["plain"])]) == 0  # not an error: one line saying so
     printed = capsys.readouterr().out.strip().splitlines()
-    assert len(printed) == 1 and "has no gates" in printed[0] and "no gate figures to draw" in printed[0]
+    notes = [line for line in printed if "gate figures" in line]
+    assert len(notes) == 1 and "has no gates" in notes[0] and "no gate figures to draw" in notes[0]
     assert not list(runs["plain"].glob("gate_*.png"))
+    assert "### Attention sink" in printed and "### Gate scores" not in printed  # its attention is still measured
 
 
 def one_line_error(capsys: pytest.CaptureFixture, fragment: str) -> None:
