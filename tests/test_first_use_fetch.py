@@ -150,3 +150,36 @@ def test_a_run_waits_for_another_process_fetching_the_same_folder(mirror: Path, 
     finally:
         timer.join()
     assert "another process is fetching into" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("corpus", ["multi30k", "wmt14"])
+def test_the_translation_corpora_are_fetched_on_first_use_too(corpus: str, mirror: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from gatedformer.data.translation import locate_multi30k
+    from gatedformer.data.wmt14 import locate_wmt14
+
+    locate = (lambda: locate_multi30k("en", "de", tmp_path / "d")[0]) if corpus == "multi30k" else (
+        lambda: locate_wmt14(tmp_path / "d"))
+    monkeypatch.setenv("GATEDFORMER_OFFLINE", "1")
+    with pytest.raises(DataError) as err:
+        locate()
+    msg = str(err.value)
+    assert "\n" not in msg and f"corpus '{corpus}' not found" in msg
+    assert "GATEDFORMER_OFFLINE=1 keeps it from being fetched on first use" in msg
+    assert f"gatedformer data fetch {corpus}" in msg
+    # Online, the corpus goes through data fetch (here a stand-in that records the call and places the files).
+    asked = []
+
+    def fetch(name: str, data_dir: Path, searched: list[Path]) -> Path:
+        from gatedformer.data.translation import multi30k_spec
+
+        asked.append(name)
+        files = [f.path for f in multi30k_spec("en", "de").files] if name == "multi30k" else ["wmt14/PREPARED.json"]
+        for rel in files:
+            (Path(data_dir) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(data_dir) / rel).write_text("x\n", encoding="utf-8")
+        return Path(data_dir)
+
+    monkeypatch.setenv("GATEDFORMER_OFFLINE", "0")
+    monkeypatch.setattr(paths_mod, "_first_use_fetch", [fetch])
+    assert locate() == tmp_path / "d" and asked == [corpus]

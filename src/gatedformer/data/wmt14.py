@@ -48,7 +48,7 @@ from gatedformer.io import FolderLock, publish
 
 from ..errors import DataError, InUseError, OutputError
 from .archives import download
-from .paths import data_dir_candidates, fetch_target_dir
+from .paths import data_dir_candidates, fetch_missing, fetch_target_dir, offline_switch
 from .registry import CorpusSpec, FileSpec
 
 __all__ = ["ARCHIVES", "BPE_SIZE", "CORPUS", "Archive", "Bpe", "detokenize", "fetch_wmt14", "locate_wmt14",
@@ -483,5 +483,11 @@ def locate_wmt14(data_dir: str | Path | None = None) -> Path:
     for root in candidates:
         if (root / FOLDER / "PREPARED.json").is_file():
             return root
-    raise DataError(f"corpus 'wmt14' not found: no {FOLDER}/PREPARED.json in {', '.join(map(str, candidates))}; run "
-                    "`gatedformer data fetch wmt14` (about 1.7 GB of archives), or pass --data-dir")
+    switch = offline_switch()
+    if switch is None:  # fetched and prepared on first use, as every corpus with a download address is
+        root = fetch_missing("wmt14", data_dir, candidates)
+        if root is not None and (root / FOLDER / "PREPARED.json").is_file():
+            return root
+    kept = f"{switch} keeps it from being fetched on first use; " if switch else ""
+    raise DataError(f"corpus 'wmt14' not found: no {FOLDER}/PREPARED.json in {', '.join(map(str, candidates))}; {kept}"
+                    "run `gatedformer data fetch wmt14` (about 1.7 GB of archives), or pass --data-dir")
