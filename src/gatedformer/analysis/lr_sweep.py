@@ -171,7 +171,8 @@ def _sweep_figure(out_dir: Path, rates: list[float], names: list[str], seeds: in
         axis.plot(xs, ys, marker="o", color=color, label=name)
         lost = [r for r, (_, steps) in zip(rates, outcomes[name], strict=True) if steps]
         if lost:
-            axis.scatter(lost, [top] * len(lost), marker="x", color=color, s=60, zorder=3)
+            # staggered, so that the variants that diverged at one rate show one cross each
+            axis.scatter(lost, [top * (1 + 0.01 * i)] * len(lost), marker="x", color=color, s=60, zorder=3)
     axis.set_xscale("log")
     axis.set(xlabel="learning rate (optim.lr)", ylabel="final valid loss (nats/token)",
              title="learning-rate robustness (× at the top: a seed diverged)")
