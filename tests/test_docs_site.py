@@ -99,9 +99,16 @@ def test_the_results_page_shows_each_report_whole_stamped_with_its_figures(tmp_p
     (folder / "report.md").write_text("# ptb-char-tiny: comparison\n\nno figures\n", encoding="utf-8")
     results.write_page([folder], tmp_path / "docs" / "results.md")
     assert sorted(p.name for p in (tmp_path / "docs" / "results").rglob("*") if p.is_file()) == []
+    # The tasks with comparisons of their own title their reports otherwise; the recipe is still the first word.
+    glue = _comparison(tmp_path / "glue", recipe="glue-tiny")
+    (glue / "report.md").write_text("# glue-tiny: BERT pretraining and GLUE fine-tuning\n\n## Table 2\n",
+                                    encoding="utf-8")
+    text = results.write_page([folder, glue], tmp_path / "docs" / "results.md").read_text(encoding="utf-8")
+    assert "## glue-tiny\n" in text and "### Table 2" in text and "--recipe glue-tiny " not in text
 
 
-def test_an_unstamped_report_says_so_and_bad_folders_are_one_error_line(tmp_path: Path) -> None:
+def test_an_unstamped_report_says_so_and_bad_folders_are_one_error_line(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
     folder = _comparison(tmp_path / "cmp")
     assert "not recorded (run `python -m gatedformer.analysis.results --stamp DIR`" in \
         results.render_page([results.read_comparison(folder)])[0]
@@ -114,15 +121,13 @@ def test_an_unstamped_report_says_so_and_bad_folders_are_one_error_line(tmp_path
                           ([str(folder), str(twice), "--out", str(tmp_path / "p.md")], "give one folder per recipe"),
                           (["--stamp"], "give the compare folders to stamp"),
                           ([str(folder)], "give --out docs/results.md")):
-        done = subprocess.run([sys.executable, "-m", "gatedformer.analysis.results", *argv], capture_output=True,
-                              text=True, check=False)
-        assert done.returncode == 2 and done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
-        assert "Traceback" not in done.stderr
+        assert results.main(argv) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and message in error, error
     assert not (tmp_path / "p.md").exists() and not (mine / results.PROVENANCE).exists()
     (folder / results.PROVENANCE).write_text("not json")
-    done = subprocess.run([sys.executable, "-m", "gatedformer.analysis.results", str(folder), "--out",
-                           str(tmp_path / "p.md")], capture_output=True, text=True, check=False)
-    assert done.returncode == 2 and "delete it and stamp the folder again" in done.stderr
+    assert results.main([str(folder), "--out", str(tmp_path / "p.md")]) == 2
+    assert "delete it and stamp the folder again" in capsys.readouterr().err
 
 
 def test_the_readme_is_the_front_door() -> None:

@@ -32,7 +32,8 @@ from gatedformer.train.rundir import folder_kind
 PROVENANCE = "provenance.json"
 COMMAND = "python -m gatedformer.analysis.results"
 _IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)\s]+)\)")
-_TITLE = re.compile(r"^# (.+?): comparison\s*$", re.MULTILINE)
+# Every kind of report opens so: "# NAME: comparison", "# NAME: BERT pretraining and GLUE fine-tuning", ...
+_TITLE = re.compile(r"^# (\S+?): .+$", re.MULTILINE)
 
 
 def _git(args: list[str]) -> str | None:
