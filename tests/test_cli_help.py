@@ -69,6 +69,7 @@ def test_recipes_lists_every_recipe_with_its_task_and_table(capsys: pytest.Captu
     assert "Table 1" in rows["ptb-char-tiny"]
     assert rows["multi30k-tiny"].split()[1:3] == ["translation", "multi30k"] and "Table 3" in rows["multi30k-tiny"]
     assert rows["squad-sru-paper"].split()[1] == "qa"
+    assert rows["glue-tiny"].split()[1] == "mlm+glue" and rows["bert-mlm-tiny"].split()[1] == "mlm"
     assert main(["recipes", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in listed] == recipe_names()

@@ -364,7 +364,10 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     rows = []
     for name in recipe_names():
         recipe = load_recipe(name)
-        rows.append({"name": name, "task": task_of(recipe.config), "corpus": recipe.config.data.corpus,
+        task = task_of(recipe.config)
+        if task == "mlm" and recipe.config.finetune.tasks.strip():
+            task = "mlm+glue"  # pretrains, then compare fine-tunes each variant on GLUE (Table 2)
+        rows.append({"name": name, "task": task, "corpus": recipe.config.data.corpus,
                      "variants": len(recipe.variants), "mirrors": recipe.published_source})
     if args.json:
         print(json.dumps(rows, indent=2, ensure_ascii=False))
