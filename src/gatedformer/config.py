@@ -233,7 +233,8 @@ class FinetuneConfig:
     """How ``gatedformer finetune`` and the GLUE comparison fine-tune a pretrained run on a GLUE task."""
 
     tasks: str = "cola sst2 mrpc stsb rte wnli qnli"
-    """The GLUE tasks a comparison fine-tunes on (those whose data is present)."""
+    """The GLUE tasks a comparison fine-tunes on (those whose data is present or fetched on first use; with
+    ``GATEDFORMER_OFFLINE=1``, those present)."""
     epochs: float = 0.0
     """0: the paper's schedule (3 epochs; CoLA 5, RTE 8); else this many for every task."""
     batch_size: int = 32

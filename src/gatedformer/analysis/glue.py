@@ -1,11 +1,11 @@
 """The EAU/GRC paper's BERT experiments in one command (§4.2–4.3): pretrain every variant of a masked-LM recipe,
-fine-tune each on every GLUE task of ``finetune.tasks`` whose data is present, and write the report: Table 2's layout
-(tasks × variants, mean ± std over seeds, the published numbers beside ours), the MLM table and Figure 2 (the MLM
-loss curves).
+fine-tune each on every GLUE task of ``finetune.tasks`` whose data is present or can be fetched, and write the
+report: Table 2's layout (tasks × variants, mean ± std over seeds, the published numbers beside ours), the MLM table
+and Figure 2 (the MLM loss curves).
 
 Runs live in ``OUT/<variant>/seed-<k>/pretrain`` and ``OUT/<variant>/seed-<k>/<task>``; a finished run is kept (for
 the same settings), an interrupted one resumes, so the command can be run again until it is done. A recipe with no
-GLUE task present (or ``finetune.tasks`` empty) is the pretraining comparison alone.
+GLUE task to be had (offline, with none present; or ``finetune.tasks`` empty) is the pretraining comparison alone.
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def figure_2(pretrained: dict[str, list[RunResult]], path: Path) -> Path:
 def run_glue_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: list[str] | None = None,
                         data_dir: str | Path | None = None, progress: bool = True,
                         only: list[str] | None = None) -> ComparisonReport:
-    """Pretrain every variant × seed of a masked-LM recipe, fine-tune each on the GLUE tasks present, write
+    """Pretrain every variant × seed of a masked-LM recipe, fine-tune each on the GLUE tasks present or fetched, write
     ``OUT/report.md``."""
     if seeds < 1:
         raise ConfigError(f"--seeds must be at least 1, got {seeds}")
