@@ -263,8 +263,10 @@ def test_paper_recipes_carry_the_published_numbers(name: str) -> None:
 
 
 def test_every_recipe_validates_and_its_variants_have_distinct_folders() -> None:
+    assert "ptb-char-tiny" in recipe_names()
     for name in recipe_names():
         recipe = load_recipe(name)
+        assert recipe.variants, name
         for variant in recipe.variants:
             build_config(recipe, [], variant)
         assert len({slug(v.name) for v in recipe.variants}) == len(recipe.variants), name
@@ -347,7 +349,8 @@ def test_paired_changes_say_when_they_are_within_the_seed_spread() -> None:
     assert high - low == pytest.approx(2 * 4.3027 * 0.1 / 3 ** 0.5, rel=1e-3)
 
 
-def test_a_matched_baseline_has_the_gated_variants_parameters(text_corpus: str, tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_every_recipes_matched_baseline_has_the_gated_variants_parameters() -> None:
     from gatedformer.analysis.matching import TOLERANCE, matched_config, parameter_count
 
     for name in recipe_names():
@@ -361,6 +364,11 @@ def test_a_matched_baseline_has_the_gated_variants_parameters(text_corpus: str, 
             assert abs(parameter_count(matched) - want) <= TOLERANCE * want, (name, variant.name)
             assert matched.model.d_ffn > build_config(recipe, [], variant).model.d_ffn  # wider, not gated
             assert matched.model.gates == build_config(recipe, [], recipe.variants[0]).model.gates
+
+
+def test_a_matched_baseline_has_the_gated_variants_parameters(text_corpus: str, tmp_path: Path) -> None:
+    from gatedformer.analysis.matching import TOLERANCE
+
     # Any compare can ask for one; params shows it.
     recipe_file = tmp_path / "two.toml"
     recipe_file.write_text(RECIPE, encoding="utf-8")

@@ -21,22 +21,11 @@ from gatedformer.config import (
     config_from_dict,
     get_backbone,
     load_recipe,
-    recipe_names,
     validate,
 )
 from gatedformer.errors import ConfigError
 from gatedformer.runs import load_trained
 from gatedformer.tasks import TASKS
-
-
-def test_every_shipped_recipe_loads_and_validates() -> None:
-    names = recipe_names()
-    assert "ptb-char-tiny" in names
-    for name in names:
-        recipe = load_recipe(name)
-        assert recipe.variants, name
-        for variant in recipe.variants:
-            build_config(recipe, [], variant)
 
 
 def test_overrides_are_typed() -> None:

@@ -288,6 +288,34 @@ def _train_plans(plans: list[tuple[Variant, int, RunConfig, Path]], data_dir: st
     return tracker
 
 
+def _without_diverged(variants: list[Variant], plans: list[tuple[Variant, int, RunConfig, Path]], diverged: Divergences,
+                      notes: list[str]) -> list[Variant]:
+    """The variants none of whose seeds diverged; a note for each left out (and for a baseline left out)."""
+    lost = [v for v in variants if any(diverged.has(d) for p, _, _, d in plans if p is v)]
+    notes += [f"{v.name} diverged ({diverged.describe(v.name, plans)}): left out of the tables" for v in lost]
+    kept = [v for v in variants if v not in lost]
+    if kept and lost and lost[0] is variants[0]:
+        notes.append(f"the baseline diverged: the changes are against {kept[0].name}")
+    return kept
+
+
+def _step_times(variants: list[Variant], plans: list[tuple[Variant, int, RunConfig, Path]], out_dir: Path,
+                data_dir: str | Path | None, shared: Any, tracker: _Progress, notes: list[str]) -> StepTimes:
+    """Every variant's training step timed interleaved in this process, or the measurement a previous run of these
+    configs recorded (measured again, the ratios would change with the load of the moment, silently)."""
+    firsts = {v.name: next(c for p, _, c, _ in plans if p is v) for v in variants}
+
+    def measure() -> StepTimes:
+        tracker.say(f"timing every variant's training step, interleaved ({ROUNDS} rounds)")
+        return interleaved_step_times(firsts, data_dir, shared)
+
+    step_times, timing_notes = recorded_or_measured(firsts, out_dir, measure)
+    notes += timing_notes
+    if step_times.recorded:
+        tracker.say(f"step times: the measurement of {step_times.measured}, kept in {out_dir / TIMES_FILE}")
+    return step_times
+
+
 def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: list[str] | None = None,
                    data_dir: str | Path | None = None, progress: bool = True,
                    only: list[str] | None = None, tensorboard: bool = False, matched_baseline: str | None = None,
@@ -326,17 +354,12 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
 
     notes: list[str] = []
     if diverged is not None:
-        lost = [v for v in variants if any(diverged.has(d) for p, _, _, d in plans if p is v)]
-        notes += [f"{v.name} diverged ({diverged.describe(v.name, plans)}): left out of the tables"
-                  for v in lost]
-        variants = [v for v in variants if v not in lost]
+        variants = _without_diverged(variants, plans, diverged, notes)
         if not variants:
             report_path = out_dir / "report.md"
             atomic_write_text(report_path, f"# {recipe.name}: comparison\n\nEvery variant diverged: "
                               + "; ".join(notes) + "\n")
             return ComparisonReport("", report_path, [], [], notes)
-        if lost and lost[0] is _select(recipe, only)[0]:
-            notes.append(f"the baseline diverged: the changes are against {variants[0].name}")
     summaries = []
     for variant in variants:
         _, _, config, first_dir = next(p for p in plans if p[0] is variant)
@@ -345,20 +368,7 @@ def run_comparison(recipe: Recipe, out_dir: Path, seeds: int = 1, overrides: lis
                                         _steps_per_epoch(config, results, shared),
                                         _components(config, first_dir, data_dir, shared)))
     metric = summaries[0].results[0].metric
-    step_times = None
-    if step_timing:
-        firsts = {v.name: next(c for p, _, c, _ in plans if p is v) for v in variants}
-
-        def measure() -> StepTimes:
-            tracker.say(f"timing every variant's training step, interleaved ({ROUNDS} rounds)")
-            return interleaved_step_times(firsts, data_dir, shared)
-
-        # A re-run shows the recorded measurement of these configs: measured again, the ratios would change with
-        # the load of the moment, silently.
-        step_times, timing_notes = recorded_or_measured(firsts, out_dir, measure)
-        notes += timing_notes
-        if step_times.recorded:
-            tracker.say(f"step times: the measurement of {step_times.measured}, kept in {out_dir / TIMES_FILE}")
+    step_times = _step_times(variants, plans, out_dir, data_dir, shared, tracker, notes) if step_timing else None
     table = format_table(summaries, metric, recipe, step_times)
     if seeds == 1:
         notes.append("One seed per variant: the changes against the baseline carry no spread, so a small one may be "
