@@ -24,6 +24,13 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> sub
                           env={**os.environ, **(env or {})}, timeout=300, cwd=cwd)
 
 
+def in_process(capsys: pytest.CaptureFixture, *args: str) -> subprocess.CompletedProcess:
+    """``main(args)`` in this process, as ``run_cli`` would report it (a fresh process costs seconds)."""
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess, fragment: str) -> None:
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -95,9 +102,18 @@ def test_resume_from_the_command_line(text_corpus: str, tmp_path: Path) -> None:
         (["eval", "--run", "does-not-exist"], "not a gatedformer run"),
     ],
 )
-def test_bad_input_is_one_line(args: list[str], fragment: str, tmp_path: Path) -> None:
-    assert_one_line_error(run_cli(*args, cwd=tmp_path), fragment)
+def test_bad_input_is_one_line(args: list[str], fragment: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                               capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.chdir(tmp_path)
+    # in this process (a fresh one costs seconds a case): the entry point's own test is below
+    assert_one_line_error(in_process(capsys, *args), fragment)
     # A command refused on its input leaves nothing behind: no half-made run folder "x" holding only a lock.
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_input_from_the_entry_point_is_one_line(tmp_path: Path) -> None:
+    assert_one_line_error(run_cli("train", "--recipe", "ptb-char-tiny", "--out", "x", "--set", "model.widht=3",
+                                  cwd=tmp_path), "unknown config key")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -156,7 +172,7 @@ def test_missing_corpus(tmp_path: Path) -> None:
     assert "gatedformer data fetch ptb-char" in result.stderr
 
 
-def test_corrupt_and_empty_corpora(tmp_path: Path) -> None:
+def test_corrupt_and_empty_corpora(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     folder = tmp_path / "data" / "ptb"
     folder.mkdir(parents=True)
     for split in ("train", "valid", "test"):
@@ -166,21 +182,22 @@ def test_corrupt_and_empty_corpora(tmp_path: Path) -> None:
     assert_one_line_error(result, "checksum mismatch")
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    assert_one_line_error(run_cli("train", "--recipe", "ptb-char-tiny", "--out", str(tmp_path / "e"),
-                                  "--data", f"text:{empty}"), "empty")
+    assert_one_line_error(in_process(capsys, "train", "--recipe", "ptb-char-tiny", "--out", str(tmp_path / "e"),
+                                     "--data", f"text:{empty}"), "empty")
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"hello \xff world" * 10)
-    assert_one_line_error(run_cli("train", "--recipe", "ptb-char-tiny", "--out", str(tmp_path / "b"),
-                                  "--data", f"text:{bad}"), "UTF-8")
+    assert_one_line_error(in_process(capsys, "train", "--recipe", "ptb-char-tiny", "--out", str(tmp_path / "b"),
+                                     "--data", f"text:{bad}"), "UTF-8")
 
 
-def test_seq_len_longer_than_a_split(text_corpus: str, tmp_path: Path) -> None:
-    result = run_cli("train", "--recipe", "ptb-char-tiny", "--out", str(tmp_path / "r"), "--data", text_corpus,
-                     "--set", "data.seq_len=100000")
+def test_seq_len_longer_than_a_split(text_corpus: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    result = in_process(capsys, "train", "--recipe", "ptb-char-tiny", "--out", str(tmp_path / "r"),
+                        "--data", text_corpus, "--set", "data.seq_len=100000")
     assert_one_line_error(result, "seq_len")
 
 
-def test_truncated_checkpoint_and_mismatched_config(text_corpus: str, tmp_path: Path) -> None:
+def test_truncated_checkpoint_and_mismatched_config(text_corpus: str, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "run"
     base = ["train", "--recipe", "ptb-char-tiny", "--out", str(out), "--quiet", *sets(tiny_overrides(text_corpus))]
     assert main([*base, "--set", "train.steps=4"]) == 0
@@ -191,7 +208,7 @@ def test_truncated_checkpoint_and_mismatched_config(text_corpus: str, tmp_path: 
                           f"truncated or corrupt (Error while deserializing header: invalid header length); "
                           f"delete it to use the run's latest checkpoint ({out / 'ckpt'}) instead")
     weights.unlink()
-    assert run_cli("eval", "--run", str(out)).returncode == 0
+    assert in_process(capsys, "eval", "--run", str(out)).returncode == 0
 
     half = tmp_path / "half"
     from gatedformer.config import apply_overrides, load_recipe
@@ -199,8 +216,8 @@ def test_truncated_checkpoint_and_mismatched_config(text_corpus: str, tmp_path: 
 
     config = apply_overrides(load_recipe("ptb-char-tiny").config, tiny_overrides(text_corpus))
     train(config, half, progress=False, stop_after=4)
-    result = run_cli("train", "--recipe", "ptb-char-tiny", "--out", str(half), "--resume",
-                     *sets(tiny_overrides(text_corpus)), "--set", "model.n_layers=3")
+    result = in_process(capsys, "train", "--recipe", "ptb-char-tiny", "--out", str(half), "--resume",
+                        *sets(tiny_overrides(text_corpus)), "--set", "model.n_layers=3")
     assert_one_line_error(result, "model.n_layers (2 saved, 3 now)")
 
 
