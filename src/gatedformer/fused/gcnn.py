@@ -10,7 +10,6 @@ The numbers are the reference's up to float rounding.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from gatedformer.fused.registry import implements
@@ -19,21 +18,13 @@ from gatedformer.ops.causal_conv import causal_conv1d
 from gatedformer.ops.fused_gates import glu_residual
 from gatedformer.ops.fused_linear import unhooked
 
-__all__ = ["gated_conv_block_forward", "gated_conv_convolve"]
+__all__ = ["gated_conv_block_forward", "gated_conv_causal_conv"]
 
 
-@implements(GatedConvLayer, "convolve")
-def gated_conv_convolve(self: GatedConvLayer, x: Tensor, cache: dict[str, Tensor] | None = None) -> Tensor:
-    """``conv(dropout(x))`` as the reference, the convolution as one matrix product over shifted windows."""
-    x = self.dropout(x)
-    if cache is None or self.kernel_size == 1:
-        return causal_conv1d(x, self.conv.weight, self.conv.bias)
-    past = cache.get("x")
-    if past is None:
-        past = x.new_zeros(x.shape[0], self.kernel_size - 1, x.shape[2])
-    joined = torch.cat([past, x], dim=1)
-    cache["x"] = joined[:, joined.shape[1] - (self.kernel_size - 1) :]
-    return causal_conv1d(joined, self.conv.weight, self.conv.bias)[:, self.kernel_size - 1 :]
+@implements(GatedConvLayer, "causal_conv")
+def gated_conv_causal_conv(self: GatedConvLayer, x: Tensor) -> Tensor:
+    """The reference's causal convolution as one matrix product over shifted windows."""
+    return causal_conv1d(x, self.conv.weight, self.conv.bias)
 
 
 @implements(GatedConvBlock)

@@ -11,6 +11,8 @@ trained.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from gatedformer.config import ModelConfig, backbone_names, get_backbone
@@ -33,14 +35,20 @@ from gatedformer.models.reader import DocumentReader
 # isort: on
 
 
-def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
-    """Instantiate the language model ``cfg.backbone`` for a vocabulary of ``vocab_size``."""
-    backbone = get_backbone(cfg.backbone, "lm")
+def build_backbone(cfg: ModelConfig, task: str, *sizes: Any) -> nn.Module:
+    """The network ``cfg.backbone`` registered for ``task``, built with the sizes the task knows (its vocabulary,
+    classes, ...); a value its modules reject is one ConfigError naming the backbone."""
+    backbone = get_backbone(cfg.backbone, task)
     try:
-        return backbone.build(cfg, vocab_size)
+        return backbone.build(cfg, *sizes)
     except ValueError as err:
         # The modules check their own arguments; a rejected value is the user's config, not a bug.
         raise ConfigError(f"model config rejected by backbone {cfg.backbone}: {err}; change that model field") from None
+
+
+def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
+    """Instantiate the language model ``cfg.backbone`` for a vocabulary of ``vocab_size``."""
+    return build_backbone(cfg, "lm", vocab_size)
 
 
 __all__ = [
@@ -57,6 +65,7 @@ __all__ = [
     "TransformerLM",
     "TransformerXLLM",
     "backbone_names",
+    "build_backbone",
     "build_model",
     "parse_gate_spec",
     "resolve_placement",

@@ -122,13 +122,18 @@ class GatedConvLayer(nn.Module):
         keeps: the receptive field, all an incremental step needs."""
         x = self.dropout(x)
         if cache is None or self.kernel_size == 1:
-            return causal_conv1d(x, self.conv.weight, self.conv.bias)
+            return self.causal_conv(x)
         past = cache.get("x")
         if past is None:
             past = x.new_zeros(x.shape[0], self.kernel_size - 1, x.shape[2])
         joined = torch.cat([past, x], dim=1)
         cache["x"] = joined[:, joined.shape[1] - (self.kernel_size - 1) :]
-        return causal_conv1d(joined, self.conv.weight, self.conv.bias)[:, self.kernel_size - 1 :]
+        return self.causal_conv(joined)[:, self.kernel_size - 1 :]
+
+    def causal_conv(self, x: Tensor) -> Tensor:
+        """The causal convolution of channels-last ``x`` ``(B, L, C_in)``: output ``t`` reads inputs
+        ``t - k + 1 … t`` (zeros before the first), ``(B, L, 2 · C_out)``."""
+        return causal_conv1d(x, self.conv.weight, self.conv.bias)
 
 
 class GatedConvBlock(nn.Module):

@@ -33,12 +33,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gatedformer.config import MaskedLMConfig, RunConfig, apply_overrides, config_from_dict, get_backbone, validate
+from gatedformer.config import MaskedLMConfig, RunConfig, apply_overrides, config_from_dict, validate
 from gatedformer.data.glue import SCORE_RANGE, GlueSplit, GlueTask, glue_task, load_glue
 from gatedformer.data.wordpiece import WordPiece
 from gatedformer.devices import autocast
 from gatedformer.errors import ConfigError, DataError, GatedformerError
 from gatedformer.fused import fuse
+from gatedformer.models import build_backbone
 from gatedformer.models.bert import load_hf_checkpoint
 from gatedformer.tasks.base import Task, TrainBatch, by_length, evaluating, register_task, rng, shuffled_epochs
 from gatedformer.tasks.best import BestEvaluation
@@ -230,11 +231,7 @@ class GlueFinetuneTask(Task[GlueData, tuple[GlueTask, WordPiece]]):
 
     @staticmethod
     def _build(config: RunConfig, vocab_size: int, num_labels: int) -> nn.Module:
-        try:
-            return get_backbone(config.model.backbone, "glue").build(config.model, vocab_size, num_labels)
-        except ValueError as err:
-            raise ConfigError(f"model config rejected by backbone {config.model.backbone}: {err}; change that "
-                              "model field") from None
+        return build_backbone(config.model, "glue", vocab_size, num_labels)
 
     def metric(self, data: GlueData) -> str:
         return data.task.metric

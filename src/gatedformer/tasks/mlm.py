@@ -31,13 +31,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gatedformer.config import RunConfig, get_backbone
+from gatedformer.config import RunConfig
 from gatedformer.data.tokenize import require_utf8
 from gatedformer.data.verify import FILES_KEY, check_files
 from gatedformer.data.wordpiece import WordPiece, encode_corpus
 from gatedformer.devices import autocast
 from gatedformer.errors import ConfigError, DataError
 from gatedformer.fused import fuse
+from gatedformer.models import build_backbone
 from gatedformer.models.bert import load_hf_checkpoint
 from gatedformer.tasks.base import Task, TrainBatch, evaluating, register_task, rng
 from gatedformer.tasks.weights import recorded_metadata, start_weights_file
@@ -262,11 +263,7 @@ class MaskedLMTask(Task[MLMData, WordPiece]):
         return fuse(self.nominal_model(config, len(tokenizer)))
 
     def nominal_model(self, config: RunConfig, vocab_size: int) -> nn.Module:
-        try:
-            return get_backbone(config.model.backbone, self.name).build(config.model, vocab_size)
-        except ValueError as err:
-            raise ConfigError(f"model config rejected by backbone {config.model.backbone}: {err}; change that "
-                              "model field") from None
+        return build_backbone(config.model, self.name, vocab_size)
 
     def metric(self, data: MLMData) -> str:
         return "ppl"

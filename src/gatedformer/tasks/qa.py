@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gatedformer.config import RunConfig, get_backbone
+from gatedformer.config import RunConfig
 from gatedformer.data.squad import (
     SQUAD_CORPORA,
     SQUAD_JSON_PREFIX,
@@ -56,6 +56,7 @@ from gatedformer.devices import autocast
 from gatedformer.errors import CheckpointError, ConfigError, DataError
 from gatedformer.fused import fuse
 from gatedformer.io import atomic_write, input_lines, read_limited
+from gatedformer.models import build_backbone
 from gatedformer.models.reader import FEATURES
 from gatedformer.tasks.base import Task, TrainBatch, by_length, evaluating, register_task, rng
 from gatedformer.tasks.best import BestEvaluation
@@ -408,12 +409,7 @@ class QuestionAnsweringTask(Task[QAData, QAData]):
 
     @staticmethod
     def _build(config: RunConfig, vocab_size: int, embedding_dim: int, fixed_from: int | None) -> nn.Module:
-        try:
-            return get_backbone(config.model.backbone, "qa").build(config.model, vocab_size, embedding_dim,
-                                                                   fixed_from)
-        except ValueError as err:
-            raise ConfigError(f"model config rejected by backbone {config.model.backbone}: {err}; change that "
-                              "model field") from None
+        return build_backbone(config.model, "qa", vocab_size, embedding_dim, fixed_from)
 
     def metric(self, data: QAData) -> str:
         return "f1"

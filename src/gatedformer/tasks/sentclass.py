@@ -27,12 +27,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gatedformer.config import RunConfig, get_backbone
+from gatedformer.config import RunConfig
 from gatedformer.data.sentclass import SENTCLASS_SETS, SentenceSet, load_sentences, sentence_set, words_of
 from gatedformer.devices import autocast
-from gatedformer.errors import CheckpointError, ConfigError, DataError
+from gatedformer.errors import CheckpointError, DataError
 from gatedformer.fused import fuse
 from gatedformer.io import read_limited
+from gatedformer.models import build_backbone
 from gatedformer.tasks.base import Task, TrainBatch, by_length, evaluating, register_task, rng, shuffled_epochs
 from gatedformer.tasks.best import BestEvaluation
 
@@ -183,12 +184,7 @@ class SentenceClassificationTask(Task[SentenceData, SentenceData]):
     @staticmethod
     def _build(config: RunConfig, vocab_size: int, classes: int, embedding_dim: int) -> nn.Module:
         freeze = config.sentclass.freeze_vectors and bool(config.sentclass.word_vectors)
-        try:
-            return get_backbone(config.model.backbone, "sentclass").build(config.model, vocab_size, classes,
-                                                                          embedding_dim, freeze)
-        except ValueError as err:
-            raise ConfigError(f"model config rejected by backbone {config.model.backbone}: {err}; change that "
-                              "model field") from None
+        return build_backbone(config.model, "sentclass", vocab_size, classes, embedding_dim, freeze)
 
     def metric(self, data: SentenceData) -> str:
         return "accuracy"
