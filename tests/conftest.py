@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import http.server
 import os
+import threading
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -118,3 +121,18 @@ def for_backbone(backbone: str, overrides: list[str], task: str = "lm") -> list[
 def needs_shared(*relative: str) -> pytest.MarkDecorator:
     missing = [r for r in relative if not (SHARED_DATA / r).is_file()]
     return pytest.mark.skipif(bool(missing), reason=f"real corpus files not found under {SHARED_DATA}: {missing}")
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A folder served over HTTP on localhost, and its address."""
+    root = tmp_path / "served"
+    root.mkdir()
+    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *args: None  # type: ignore[attr-defined]
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import http.server
 import json
-import threading
-from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -115,20 +111,6 @@ def test_the_registry_pins_the_official_files() -> None:
     assert spec.files[1].sha256 == "95aa6a52d5d6a735563366753ca50492a658031da74f301ac5238b03966972c9"
     with pytest.raises(DataError, match=r"is a local folder, so there is nothing to fetch"):
         fetch_corpus("squad-json:somewhere", progress=False)
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    root = tmp_path / "served"
-    root.mkdir()
-    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
-    handler.log_message = lambda *args: None  # type: ignore[attr-defined]
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
 
 
 def _pin(monkeypatch: pytest.MonkeyPatch, url: str, texts: dict[str, bytes]) -> None:

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import http.server
 import io
-import threading
 import zipfile
-from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,22 +15,6 @@ from gatedformer.data import archives, fetch_corpus
 from gatedformer.data import glue as glue_data
 from gatedformer.data.registry import CORPORA
 from gatedformer.errors import DataError
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    """A folder served over HTTP on localhost, and its address."""
-    root = tmp_path / "served"
-    root.mkdir()
-    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
-    handler.log_message = lambda *args: None  # type: ignore[attr-defined]
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
-
 
 RTE = {"train": "index\tsentence1\tsentence2\tlabel\n0\ta\t\"b\tentailment\n",
        "dev": "index\tsentence1\tsentence2\tlabel\n0\tc\td\tnot_entailment\n",
