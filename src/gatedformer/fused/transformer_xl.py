@@ -2,7 +2,7 @@
 
 * The relative attention by the compiled CPU kernel, which reads the projections in their own layouts
   (:func:`~gatedformer.ops.relative_attention.relative_attention`, where
-  :func:`~gatedformer.kernels.relative_attention.kernel_takes` says it applies), in ``forward`` and in the cached
+  :func:`~gatedformer.kernels.relative_attention.kernel_takes` says it applies), in ``features`` and in the cached
   incremental path.
 * The post-LN attention sublayer, gates included, as one autograd function: the attention's ``add_norm``
   (:func:`~gatedformer.ops.relative_sublayer.relative_attention_add_norm`), which the fused
@@ -27,27 +27,7 @@ from gatedformer.ops.relative_attention import relative_attention
 from gatedformer.ops.relative_sublayer import relative_attention_add_norm
 
 __all__ = ["relative_attention_add_norm_method", "relative_attention_cached", "relative_attention_features",
-           "relative_attention_forward", "transformer_xl_layers"]
-
-
-@implements(RelativeMultiHeadAttention, "forward")
-def relative_attention_forward(self: RelativeMultiHeadAttention, h: Tensor, memory: Tensor | None, pos: Tensor,
-                               cache: dict[str, Tensor] | None = None) -> Tensor:
-    if cache is not None:
-        return self._cached(h, memory, pos, cache)
-    batch, q_len, _ = h.shape
-    q, kv, memory_kv, r = self._projections_apart(h, memory, pos)
-    taken = (q, kv, r, self.u, self.v) + (() if memory_kv is None else (memory_kv,))
-    if kernel_takes(taken, self.n_heads, self.dropout.p if self.training else 0.0):
-        # The compiled kernel reads the projections in their own layouts (the memory's and the window's keys
-        # apart): no split into heads, no joining copy.
-        return self.out(relative_attention(q, kv, r, self.u, self.v, self.n_heads, memory_kv))
-    q, k, v, r = self._heads(q, kv if memory_kv is None else torch.cat([memory_kv, kv], dim=1), r)
-    # Written out rather than through scaled_dot_product_attention: with the positional terms as an
-    # additive mask it would fall back to this same computation on CPU, with two more copies.
-    weights = self.dropout(self.attention_scores(q, k, r).softmax(dim=-1))
-    attended = torch.matmul(weights, v)
-    return self.out(attended.transpose(1, 2).reshape(batch, q_len, self.d_model))
+           "transformer_xl_layers"]
 
 
 @implements(RelativeMultiHeadAttention, "features")
@@ -57,38 +37,22 @@ def relative_attention_features(self: RelativeMultiHeadAttention, h: Tensor, mem
     kernel where it applies, else the reference's."""
     if cache is not None:
         return reference(self, "features")(h, memory, pos, cache)
-    batch, q_len, _ = h.shape
     q, kv, memory_kv, r = self._projections_apart(h, memory, pos)
     taken = (q, kv, r, self.u, self.v) + (() if memory_kv is None else (memory_kv,))
     if kernel_takes(taken, self.n_heads, self.dropout.p if self.training else 0.0):
         return relative_attention(q, kv, r, self.u, self.v, self.n_heads, memory_kv)
-    q, k, v, r = self._heads(q, kv if memory_kv is None else torch.cat([memory_kv, kv], dim=1), r)
-    weights = self.dropout(self.attention_scores(q, k, r).softmax(dim=-1))
-    return torch.matmul(weights, v).transpose(1, 2).reshape(batch, q_len, self.d_model)
+    return self.attend(*self._heads(q, kv if memory_kv is None else torch.cat([memory_kv, kv], dim=1), r))
 
 
-@implements(RelativeMultiHeadAttention, "_cached")
+@implements(RelativeMultiHeadAttention, "_cached_features")
 def relative_attention_cached(self: RelativeMultiHeadAttention, h: Tensor, memory: Tensor | None, pos: Tensor,
                               cache: dict[str, Tensor]) -> Tensor:
     """The reference's incremental path, with the kernel where it applies."""
-    batch, q_len, _ = h.shape
-    past = cache.get("kv")
-    if past is None and memory is not None and memory.shape[1] > 0:
-        past = self.key_value(memory.to(h.dtype))
-    q, kv = self.query(h), self.key_value(h)
-    k_len = q_len + (0 if past is None else past.shape[1])
-    if "r" not in cache or cache["r"].shape[0] != pos.shape[0]:
-        cache["r"] = self.position(pos)
-    if cache["r"].shape[0] < k_len:
-        raise ValueError(f"pos has {pos.shape[0]} rows but the attention spans {k_len} keys")
-    r = cache["r"][cache["r"].shape[0] - k_len :]
-    cache["kv"] = kv if past is None else torch.cat([past, kv], dim=1)
+    q, kv, past, r = self._cached_projections(h, memory, pos, cache)
     taken = (q, kv, r, self.u, self.v) + (() if past is None else (past,))
     if kernel_takes(taken, self.n_heads, self.dropout.p if self.training else 0.0):
-        return self.out(relative_attention(q, kv, r, self.u, self.v, self.n_heads, past))
-    q, k, v, r = self._heads(q, cache["kv"], r)
-    weights = self.dropout(self.attention_scores(q, k, r).softmax(dim=-1))
-    return self.out(torch.matmul(weights, v).transpose(1, 2).reshape(batch, q_len, self.d_model))
+        return relative_attention(q, kv, r, self.u, self.v, self.n_heads, past)
+    return self.attend(*self._heads(q, cache["kv"], r))
 
 
 @implements(RelativeMultiHeadAttention, "add_norm")

@@ -184,13 +184,16 @@ class RelativeMultiHeadAttention(nn.Module):
         output gate goes)."""
         if cache is not None:
             return self._cached_features(h, memory, pos, cache)
-        batch, q_len, _ = h.shape
-        q, k, v, r = self.project(h, memory, pos)
+        return self.attend(*self.project(h, memory, pos))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, r: Tensor) -> Tensor:
+        """``dropout(softmax(scores)) V`` of queries, keys, values ``(B, H, ·, dh)`` and position keys ``(H, ·, dh)``,
+        the heads side by side: ``(B, L, d)``."""
+        batch, _, q_len, _ = q.shape
         # Written out rather than through scaled_dot_product_attention: with the positional terms as an
         # additive mask it would fall back to this same computation on CPU, with two more copies.
         weights = self.dropout(self.attention_scores(q, k, r).softmax(dim=-1))
-        attended = torch.matmul(weights, v)
-        return attended.transpose(1, 2).reshape(batch, q_len, self.d_model)
+        return torch.matmul(weights, v).transpose(1, 2).reshape(batch, q_len, self.d_model)
 
     def _cached(self, h: Tensor, memory: Tensor | None, pos: Tensor, cache: dict[str, Tensor]) -> Tensor:
         """``forward`` for positions that follow those of earlier calls in the same segment (see
@@ -198,10 +201,18 @@ class RelativeMultiHeadAttention(nn.Module):
         return self.out(self._cached_features(h, memory, pos, cache))
 
     def _cached_features(self, h: Tensor, memory: Tensor | None, pos: Tensor, cache: dict[str, Tensor]) -> Tensor:
-        """``features`` for positions that follow those of earlier calls in the same segment: ``cache["kv"]`` keeps
-        the keys and values of the memory and of the segment so far, ``cache["r"]`` the position keys of every
-        distance ``pos`` holds (``pos`` may span more than the keys: its last rows are used)."""
-        batch, q_len, _ = h.shape
+        """``features`` for positions that follow those of earlier calls in the same segment (see
+        :meth:`_cached_projections`)."""
+        q, _, _, r = self._cached_projections(h, memory, pos, cache)
+        return self.attend(*self._heads(q, cache["kv"], r))
+
+    def _cached_projections(self, h: Tensor, memory: Tensor | None, pos: Tensor, cache: dict[str, Tensor]
+                            ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+        """Queries, the new keys and values, the earlier ones (``None`` at a segment's start without memory) and the
+        position keys, each in the projections' layout; ``cache["kv"]`` then keeps the keys and values of the memory
+        and of the segment so far, ``cache["r"]`` the position keys of every distance ``pos`` holds (``pos`` may span
+        more than the keys: its last rows are used)."""
+        q_len = h.shape[1]
         past = cache.get("kv")
         if past is None and memory is not None and memory.shape[1] > 0:
             past = self.key_value(memory.to(h.dtype))
@@ -212,9 +223,7 @@ class RelativeMultiHeadAttention(nn.Module):
         if cache["r"].shape[0] < k_len:
             raise ValueError(f"pos has {pos.shape[0]} rows but the attention spans {k_len} keys")
         cache["kv"] = kv if past is None else torch.cat([past, kv], dim=1)
-        q, k, v, r = self._heads(q, cache["kv"], cache["r"][cache["r"].shape[0] - k_len :])
-        weights = self.dropout(self.attention_scores(q, k, r).softmax(dim=-1))
-        return torch.matmul(weights, v).transpose(1, 2).reshape(batch, q_len, self.d_model)
+        return q, kv, past, cache["r"][cache["r"].shape[0] - k_len :]
 
     def scores(self, h: Tensor, memory: Tensor | None, pos: Tensor) -> Tensor:
         """:meth:`attention_scores` for inputs ``h``, ``memory``, ``pos`` (for inspection and tests)."""
